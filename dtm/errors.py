@@ -1,0 +1,86 @@
+"""Every error a user sees: one enum of codes (mirrored by the spec's error table) and the
+`DTMError` family that carries them.
+
+The spec's table (docs/spec/dtm-spec.md, "Error codes") and `ErrorCode` are kept equal by
+tests/test_spec.py. Codes are stable strings: an implementation in another language reports
+the same code for the same fault.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable error codes. The first two digits name the area, the last two the fault."""
+
+    # E01xx: reading text (lexical and syntax)
+    INVALID_CHARACTER = "E0101"
+    UNEXPECTED_TOKEN = "E0102"
+    UNTERMINATED_STRING = "E0103"
+    INVALID_NUMBER = "E0104"
+    INVALID_HEADER = "E0105"
+    INPUT_TOO_LARGE = "E0106"
+    NESTING_TOO_DEEP = "E0107"
+    INVALID_UTF8 = "E0108"
+    # E02xx: names and SSA
+    UNDEFINED_VALUE = "E0201"
+    REDEFINED_VALUE = "E0202"
+    UNDEFINED_FUNC = "E0203"
+    DUPLICATE_SYMBOL = "E0204"
+    UNDEFINED_MESH = "E0205"
+    USE_BEFORE_DEF = "E0206"
+    USE_AFTER_ASSIGN = "E0207"
+    UNDEFINED_TASK = "E0208"
+    TASK_CYCLE = "E0209"
+    # E03xx: ops and attributes
+    UNKNOWN_OP = "E0301"
+    OPERAND_COUNT = "E0302"
+    MISSING_ATTRIBUTE = "E0303"
+    UNKNOWN_ATTRIBUTE = "E0304"
+    ATTRIBUTE_TYPE = "E0305"
+    ATTRIBUTE_VALUE = "E0306"
+    RESULT_COUNT = "E0307"
+    # E04xx: types and shapes
+    UNKNOWN_DTYPE = "E0401"
+    DTYPE_MISMATCH = "E0402"
+    SHAPE_MISMATCH = "E0403"
+    RESULT_TYPE_MISMATCH = "E0404"
+    INVALID_DIM = "E0405"
+    RANK_MISMATCH = "E0406"
+    RETURN_MISMATCH = "E0407"
+    QUANTIZED_MISUSE = "E0408"
+    UNBOUND_SYMBOL = "E0409"
+    LITERAL_MISMATCH = "E0410"
+    # E05xx: meshes and shardings
+    UNKNOWN_MESH_AXIS = "E0501"
+    SHARD_DIM_OUT_OF_RANGE = "E0502"
+    DIM_SHARDED_TWICE = "E0503"
+    PLACEMENT_COUNT = "E0504"
+    INVALID_MESH = "E0505"
+    INVALID_GROUP = "E0506"
+    INVALID_PLACEMENT = "E0507"
+    # E06xx: versions
+    UNSUPPORTED_VERSION = "E0601"
+    OP_NEWER_THAN_TARGET = "E0602"
+    # E07xx: canonical binary encoding
+    BAD_ENCODING = "E0701"
+    TRUNCATED_ENCODING = "E0702"
+    LIMIT_EXCEEDED = "E0703"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DTMError(Exception):
+    """Base of every error DTM raises on purpose. `code` is an `ErrorCode`."""
+
+    code: ErrorCode
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.message}"

@@ -1,0 +1,246 @@
+"""The typechecker (spec section "Verification"): every rule a valid module obeys.
+
+In order: meshes; per function, parameter types and shardings, then each op (known op,
+operand count, operands defined before use and not consumed by `assign`, attributes, result
+count, result types equal to what the op's type rule infers, shardings valid, symbols
+bound), then the returned values against the signature; last, task declarations (function
+exists, arity fits, `after` names tasks, no cycles). The first violation raises `IRError`.
+
+Type rules are memoised on (op, attributes, operand types, declared types): a model repeats
+the same few signatures thousands of times.
+"""
+
+from __future__ import annotations
+
+from ..errors import ErrorCode as E
+from .attrs import normalize_attrs
+from .diagnostics import IRError
+from .gcpause import gc_paused
+from .module import Func, Module, Op, Value
+from .registry import REGISTRY, OpDef
+from .symbolic import SymDim
+from .typerules import TypeRuleError, check_quant_shape
+from .types import REDUCE_OPS, Sharding, TensorType
+
+
+class _Checker:
+    def __init__(self, module: Module):
+        self.module = module
+        self.memo: dict = {}
+        self.checked_types: set = set()
+
+    def fail(self, code: E, message: str, loc=None):
+        line, col = loc if loc else (None, None)
+        raise IRError(code, message, line, col)
+
+    # -- meshes and shardings --
+    def mesh(self, mesh) -> None:
+        names = [a for a, _ in mesh.axes]
+        if not names:
+            self.fail(E.INVALID_MESH, f"mesh @{mesh.name} has no axes")
+        if len(set(names)) != len(names):
+            self.fail(E.INVALID_MESH, f"mesh @{mesh.name} repeats an axis: {names}")
+        for a, size in mesh.axes:
+            if not isinstance(size, int) or size < 1:
+                self.fail(E.INVALID_MESH, f"mesh @{mesh.name}: axis {a!r} has size {size}; sizes must be >= 1")
+
+    def sharding(self, t: TensorType, sh: Sharding, what: str, loc) -> None:
+        key = (t, sh)
+        if key in self.checked_types:
+            return
+        mesh = self.module.meshes.get(sh.mesh)
+        if mesh is None:
+            self.fail(E.UNDEFINED_MESH, f"{what}: mesh @{sh.mesh} is not declared", loc)
+        if len(sh.placements) != len(mesh.axes):
+            self.fail(E.PLACEMENT_COUNT, f"{what}: {sh} has {len(sh.placements)} placement(s); mesh @{mesh.name} "
+                      f"has {len(mesh.axes)} axes {list(mesh.axis_names)} and needs one placement per axis", loc)
+        sharded_by: dict[int, str] = {}
+        for (axis, _), p in zip(mesh.axes, sh.placements):
+            if p.kind == "shard":
+                if not isinstance(p.arg, int) or not 0 <= p.arg < t.rank:
+                    self.fail(E.SHARD_DIM_OUT_OF_RANGE, f"{what}: shard({p.arg}) on mesh axis {axis!r}, "
+                              f"but {t} has dims 0..{t.rank - 1}", loc)
+                if p.arg in sharded_by:
+                    self.fail(E.DIM_SHARDED_TWICE, f"{what}: dim {p.arg} of {t} is sharded by both mesh axes "
+                              f"{sharded_by[p.arg]!r} and {axis!r}", loc)
+                sharded_by[p.arg] = axis
+            elif p.kind == "partial":
+                if p.arg not in REDUCE_OPS:
+                    self.fail(E.INVALID_PLACEMENT, f"{what}: partial({p.arg}) needs one of {', '.join(REDUCE_OPS)}", loc)
+            elif p.kind != "replicate":
+                self.fail(E.INVALID_PLACEMENT, f"{what}: unknown placement {p}", loc)
+        self.checked_types.add(key)
+
+    def value_type(self, t: TensorType, sh: Sharding | None, bound: set[str] | None, what: str, loc) -> None:
+        """Dims non-negative, quantized shapes whole blocks, symbols bound, sharding valid."""
+        if t not in self.checked_types:
+            for d in t.shape:
+                if isinstance(d, int) and d < 0:
+                    self.fail(E.INVALID_DIM, f"{what}: {t} has a negative dim", loc)
+            try:
+                check_quant_shape(t)
+            except TypeRuleError as e:
+                self.fail(e.code, f"{what}: {e.message}", loc)
+            self.checked_types.add(t)
+        if bound is not None:
+            for d in t.shape:
+                if isinstance(d, SymDim) and not d.symbols <= bound:
+                    missing = ", ".join(sorted(d.symbols - bound))
+                    self.fail(E.UNBOUND_SYMBOL, f"{what}: symbol {missing} in {t} is not bound by a parameter", loc)
+        if sh is not None:
+            self.sharding(t, sh, what, loc)
+
+    # -- functions --
+    def func(self, f: Func) -> None:
+        bound: set[str] = set()
+        for p in f.params:
+            self.value_type(p.type, p.sharding, None, f"@{f.name} parameter %{p.name}", f.loc)
+            for d in p.type.shape:
+                if isinstance(d, SymDim):
+                    bound |= d.symbols
+        for t, sh in f.result_types:
+            self.value_type(t, sh, bound, f"@{f.name} result type", f.loc)
+        scope = _Scope(f)
+        for op in f.ops:
+            self.op(scope, op, bound)
+        if len(f.returns) != len(f.result_types):
+            self.fail(E.RETURN_MISMATCH, f"@{f.name} returns {len(f.returns)} value(s); its signature declares "
+                      f"{len(f.result_types)}", f.return_loc)
+        for i, (v, (t, _)) in enumerate(zip(f.returns, f.result_types)):
+            self.use(scope, v, f.return_loc, "return")
+            if v.type != t:
+                self.fail(E.RETURN_MISMATCH, f"@{f.name} result {i}: returns {v.type}, the signature declares {t}",
+                          f.return_loc)
+
+    def use(self, scope: "_Scope", v: Value, loc, opname: str) -> None:
+        if v not in scope.defined:
+            self.fail(E.UNDEFINED_VALUE, f"{opname}: operand %{v.name} is not defined before this point "
+                      f"in @{scope.func.name}", loc)
+        if v in scope.assigned:
+            self.fail(E.USE_AFTER_ASSIGN, f"{opname}: %{v.name} was overwritten by assign earlier in "
+                      f"@{scope.func.name}; use the assigned value instead", loc)
+
+    def op(self, scope: "_Scope", op: Op, bound: set[str]) -> None:
+        loc = op.loc
+        opdef: OpDef | None = REGISTRY.get(op.name)
+        if opdef is None:
+            self.fail(E.UNKNOWN_OP, f"unknown op {op.name!r}", loc)
+        operands, results = op.operands, op.results
+        n = len(operands)
+        lo, hi = opdef.arity
+        if n < lo or (hi is not None and n > hi):
+            want = f"{lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
+            self.fail(E.OPERAND_COUNT, f"{op.name} takes {want} operand(s) ({', '.join(opdef.operands)}), found {n}", loc)
+        defined = scope.defined
+        if scope.assigned or op.name == "assign":
+            self.effects(scope, op, loc)
+        else:
+            for v in operands:
+                if v not in defined:
+                    self.use(scope, v, loc, op.name)
+        declared = tuple([r.type for r in results])
+        key = (op.name, op.attrs_key, tuple([v.type for v in operands]), declared)
+        if key not in self.memo:
+            # Only a signature that checks out is memoised, so a hit needs no comparison.
+            if opdef.results >= 0 and len(results) != opdef.results:
+                self.fail(E.RESULT_COUNT, f"{op.name} has {opdef.results} result(s), found {len(results)}", loc)
+            inferred = self.infer(opdef, op, key[2], declared, loc)
+            if len(inferred) != len(declared):
+                self.fail(E.RESULT_COUNT, f"{op.name} has {len(inferred)} result(s), found {len(declared)}", loc)
+            for r, t in zip(results, inferred):
+                if r.type != t:
+                    self.fail(E.RESULT_TYPE_MISMATCH, f"{op.name}: result %{r.name} is declared {r.type}, "
+                              f"the op gives {t}", loc)
+            self.memo[key] = True
+        checked = scope.checked
+        for r in results:
+            if r.sharding is not None or r.type not in checked:
+                self.value_type(r.type, r.sharding, bound, f"{op.name} result %{r.name}", loc)
+                if r.sharding is None:
+                    checked.add(r.type)
+            defined.add(r)
+
+    def effects(self, scope: "_Scope", op: Op, loc) -> None:
+        """Operands of a function that has used `assign`: none may name a consumed parameter."""
+        for v in op.operands:
+            self.use(scope, v, loc, op.name)
+        if op.name == "assign":
+            target = op.operands[0]
+            if target not in scope.params:
+                self.fail(E.ATTRIBUTE_VALUE, f"assign: the target %{target.name} must be a parameter "
+                          f"of @{scope.func.name}", loc)
+            scope.assigned.add(target)
+
+    def infer(self, opdef: OpDef, op: Op, in_types, declared, loc) -> tuple[TensorType, ...]:
+        try:
+            if not opdef.quant_ok:
+                for t in in_types:
+                    if t.dtype.is_quant:
+                        raise TypeRuleError(E.QUANTIZED_MISUSE, f"{op.name} does not take quantized {t}; "
+                                            "cast it to a float dtype first")
+            # Attributes built by hand may skip the parser's checks: check them once here.
+            normalize_attrs(op.name, opdef.attr_index, op.attrs, declared[0].dtype if declared else None)
+            return tuple(opdef.rule(op.name, in_types, op.attrs, declared, self.module))
+        except TypeRuleError as e:
+            self.fail(e.code, e.message, loc)
+
+    # -- tasks --
+    def tasks(self) -> None:
+        m = self.module
+        for t in m.tasks.values():
+            f = m.funcs.get(t.func)
+            if f is None:
+                self.fail(E.UNDEFINED_FUNC, f"task @{t.name}: function @{t.func} is not defined", t.loc)
+            if len(t.inputs) != len(f.params):
+                self.fail(E.OPERAND_COUNT, f"task @{t.name}: @{f.name} takes {len(f.params)} input(s), "
+                          f"inputs names {len(t.inputs)}", t.loc)
+            if len(t.outputs) != len(f.result_types):
+                self.fail(E.RESULT_COUNT, f"task @{t.name}: @{f.name} has {len(f.result_types)} result(s), "
+                          f"outputs names {len(t.outputs)}", t.loc)
+            for a in t.after:
+                if a not in m.tasks:
+                    self.fail(E.UNDEFINED_TASK, f"task @{t.name}: after names @{a}, which is not a task", t.loc)
+        # Cycle check: depth-first search with colours.
+        state: dict[str, int] = {}
+        for start in m.tasks:
+            stack = [(start, iter(m.tasks[start].after))]
+            if state.get(start):
+                continue
+            state[start] = 1
+            while stack:
+                name, it = stack[-1]
+                nxt = next(it, None)
+                if nxt is None:
+                    state[name] = 2
+                    stack.pop()
+                elif state.get(nxt) == 1:
+                    self.fail(E.TASK_CYCLE, f"task @{nxt} depends on itself through after", m.tasks[nxt].loc)
+                elif not state.get(nxt):
+                    state[nxt] = 1
+                    stack.append((nxt, iter(m.tasks[nxt].after)))
+
+
+class _Scope:
+    """What one function has defined so far, and which parameters `assign` consumed."""
+
+    __slots__ = ("func", "defined", "params", "assigned", "checked")
+
+    def __init__(self, f: Func):
+        self.func = f
+        self.params = set(f.params)
+        self.defined: set[Value] = set(f.params)
+        self.assigned: set[Value] = set()
+        self.checked: set[TensorType] = set()  # unsharded result types already found valid here
+
+
+def verify(module: Module) -> Module:
+    """Check every rule of the spec's verification section; raise IRError on the first
+    violation. Returns the module, so `verify(parse(text))` reads naturally."""
+    c = _Checker(module)
+    with gc_paused():
+        for mesh in module.meshes.values():
+            c.mesh(mesh)
+        for f in module.funcs.values():
+            c.func(f)
+        c.tasks()
+    return module
