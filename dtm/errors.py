@@ -23,6 +23,7 @@ class ErrorCode(str, enum.Enum):
     INPUT_TOO_LARGE = "E0106"
     NESTING_TOO_DEEP = "E0107"
     INVALID_UTF8 = "E0108"
+    INVALID_STRING = "E0109"
     # E02xx: names and SSA
     UNDEFINED_VALUE = "E0201"
     REDEFINED_VALUE = "E0202"
@@ -67,6 +68,12 @@ class ErrorCode(str, enum.Enum):
     BAD_ENCODING = "E0701"
     TRUNCATED_ENCODING = "E0702"
     LIMIT_EXCEEDED = "E0703"
+    # E08xx: running programs
+    UNKNOWN_BACKEND = "E0801"
+    TIMEOUT = "E0802"
+    COLLECTIVE_MISMATCH = "E0803"
+    STORE_KEY_MISSING = "E0804"
+    READ_ONLY_INPUT = "E0805"
 
     def __str__(self) -> str:
         return self.value
@@ -84,3 +91,15 @@ class DTMError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
+
+
+class TensorError(DTMError):
+    """A mistake in tensor code (shape, dtype, argument), reported at the user's own line:
+    `where` is "file:line" of the first frame outside the dtm package."""
+
+    def __init__(self, code: ErrorCode, message: str, where: str | None = None):
+        super().__init__(code, message)
+        self.where = where
+
+    def __str__(self) -> str:
+        return (f"{self.where}: " if self.where else "") + f"{self.code.value}: {self.message}"

@@ -21,6 +21,7 @@ from .typerules import TypeRuleError, fail
 from .types import Literal
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+U64_MAX = 2**64 - 1
 MAX_DIM = 2**62
 
 
@@ -72,7 +73,15 @@ def literal_from_nested(op: str, value: Any, dtype: DType) -> Literal:
         bad = [x for x in flat if not info.min <= x <= info.max]
         if bad:
             fail(E.LITERAL_MISMATCH, f"{op}: {bad[0]} does not fit {dtype}")
-    arr = np.array(flat, dtype=np.float64 if dtype.is_float else None).astype(npdt) if flat else np.zeros(0, npdt)
+    if dtype.is_float:
+        wide = np.array(flat, dtype=np.float64)
+        with np.errstate(over="ignore"):
+            arr = wide.astype(npdt)
+        overflow = np.isfinite(wide) & ~np.isfinite(arr.astype(np.float64))
+        if overflow.any():
+            fail(E.LITERAL_MISMATCH, f"{op}: {wide[overflow][0]!r} overflows {dtype}")
+    else:
+        arr = np.array(flat, dtype=npdt) if flat else np.zeros(0, npdt)
     return Literal.from_numpy(arr.reshape(shape))
 
 
@@ -95,6 +104,10 @@ def _check_dim(name: str, v: Any):
 
 def _check_str(name: str, v: Any) -> str:
     if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            fail(E.ATTRIBUTE_VALUE, f"attribute {name}: string {v!r} is not valid Unicode (a lone surrogate)")
         return v
     fail(E.ATTRIBUTE_TYPE, f"attribute {name} expects a string, found {v!r}")
 
@@ -136,10 +149,14 @@ def check_value(spec: AttrSpec, v: Any) -> Any:
         fail(E.UNKNOWN_DTYPE, f"attribute {n} expects a dtype, found {v!r}")
     if k is AttrKind.INTS:
         return tuple(_check_int(n, x) for x in _check_seq(n, v))
+    if k is AttrKind.DIM:
+        return _check_dim(n, v)
     if k is AttrKind.DIMS:
         return tuple(_check_dim(n, x) for x in _check_seq(n, v))
-    if k in (AttrKind.STRINGS, AttrKind.REFS):
-        return tuple(_check_str(n, x).lstrip("@") if k is AttrKind.REFS else _check_str(n, x) for x in _check_seq(n, v))
+    if k is AttrKind.STRINGS:
+        return tuple(_check_str(n, x) for x in _check_seq(n, v))
+    if k is AttrKind.REFS:  # a set of names: sorted and without repeats, so it has one canonical form
+        return tuple(sorted({_check_str(n, x).lstrip("@") for x in _check_seq(n, v)}))
     return v  # SCALAR, LITERAL: need the result dtype
 
 
@@ -151,18 +168,19 @@ def normalize_attrs(op: str, specs: dict[str, AttrSpec], given: dict[str, Any], 
             fail(E.UNKNOWN_ATTRIBUTE, f"{op} has no attribute {name!r} (it has: {', '.join(specs) or 'none'})")
     out: dict[str, Any] = {}
     for name, spec in specs.items():
-        if name in given:
-            v = check_value(spec, given[name])
-        elif spec.default is REQUIRED:
+        if name not in given and spec.default is REQUIRED:
             fail(E.MISSING_ATTRIBUTE, f"{op} needs attribute {name!r} ({spec.kind.value})")
-        else:
-            v = spec.default
-        if spec.kind is AttrKind.SCALAR and dtype is not None:
-            v = normalize_scalar(op, name, v, dtype)
-        elif spec.kind is AttrKind.LITERAL and not isinstance(v, Literal):
-            if dtype is None:
-                fail(E.RESULT_COUNT, f"{op} needs a declared result type for its literal")
-            v = literal_from_nested(op, v, dtype)
+        try:
+            v = check_value(spec, given[name]) if name in given else spec.default
+            if spec.kind is AttrKind.SCALAR and dtype is not None:
+                v = normalize_scalar(op, name, v, dtype)
+            elif spec.kind is AttrKind.LITERAL and not isinstance(v, Literal):
+                if dtype is None:
+                    fail(E.RESULT_COUNT, f"{op} needs a declared result type for its literal")
+                v = literal_from_nested(op, v, dtype)
+        except TypeRuleError as e:
+            e.attr = name
+            raise
         out[name] = v
     return out
 
@@ -175,17 +193,20 @@ def format_float(x: float) -> str:
 
 
 def format_element(x: Any, dtype: DType) -> str:
-    """One literal element: shortest text that reads back to the same value of `dtype`."""
+    """One literal element, canonically: the shortest decimal that reads back to the same
+    value of `dtype` (for bf16 and f8: of f32, which holds them exactly), written as
+    Python's repr writes a float (1.0, 0.001, 1e-05, 1e+16, inf, nan)."""
     if dtype.kind is Kind.BOOL:
         return "true" if x else "false"
     if dtype.is_int:
         return str(int(x))
     if dtype.name == "f64":
         return repr(float(x))
-    if dtype.name == "f16":
-        return str(np.float16(x))
-    # f32 and every narrower float (bf16, f8) round-trip through the shortest f32 text.
-    return str(np.float32(x))
+    narrow = np.float16(x) if dtype.name == "f16" else np.float32(x)
+    if not np.isfinite(narrow):
+        return repr(float(narrow))
+    # At most 9 significant digits: repr of that decimal as an f64 keeps exactly those digits.
+    return repr(float(np.format_float_scientific(narrow, unique=True)))
 
 
 def _format_literal(lit: Literal) -> str:
@@ -217,6 +238,8 @@ def format_value(spec: AttrSpec, v: Any) -> str:
         return "@" + v
     if k is AttrKind.INTS:
         return "[" + ", ".join(map(str, v)) + "]"
+    if k is AttrKind.DIM:
+        return format_dim(v)
     if k is AttrKind.DIMS:
         return "[" + ", ".join(format_dim(d) for d in v) + "]"
     if k is AttrKind.STRINGS:

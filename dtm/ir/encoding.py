@@ -105,6 +105,9 @@ class _Writer:
         k = spec.kind
         if v is None:
             self.buf.append(9)
+        elif k is AttrKind.DIM:  # static or symbolic: always the dim form
+            self.buf.append(6)
+            self.dim(v)
         elif isinstance(v, bool):
             self.buf.append(2)
             self.buf.append(1 if v else 0)
@@ -243,8 +246,8 @@ class _Reader:
             if not b & 0x80:
                 return n
             shift += 7
-            if shift > 63:
-                self.fail(E.BAD_ENCODING, "varint longer than 64 bits")
+            if shift >= 70:  # 10 bytes: enough for the zigzag of every i64 and u64 value
+                self.fail(E.BAD_ENCODING, "varint longer than 10 bytes")
 
     def svar(self) -> int:
         n = self.uvar()

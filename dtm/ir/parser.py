@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from ..errors import ErrorCode as E
-from .attrs import I64_MAX, I64_MIN, MAX_DIM, check_value, normalize_attrs
+from .attrs import I64_MAX, I64_MIN, MAX_DIM, U64_MAX, normalize_attrs
 from .diagnostics import IRError
 from .gcpause import gc_paused
 from .dtypes import DTYPES
@@ -46,7 +46,7 @@ _TOKEN = re.compile(r"""
 """, re.X)
 
 _NAME = r"%[A-Za-z0-9_.]+"
-_STMT = re.compile(rf"[ \t]*(?:({_NAME}(?:[ \t]*,[ \t]*{_NAME})*)[ \t]*=[ \t]*)?([a-z_][a-z0-9_]*)"
+_STMT = re.compile(rf"[ \t]*(?:({_NAME}(?:[ \t]*,[ \t]*{_NAME})*)[ \t]*=[ \t]*)?([A-Za-z_][A-Za-z0-9_]*)"
                    rf"(?:[ \t]+({_NAME}(?:[ \t]*,[ \t]*{_NAME})*))?")
 _HEADER = re.compile(r"[ \t]*dtm[ \t]+([0-9]{1,6})\.([0-9]{1,6})(?:\.([0-9]{1,6}))?[ \t]*(?://.*)?\r?$")
 
@@ -164,6 +164,8 @@ class _Tokens:
         return v
 
     def scalar(self) -> int | float | bool:
+        # Integers up to 2^64 - 1 are read here, so a u64 literal can hold every u64 value;
+        # the element dtype bounds them afterwards.
         """A number (int if written without '.' or exponent), inf, nan, true or false."""
         tok = self.peek()
         if tok is not None and tok[0] == "ident" and tok[1] in ("true", "false"):
@@ -179,7 +181,7 @@ class _Tokens:
         if tok[1].isdigit():
             v = int(tok[1])
             v = -v if neg else v
-            if not I64_MIN <= v <= I64_MAX:
+            if not I64_MIN <= v <= U64_MAX:
                 raise self.error(E.INVALID_NUMBER, f"integer {tok[1]} does not fit in i64", tok)
             return v
         f = float(tok[1])
@@ -281,9 +283,12 @@ class _Tokens:
     def string(self) -> str:
         tok = self.expect_kind("string", "a string")
         try:
-            return json.loads(tok[1])
-        except ValueError:
-            raise self.error(E.UNTERMINATED_STRING, f"invalid escape in string {tok[1]}", tok) from None
+            s = json.loads(tok[1])
+            s.encode("utf-8")
+            return s
+        except (ValueError, UnicodeEncodeError):
+            raise self.error(E.INVALID_STRING, f"invalid string {tok[1]}: strings use JSON escapes, hold no raw "
+                             "control characters and no lone surrogates", tok) from None
 
     def nested(self) -> Any:
         """A literal: a scalar, or '[' nested (',' nested)* ']'."""
@@ -322,6 +327,8 @@ class _Tokens:
                 return tok[1][1:]
         elif k is AttrKind.LITERAL:
             return self.nested()
+        elif k is AttrKind.DIM:
+            return self.dim()
         elif tok[1] == "[":
             self.i += 1
             item = {AttrKind.INTS: self.integer, AttrKind.DIMS: self.dim, AttrKind.STRINGS: self.string,
@@ -356,8 +363,7 @@ def _normalize(toks: _Tokens, owner: str, specs: dict[str, AttrSpec], given: dic
     try:
         return normalize_attrs(owner, specs, given, dtype)
     except TypeRuleError as e:
-        col = next((c for n, c in cols.items() if n in e.message), at)
-        raise IRError(e.code, e.message, toks.lineno, col) from None
+        raise IRError(e.code, e.message, toks.lineno, cols.get(e.attr, at)) from None
 
 
 class _Parser:
@@ -454,7 +460,7 @@ class _Parser:
         given, cols = toks.attr_dict(f"task @{name}", TASK_ATTRS)
         toks.expect_end()
         attrs = _normalize(toks, f"task @{name}", TASK_ATTRS, given, cols, None, tok[2])
-        self.module.tasks[name] = Task(name, func, attrs["inputs"], attrs["outputs"], attrs["after"], (i + 1, 1))
+        self.module.tasks[name] = Task(name, func, attrs["inputs"], attrs["outputs"], attrs["after"], (i + 1, tok[2]))
 
     def _func(self, i: int) -> int:
         line = self.lines[i]
@@ -512,7 +518,7 @@ class _Parser:
             end = m.end()
             if opname == "return" and res_text is None:
                 names = [nm.strip() for nm in opnd_text.split(",")] if opnd_text else []
-                func.returns = [self._use(scope, nm, line, lineno, i) for nm in names]
+                func.returns = [self._use(scope, nm, line, lineno, i, m.start(3)) for nm in names]
                 func.return_loc = (lineno, m.start(2) + 1)
                 _Tokens(line[end:], lineno, end).expect_end()
                 return self._close(i)
@@ -522,13 +528,14 @@ class _Parser:
                 opdef = registry.get(opname)
                 if opdef is None:
                     raise IRError(E.UNKNOWN_OP, f"unknown op {opname!r}", lineno, m.start(2) + 1)
-                parsed = self._tail(opname, opdef, tail, lineno, end)
+                parsed = self._tail(opname, opdef, tail, lineno, end, m.start(2) + 1)
                 tails[(opname, tail)] = parsed
             attrs, attrs_key, types = parsed
             try:
                 operands = tuple([scope[nm.strip()] for nm in opnd_text.split(",")]) if opnd_text else ()
             except KeyError:
-                operands = tuple([self._use(scope, nm.strip(), line, lineno, i) for nm in opnd_text.split(",")])
+                operands = tuple([self._use(scope, nm.strip(), line, lineno, i, m.start(3))
+                                  for nm in opnd_text.split(",")])
             if res_text is None:
                 res_names = ()
             elif "," in res_text:
@@ -541,7 +548,8 @@ class _Parser:
             results = []
             for nm, (t, sh) in zip(res_names, types):
                 if nm in scope:
-                    raise IRError(E.REDEFINED_VALUE, f"{nm} is already defined", lineno, line.index(nm) + 1)
+                    raise IRError(E.REDEFINED_VALUE, f"{nm} is already defined", lineno,
+                                  _column_of(nm, line, m.start(1)))
                 v = scope[nm] = Value(t, nm[1:], sh)
                 results.append(v)
             ops.append(Op(opname, operands, attrs, tuple(results), (lineno, m.start(2) + 1), attrs_key))
@@ -561,7 +569,7 @@ class _Parser:
             return i
         raise IRError(E.UNEXPECTED_TOKEN, "expected '}' after return", n, len(lines[-1]) + 1)
 
-    def _tail(self, opname: str, opdef, tail: str, lineno: int, offset: int):
+    def _tail(self, opname: str, opdef, tail: str, lineno: int, offset: int, op_col: int):
         """attributes and result types after the operands: [attr-dict] [':' types]"""
         toks = _Tokens(tail, lineno, offset)
         given, cols = {}, {}
@@ -575,15 +583,14 @@ class _Parser:
                 types.append(toks.sharded_type())
         toks.expect_end()
         dtype = types[0][0].dtype if types else None
-        attrs = _normalize(toks, opname, opdef.attr_index, given, cols, dtype, offset + 1)
+        attrs = _normalize(toks, opname, opdef.attr_index, given, cols, dtype, op_col)
         return attrs, AttrsKey(attrs), types
 
-    def _use(self, scope: dict[str, Value], name: str, line: str, lineno: int, next_i: int) -> Value:
+    def _use(self, scope: dict[str, Value], name: str, line: str, lineno: int, next_i: int, start: int) -> Value:
         v = scope.get(name)
         if v is not None:
             return v
-        col = re.search(re.escape(name) + r"(?![A-Za-z0-9_.])", line)
-        col = col.start() + 1 if col else 1
+        col = _column_of(name, line, start)
         if self._defined_later(name, next_i):
             raise IRError(E.USE_BEFORE_DEF, f"{name} is used before its definition", lineno, col)
         raise IRError(E.UNDEFINED_VALUE, f"{name} is not defined", lineno, col)
@@ -598,6 +605,12 @@ class _Parser:
         return False
 
 
+def _column_of(name: str, line: str, start: int | None) -> int:
+    """1-based column of the value name `name` as a whole token at or after `start`."""
+    m = re.compile(rf"(?<![A-Za-z0-9_.%]){re.escape(name)}(?![A-Za-z0-9_.])").search(line, start or 0)
+    return m.start() + 1 if m else 1
+
+
 def parse(text: str | bytes) -> Module:
     """Parse DTM IR text into a Module. Raises IRError (and nothing else) on any bad input."""
     if isinstance(text, (bytes, bytearray, memoryview)):
@@ -608,7 +621,7 @@ def parse(text: str | bytes) -> Module:
         except UnicodeDecodeError as e:
             before = bytes(text)[: e.start]
             line = before.count(b"\n") + 1
-            col = e.start - (before.rfind(b"\n") + 1) + 1
+            col = len(before[before.rfind(b"\n") + 1:].decode("utf-8", errors="replace")) + 1
             raise IRError(E.INVALID_UTF8, f"invalid UTF-8 at byte {e.start}", line, col) from None
     if not isinstance(text, str):
         raise IRError(E.INVALID_HEADER, f"parse() takes str or bytes, not {type(text).__name__}")

@@ -46,6 +46,7 @@ class AttrKind(enum.Enum):
     STRING = "string"          # "weights/w1"                 -> str
     DTYPE = "dtype"            # bf16                         -> DType
     INTS = "ints"              # [0, 2]                       -> tuple[int, ...]
+    DIM = "dim"                # T, 4, 2*S + 1                -> Dim
     DIMS = "dims"              # [B, 128, 2*T]                -> tuple[Dim, ...]
     STRINGS = "strings"        # ["dp", "tp"]                 -> tuple[str, ...]
     MESH = "mesh"              # @m                           -> str (the mesh's name)
@@ -172,7 +173,7 @@ _op("scatter_add", C.MOVEMENT, ("x", "indices", "updates"), R.scatter_add_rule,
     "x with `updates` added at `indices` along `axis` (the transpose of gather)", (A("axis", K.INT),))
 _op("flip", C.MOVEMENT, ("x",), R.flip_rule, "reverse the order of elements along `axes`", (A("axes", K.INTS),))
 _op("dynamic_slice", C.MOVEMENT, ("x", "start"), R.dynamic_slice_rule,
-    "`size` elements along `axis` from a run-time start, clamped into range", (A("axis", K.INT), A("size", K.DIMS)))
+    "`size` elements along `axis` from a run-time start, clamped into range", (A("axis", K.INT), A("size", K.DIM)))
 _op("dynamic_update_slice", C.MOVEMENT, ("x", "update", "start"), R.dynamic_update_slice_rule,
     "x with `update` written along `axis` at a run-time start, clamped into range", (A("axis", K.INT),))
 

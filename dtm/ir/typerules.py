@@ -19,10 +19,13 @@ from .types import TensorType
 
 
 class TypeRuleError(Exception):
-    def __init__(self, code: E, message: str):
+    """A rule's verdict; `attr` names the attribute at fault, when one is."""
+
+    def __init__(self, code: E, message: str, attr: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.attr = attr
 
 
 def fail(code: E, message: str):
@@ -287,7 +290,7 @@ def dynamic_slice_rule(op, ins, attrs, declared, ctx):
     x, pos = ins
     check_class(op, x, "any")
     _check_position(op, pos)
-    axis, size = attrs["axis"], attrs["size"]
+    axis, size = attrs["axis"], attrs["size"]  # size: one dim, static or symbolic
     check_axis(op, axis, x.rank)
     if is_static(size) and (size < 0 or (is_static(x.shape[axis]) and size > x.shape[axis])):
         fail(E.ATTRIBUTE_VALUE, f"dynamic_slice: size {size} does not fit dim {axis} of {x}")

@@ -131,7 +131,8 @@ class Literal:
 
     @staticmethod
     def from_numpy(array) -> "Literal":
-        arr = np.ascontiguousarray(array)
+        arr = np.asarray(array)
+        arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
         dtype = from_numpy(arr.dtype)
         return Literal(dtype, tuple(int(d) for d in arr.shape), arr.astype(arr.dtype.newbyteorder("<")).tobytes())
 

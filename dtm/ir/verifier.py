@@ -142,6 +142,10 @@ class _Checker:
         key = (op.name, op.attrs_key, tuple([v.type for v in operands]), declared)
         if key not in self.memo:
             # Only a signature that checks out is memoised, so a hit needs no comparison.
+            if opdef.since > self.module.version:
+                v = self.module.version
+                self.fail(E.OP_NEWER_THAN_TARGET, f"{op.name} was added in spec {opdef.since[0]}.{opdef.since[1]}; "
+                          f"this module declares version {v[0]}.{v[1]}", loc)
             if opdef.results >= 0 and len(results) != opdef.results:
                 self.fail(E.RESULT_COUNT, f"{op.name} has {opdef.results} result(s), found {len(results)}", loc)
             inferred = self.infer(opdef, op, key[2], declared, loc)
