@@ -1,9 +1,22 @@
 """DTM, the Distributed Tensor Machine: write a tensor program once and run it on one
 device, many devices, or many hosts. `dtm.ir` is the language-agnostic IR every layer
-shares; see README.md for the tour and docs/spec/dtm-spec.md for the normative spec."""
+shares; `dtm.Tensor` the lazy, torch-like front end. See README.md for the tour and
+docs/spec/dtm-spec.md for the normative spec."""
 
 from . import ir
-from .errors import DTMError, ErrorCode
+from .errors import DTMError, ErrorCode, TensorError
 from .ir.version import PACKAGE_VERSION as __version__
+from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, float8_e5m2, float16, float32, float64,
+                     from_dlpack, from_numpy, full, full_like, int8, int16, int32, int64, is_grad_enabled, jit,
+                     manual_seed, no_grad, ones, ones_like, promote_types, rand, rand_like, randn, randn_like, realize,
+                     result_type, tensor, uint8, uint16, uint32, uint64, zeros, zeros_like)
+from .functional import *  # noqa: F401,F403 - torch-style dtm.cat, dtm.where, dtm.softmax, ...
+from . import functional, nn, optim  # noqa: E402
 
-__all__ = ["ir", "DTMError", "ErrorCode", "__version__"]
+# torch's short dtype names
+half, double, long = float16, float64, int64
+bool = bool_  # noqa: A001 - dtm.bool, as torch.bool
+float = float32  # noqa: A001
+int = int32  # noqa: A001
+
+__all__ = ["ir", "nn", "optim", "functional", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]

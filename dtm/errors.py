@@ -34,6 +34,8 @@ class ErrorCode(str, enum.Enum):
     USE_AFTER_ASSIGN = "E0207"
     UNDEFINED_TASK = "E0208"
     TASK_CYCLE = "E0209"
+    CALL_CYCLE = "E0210"
+    INVALID_NAME = "E0211"
     # E03xx: ops and attributes
     UNKNOWN_OP = "E0301"
     OPERAND_COUNT = "E0302"

@@ -21,6 +21,7 @@ from .typerules import TypeRuleError, fail
 from .types import Literal
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+MAX_RANK = 64
 U64_MAX = 2**64 - 1
 MAX_DIM = 2**62
 
@@ -31,13 +32,22 @@ def normalize_scalar(op: str, name: str, value: Any, dtype: DType) -> int | floa
     if dtype.kind is Kind.BOOL:
         if isinstance(value, bool):
             return value
+        if isinstance(value, (int, float)) and value in (0, 1):  # pad's default 0.0 is `false`
+            return bool(value)
     elif isinstance(value, bool):
         pass
     elif dtype.is_float and isinstance(value, (int, float)):
-        return float(value)
-    elif dtype.is_int and isinstance(value, int):
-        return value
-    elif dtype.is_int and isinstance(value, float) and value.is_integer():
+        if math.isnan(value):
+            return math.nan
+        with np.errstate(over="ignore"):
+            rounded = float(np.array(value, dtype=np.float64).astype(numpy_dtype(dtype)).astype(np.float64))
+        if math.isinf(rounded) and not math.isinf(value):
+            fail(E.ATTRIBUTE_VALUE, f"{op}: {name} = {value!r} overflows {dtype}")
+        return rounded  # the value the dtype holds: 0.1 and 0.10000000149011612 are one f32
+    elif dtype.is_int and (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        info = np.iinfo(numpy_dtype(dtype))
+        if not info.min <= value <= info.max:
+            fail(E.ATTRIBUTE_VALUE, f"{op}: {name} = {value!r} does not fit {dtype}")
         return int(value)
     fail(E.ATTRIBUTE_TYPE, f"{op}: {name} = {value!r} is not a {dtype} value")
 
@@ -128,7 +138,7 @@ def check_value(spec: AttrSpec, v: Any) -> Any:
         if v is None and k is AttrKind.OPT_FLOAT:
             return None
         if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
-            return float(v)
+            return math.nan if math.isnan(v) else float(v)  # one NaN: the sign and payload carry no meaning
         fail(E.ATTRIBUTE_TYPE, f"attribute {n} expects a float, found {v!r}")
     if k is AttrKind.BOOL:
         if isinstance(v, (bool, np.bool_)):
@@ -174,10 +184,13 @@ def normalize_attrs(op: str, specs: dict[str, AttrSpec], given: dict[str, Any], 
             v = check_value(spec, given[name]) if name in given else spec.default
             if spec.kind is AttrKind.SCALAR and dtype is not None:
                 v = normalize_scalar(op, name, v, dtype)
-            elif spec.kind is AttrKind.LITERAL and not isinstance(v, Literal):
-                if dtype is None:
+            elif spec.kind is AttrKind.LITERAL:
+                if isinstance(v, Literal):
+                    v = Literal.from_numpy(v.to_numpy())  # canonical bytes: one NaN, bools 0 or 1
+                elif dtype is None:
                     fail(E.RESULT_COUNT, f"{op} needs a declared result type for its literal")
-                v = literal_from_nested(op, v, dtype)
+                else:
+                    v = literal_from_nested(op, v, dtype)
         except TypeRuleError as e:
             e.attr = name
             raise
@@ -222,7 +235,8 @@ def _format_literal(lit: Literal) -> str:
     return rec(arr)
 
 
-def format_value(spec: AttrSpec, v: Any) -> str:
+def format_value(spec: AttrSpec, v: Any, dtype: DType | None = None) -> str:
+    """`v` as text; `dtype` is the result dtype that SCALAR values are written for."""
     k = spec.kind
     if k is AttrKind.INT:
         return str(v)
@@ -249,21 +263,24 @@ def format_value(spec: AttrSpec, v: Any) -> str:
     if k is AttrKind.SCALAR:
         if isinstance(v, bool):
             return "true" if v else "false"
+        if isinstance(v, float) and dtype is not None:
+            return format_element(v, dtype)  # shortest text for the dtype: 0.1, not 0.10000000149011612
         return format_float(v) if isinstance(v, float) else str(v)
     if k is AttrKind.LITERAL:
         return _format_literal(v)
     raise AssertionError(k)
 
 
-def format_attrs(specs: dict[str, AttrSpec], attrs: dict[str, Any]) -> str:
-    """`{a = 1, b = [0]}` with names sorted and defaults left out; "" when nothing is left."""
+def format_attrs(specs: dict[str, AttrSpec], attrs: dict[str, Any], dtype: DType | None = None) -> str:
+    """`{a = 1, b = [0]}` with names sorted and defaults left out; "" when nothing is left.
+    `dtype` is the op's first result dtype, which SCALAR values are written for."""
     parts = []
     for name in sorted(attrs):
         spec = specs[name]
         v = attrs[name]
         if spec.default is not REQUIRED and _same(v, spec.default, loose=spec.kind is AttrKind.SCALAR):
             continue
-        parts.append(f"{name} = {format_value(spec, v)}")
+        parts.append(f"{name} = {format_value(spec, v, dtype)}")
     return "{" + ", ".join(parts) + "}" if parts else ""
 
 

@@ -73,6 +73,14 @@ class FuncBuilder:
         opdef = REGISTRY.get(opname)
         if opdef is None:
             raise IRError(E.UNKNOWN_OP, f"unknown op {opname!r}")
+        for i, v in enumerate(operands):
+            if not isinstance(v, Value):
+                raise IRError(E.OPERAND_COUNT, f"{opname}: operand {i} is {type(v).__name__} {v!r}; operands are "
+                              "Values (make a constant with f.full(type=..., value=...) first)")
+        lo, hi = opdef.arity
+        if len(operands) < lo or (hi is not None and len(operands) > hi):
+            raise IRError(E.OPERAND_COUNT, f"{opname} takes {lo if lo == hi else f'{lo} or more'} operand(s) "
+                          f"({', '.join(opdef.operands)}), found {len(operands)}")
         declared = () if type is None else tuple(tensor_type(t) for t in (type if isinstance(type, list) else [type]))
         in_types = tuple(v.type for v in operands)
         try:

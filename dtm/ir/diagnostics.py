@@ -20,6 +20,17 @@ class IRError(DTMError):
         return f"{where}{self.code.value}: {self.message}"
 
 
+class TypeRuleError(Exception):
+    """A rule's verdict, before a location is known; `attr` names the attribute at fault,
+    when one is. Callers turn it into an IRError at the statement's line and column."""
+
+    def __init__(self, code: ErrorCode, message: str, attr: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.attr = attr
+
+
 def render(err: IRError, text: str | None, filename: str = "<input>") -> str:
     """The error as a compiler prints it, with the source line and a caret under the column."""
     if err.line is None:
@@ -29,5 +40,7 @@ def render(err: IRError, text: str | None, filename: str = "<input>") -> str:
         lines = text.split("\n")
         if 1 <= err.line <= len(lines):
             src = lines[err.line - 1].rstrip("\r")
-            out += f"\n  {src}\n  {' ' * max(0, (err.col or 1) - 1)}^"
+            # Keep the source's tabs under the caret, so it lines up however tabs render.
+            pad = "".join(c if c == "\t" else " " for c in src[:max(0, (err.col or 1) - 1)])
+            out += f"\n  {src}\n  {pad}^"
     return out

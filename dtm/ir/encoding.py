@@ -51,6 +51,8 @@ class _Writer:
         self.buf = bytearray()
 
     def uvar(self, n: int) -> None:
+        if n < 0:
+            raise IRError(E.BAD_ENCODING, f"cannot encode {n} as an unsigned varint (is the module verified?)")
         buf = self.buf
         while n >= 0x80:
             buf.append((n & 0x7F) | 0x80)
@@ -150,6 +152,13 @@ class _Writer:
             raise IRError(E.ATTRIBUTE_TYPE, f"attribute {spec.name}: cannot encode {v!r}")
 
 
+def attr_bytes(spec: AttrSpec, value: Any) -> bytes:
+    """The canonical bytes of one attribute value."""
+    w = _Writer()
+    w.attr(spec, value)
+    return bytes(w.buf)
+
+
 def encode(module: Module, target: tuple[int, int] | None = None) -> bytes:
     """The canonical bytes of `module` (written for spec version `target`, default the
     module's own)."""
@@ -244,6 +253,8 @@ class _Reader:
             b = self.byte()
             n |= (b & 0x7F) << shift
             if not b & 0x80:
+                if b == 0 and shift:
+                    self.fail(E.BAD_ENCODING, "varint is not minimal (a trailing zero byte)")
                 return n
             shift += 7
             if shift >= 70:  # 10 bytes: enough for the zigzag of every i64 and u64 value
@@ -349,6 +360,8 @@ class _Reader:
             if dtype.is_quant:
                 self.fail(E.BAD_ENCODING, "a literal cannot be quantized")
             shape = tuple(self.uvar() for _ in range(self.count()))
+            if any(d >= 2**31 for d in shape):
+                self.fail(E.LIMIT_EXCEEDED, f"literal of shape {list(shape)}: a literal dim must be < 2^31")
             data = self.raw(self.count())
             n = 1
             for d in shape:
@@ -437,4 +450,4 @@ def _decode_func(r: _Reader, name: str) -> Func:
     return Func(name, params, result_types, ops, returns)
 
 
-__all__ = ["encode", "decode", "MAGIC"]
+__all__ = ["encode", "decode", "attr_bytes", "MAGIC"]

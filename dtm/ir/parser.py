@@ -19,20 +19,20 @@ import re
 from typing import Any
 
 from ..errors import ErrorCode as E
-from .attrs import I64_MAX, I64_MIN, MAX_DIM, U64_MAX, normalize_attrs
-from .diagnostics import IRError
-from .gcpause import gc_paused
+from .attrs import I64_MAX, I64_MIN, MAX_DIM, MAX_RANK, U64_MAX, normalize_attrs
+from .diagnostics import IRError, TypeRuleError
 from .dtypes import DTYPES
+from .gcpause import gc_paused
 from .module import AttrsKey, Func, Module, Op, Task, Value
 from .registry import REGISTRY, TASK_ATTRS, AttrKind, AttrSpec
 from .symbolic import Dim, dim_add, dim_mul, dim_neg, sym
-from .typerules import TypeRuleError, check_quant_shape
+from .typerules import check_quant_shape
 from .types import REDUCE_OPS, Mesh, Placement, Sharding, TensorType
 from .versioning import check_readable
 
 MAX_TEXT_CHARS = 256 * 1024 * 1024
-MAX_DEPTH = 64
-MAX_RANK = 64
+MAX_DEPTH = 128   # brackets and parentheses; a rank-64 literal inside its braces needs 66
+MAX_NUMERAL = 40  # digits: every i64, u64, dim and f64 fits; longer is refused before int()
 
 _TOKEN = re.compile(r"""
   (?P<ws>[ \t\r]+)
@@ -95,6 +95,14 @@ class _Tokens:
         found = repr(tok[1]) if tok else "end of line"
         return self.error(E.UNEXPECTED_TOKEN, f"expected {wanted}, found {found}")
 
+    def numeral(self, kind_wanted: str) -> tuple[str, str, int]:
+        """A number token, refused when longer than any value the format holds."""
+        tok = self.expect_kind("number", kind_wanted)
+        if len(tok[1]) > MAX_NUMERAL:
+            raise self.error(E.INVALID_NUMBER, f"number of {len(tok[1])} characters: longer than any value "
+                             f"DTM IR holds ({MAX_NUMERAL})", tok)
+        return tok
+
     def next(self):
         tok = self.peek()
         if tok is None:
@@ -155,7 +163,7 @@ class _Tokens:
     # -- numbers --
     def integer(self) -> int:
         neg = self.accept("-")
-        tok = self.expect_kind("number", "an integer")
+        tok = self.numeral("an integer")
         if not tok[1].isdigit():
             raise self.error(E.INVALID_NUMBER, f"expected an integer, found {tok[1]!r}", tok)
         v = -int(tok[1]) if neg else int(tok[1])
@@ -177,7 +185,7 @@ class _Tokens:
             self.i += 1
             v = float(tok[1])
             return -v if neg else v
-        tok = self.expect_kind("number", "a number")
+        tok = self.numeral("a number")
         if tok[1].isdigit():
             v = int(tok[1])
             v = -v if neg else v
@@ -189,16 +197,20 @@ class _Tokens:
 
     # -- dims and types --
     def dim(self) -> Dim:
-        """dim := term (('+' | '-') term)*"""
+        """dim := ['-'] term (('+' | '-') term)*  (a leading '-' reads `-B + 5`, as printed)"""
         self.enter()
-        d = self._term()
-        while True:
-            if self.accept("+"):
-                d = dim_add(d, self._term())
-            elif self.accept("-"):
-                d = dim_add(d, dim_neg(self._term()))
-            else:
-                break
+        start = self.peek()
+        try:
+            d = dim_neg(self._term()) if self.accept("-") else self._term()
+            while True:
+                if self.accept("+"):
+                    d = dim_add(d, self._term())
+                elif self.accept("-"):
+                    d = dim_add(d, dim_neg(self._term()))
+                else:
+                    break
+        except TypeRuleError as e:
+            raise self.error(e.code, e.message, start) from None
         self.leave()
         return d
 
@@ -215,7 +227,7 @@ class _Tokens:
         if tok[0] == "number":
             if not tok[1].isdigit():
                 raise self.error(E.INVALID_DIM, f"a dim must be an integer or a symbol, found {tok[1]!r}", tok)
-            self.i += 1
+            self.numeral("a dim")
             v = int(tok[1])
             if v >= MAX_DIM:
                 raise self.error(E.INVALID_DIM, f"dim {tok[1]} is out of range [0, 2^62)", tok)
@@ -239,8 +251,8 @@ class _Tokens:
         if len(dims) > MAX_RANK:
             raise self.error(E.INVALID_DIM, f"rank {len(dims)} exceeds the limit {MAX_RANK}", tok)
         for d in dims:
-            if isinstance(d, int) and d < 0:
-                raise self.error(E.INVALID_DIM, f"dim {d} is negative", tok)
+            if isinstance(d, int) and not 0 <= d < MAX_DIM:
+                raise self.error(E.INVALID_DIM, f"dim {d} is outside [0, 2^62)", tok)
         t = TensorType(dtype, tuple(dims))
         try:
             check_quant_shape(t)
@@ -546,10 +558,12 @@ class _Parser:
                 raise IRError(E.RESULT_COUNT, f"{opname}: {len(res_names)} result name(s) but "
                               f"{len(types)} result type(s)", lineno, m.start(2) + 1)
             results = []
-            for nm, (t, sh) in zip(res_names, types):
+            for k, (nm, (t, sh)) in enumerate(zip(res_names, types)):
                 if nm in scope:
-                    raise IRError(E.REDEFINED_VALUE, f"{nm} is already defined", lineno,
-                                  _column_of(nm, line, m.start(1)))
+                    col = m.start(1)
+                    for earlier in res_names[:k + 1]:  # find the k-th name, not an earlier equal one
+                        col = _column_of(earlier, line, col)
+                    raise IRError(E.REDEFINED_VALUE, f"{nm} is already defined", lineno, col)
                 v = scope[nm] = Value(t, nm[1:], sh)
                 results.append(v)
             ops.append(Op(opname, operands, attrs, tuple(results), (lineno, m.start(2) + 1), attrs_key))

@@ -8,6 +8,8 @@ with no name (or a clashing one) gets the next free number.
 
 from __future__ import annotations
 
+import re
+
 from .attrs import format_attrs
 from .module import Func, Module, Value
 from .registry import REGISTRY, TASK_ATTRS
@@ -20,6 +22,9 @@ def _typed(t: TensorType, sh: Sharding | None) -> str:
     return f"{t} {sh}" if sh is not None else str(t)
 
 
+_VALUE_NAME = re.compile(r"[A-Za-z0-9_.]+")
+
+
 class _Names:
     def __init__(self):
         self.names: dict[int, str] = {}
@@ -28,7 +33,7 @@ class _Names:
 
     def define(self, v: Value) -> str:
         name = v.name
-        if name is None or name in self.used:
+        if name is None or name in self.used or not _VALUE_NAME.fullmatch(name):
             while str(self.counter) in self.used:
                 self.counter += 1
             name = str(self.counter)
@@ -53,7 +58,8 @@ def _func(f: Func) -> str:
         line += op.name
         if op.operands:
             line += " " + ", ".join(names[v] for v in op.operands)
-        attrs = format_attrs(opdef.attr_index, op.attrs) if opdef else ""
+        dtype = op.results[0].type.dtype if op.results else None
+        attrs = format_attrs(opdef.attr_index, op.attrs, dtype) if opdef else ""
         if attrs:
             line += " " + attrs
         if op.results:

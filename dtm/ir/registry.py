@@ -166,7 +166,8 @@ _op("slice", C.MOVEMENT, ("x",), R.slice_rule, "elements start, start+step, .. <
     (A("start", K.DIMS), A("stop", K.DIMS), A("step", K.INTS)))
 _op("pad", C.MOVEMENT, ("x",), R.pad_rule, "add `low` and `high` elements of `value` around every dim",
     (A("low", K.INTS), A("high", K.INTS), A("value", K.SCALAR, 0.0)))
-_op("concat", C.MOVEMENT, ("*xs",), R.concat_rule, "join operands along `axis`", (A("axis", K.INT),))
+_op("concat", C.MOVEMENT, ("*xs",), R.concat_rule, "join operands along `axis`", (A("axis", K.INT),),
+    min_operands=1)
 _op("gather", C.MOVEMENT, ("x", "indices"), R.gather_rule,
     "take slices of x along `axis` at `indices` (numpy.take)", (A("axis", K.INT),))
 _op("scatter_add", C.MOVEMENT, ("x", "indices", "updates"), R.scatter_add_rule,
@@ -186,7 +187,8 @@ _op("full", C.CREATION, (), R.full_rule, "a tensor of the declared type with eve
     (A("value", K.SCALAR),), declared=True)
 _op("iota", C.CREATION, (), R.iota_rule, "each element's index along `dim`", (A("dim", K.INT),), declared=True)
 _op("random", C.CREATION, ("key",), R.random_rule,
-    "counter-based random numbers from a u32[2] key (uniform in [0, 1), or standard normal)",
+    "counter-based random numbers from a u32[2] key (uniform in [0, 1) before rounding to the dtype, "
+    "or standard normal)",
     (A("distribution", K.ENUM, "uniform", ("uniform", "normal")),), declared=True)
 
 # --- composites (each has a normative decomposition in the spec) -----------------------

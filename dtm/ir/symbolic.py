@@ -10,6 +10,14 @@ from __future__ import annotations
 
 from typing import Union
 
+from ..errors import ErrorCode
+from .diagnostics import TypeRuleError
+
+# Bounds on a symbolic dim's normal form, so that a short text such as (A+B+C)*(A+B+C)*...
+# cannot make the reader expand millions of terms.
+MAX_TERMS = 64
+MAX_DEGREE = 16
+
 # A monomial is a sorted tuple of symbol names, with repetition for powers: ("B", "T").
 Monomial = tuple[str, ...]
 
@@ -85,9 +93,14 @@ def dim_sub(a: Dim, b: Dim) -> Dim:
 def dim_mul(a: Dim, b: Dim) -> Dim:
     if isinstance(a, int) and isinstance(b, int):
         return a * b
+    ta, tb = _as_terms(a), _as_terms(b)
+    degree = max(map(len, ta), default=0) + max(map(len, tb), default=0)
+    if len(ta) * len(tb) > MAX_TERMS or degree > MAX_DEGREE:
+        raise TypeRuleError(ErrorCode.INVALID_DIM, f"the product ({format_dim(a)}) * ({format_dim(b)}) is too complex "
+                            f"for a dim (limits: {MAX_TERMS} terms, degree {MAX_DEGREE})")
     terms: dict[Monomial, int] = {}
-    for ma, ca in _as_terms(a).items():
-        for mb, cb in _as_terms(b).items():
+    for ma, ca in ta.items():
+        for mb, cb in tb.items():
             m = tuple(sorted(ma + mb))
             terms[m] = terms.get(m, 0) + ca * cb
     return _normalize(terms)

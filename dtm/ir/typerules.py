@@ -13,19 +13,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..errors import ErrorCode as E
+from .diagnostics import TypeRuleError
 from .dtypes import DTYPES, Kind, bool_, i64
 from .symbolic import Dim, dim_add, dim_div_exact, dim_mul, dim_prod, dim_sub, format_dim, is_static
 from .types import TensorType
-
-
-class TypeRuleError(Exception):
-    """A rule's verdict; `attr` names the attribute at fault, when one is."""
-
-    def __init__(self, code: E, message: str, attr: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.attr = attr
 
 
 def fail(code: E, message: str):
@@ -305,9 +296,12 @@ def dynamic_update_slice_rule(op, ins, attrs, declared, ctx):
     _check_position(op, pos)
     axis = attrs["axis"]
     check_axis(op, axis, x.rank)
-    if upd.dtype != x.dtype or upd.rank != x.rank or any(
-            a != b for i, (a, b) in enumerate(zip(upd.shape, x.shape)) if i != axis):
+    if upd.dtype != x.dtype:
+        fail(E.DTYPE_MISMATCH, f"dynamic_update_slice: update {upd} must have the dtype of {x}")
+    if upd.rank != x.rank or any(a != b for i, (a, b) in enumerate(zip(upd.shape, x.shape)) if i != axis):
         fail(E.SHAPE_MISMATCH, f"dynamic_update_slice: update {upd} must match {x} in every dim but {axis}")
+    if is_static(upd.shape[axis]) and is_static(x.shape[axis]) and upd.shape[axis] > x.shape[axis]:
+        fail(E.SHAPE_MISMATCH, f"dynamic_update_slice: update {upd} is longer than {x} along dim {axis}")
     return (x,)
 
 

@@ -134,6 +134,12 @@ class Literal:
         arr = np.asarray(array)
         arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
         dtype = from_numpy(arr.dtype)
+        if dtype.name == "bool":
+            arr = arr.view(np.uint8) != 0  # one byte pattern per truth value: 0 or 1
+        if dtype.is_float:
+            nan = np.isnan(arr.astype(np.float64))  # exact for every float dtype
+            if nan.any():
+                arr = np.where(nan, np.array(np.nan, arr.dtype), arr)  # one NaN bit pattern
         return Literal(dtype, tuple(int(d) for d in arr.shape), arr.astype(arr.dtype.newbyteorder("<")).tobytes())
 
     def to_numpy(self):

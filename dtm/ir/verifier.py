@@ -12,15 +12,23 @@ the same few signatures thousands of times.
 
 from __future__ import annotations
 
+import re
+
 from ..errors import ErrorCode as E
-from .attrs import normalize_attrs
+from .attrs import MAX_DIM, MAX_RANK, normalize_attrs
 from .diagnostics import IRError
+from .encoding import attr_bytes
 from .gcpause import gc_paused
 from .module import Func, Module, Op, Value
 from .registry import REGISTRY, OpDef
 from .symbolic import SymDim
 from .typerules import TypeRuleError, check_quant_shape
 from .types import REDUCE_OPS, Sharding, TensorType
+
+
+# Names the text format can write (spec 4.2): @names, and identifiers for axes and symbols.
+GLOBAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _Checker:
@@ -34,15 +42,24 @@ class _Checker:
         raise IRError(code, message, line, col)
 
     # -- meshes and shardings --
+    def name(self, name: str, what: str, pattern, loc=None) -> None:
+        """Names from Python or from bytes must be ones the text format can write."""
+        if not isinstance(name, str) or not pattern.fullmatch(name):
+            self.fail(E.INVALID_NAME, f"{what} {name!r} is not a name the text format can write "
+                      f"({pattern.pattern})", loc)
+
     def mesh(self, mesh) -> None:
+        self.name(mesh.name, "mesh", GLOBAL_NAME)
+        for a, _ in mesh.axes:
+            self.name(a, f"mesh @{mesh.name}: axis", IDENT)
         names = [a for a, _ in mesh.axes]
         if not names:
             self.fail(E.INVALID_MESH, f"mesh @{mesh.name} has no axes")
         if len(set(names)) != len(names):
             self.fail(E.INVALID_MESH, f"mesh @{mesh.name} repeats an axis: {names}")
         for a, size in mesh.axes:
-            if not isinstance(size, int) or size < 1:
-                self.fail(E.INVALID_MESH, f"mesh @{mesh.name}: axis {a!r} has size {size}; sizes must be >= 1")
+            if not isinstance(size, int) or not 1 <= size < MAX_DIM:
+                self.fail(E.INVALID_MESH, f"mesh @{mesh.name}: axis {a!r} has size {size}; sizes must be in [1, 2^62)")
 
     def sharding(self, t: TensorType, sh: Sharding, what: str, loc) -> None:
         key = (t, sh)
@@ -72,11 +89,13 @@ class _Checker:
         self.checked_types.add(key)
 
     def value_type(self, t: TensorType, sh: Sharding | None, bound: set[str] | None, what: str, loc) -> None:
-        """Dims non-negative, quantized shapes whole blocks, symbols bound, sharding valid."""
+        """Dims in [0, 2^62), quantized shapes whole blocks, symbols bound, sharding valid."""
         if t not in self.checked_types:
+            if len(t.shape) > MAX_RANK:
+                self.fail(E.INVALID_DIM, f"{what}: rank {len(t.shape)} exceeds the limit {MAX_RANK}", loc)
             for d in t.shape:
-                if isinstance(d, int) and d < 0:
-                    self.fail(E.INVALID_DIM, f"{what}: {t} has a negative dim", loc)
+                if isinstance(d, int) and not 0 <= d < MAX_DIM:
+                    self.fail(E.INVALID_DIM, f"{what}: {t} has dim {d} outside [0, 2^62)", loc)
             try:
                 check_quant_shape(t)
             except TypeRuleError as e:
@@ -92,11 +111,14 @@ class _Checker:
 
     # -- functions --
     def func(self, f: Func) -> None:
+        self.name(f.name, "function", GLOBAL_NAME, f.loc)
         bound: set[str] = set()
         for p in f.params:
             self.value_type(p.type, p.sharding, None, f"@{f.name} parameter %{p.name}", f.loc)
             for d in p.type.shape:
                 if isinstance(d, SymDim):
+                    for s in d.symbols:
+                        self.name(s, f"@{f.name} parameter %{p.name}: symbol", IDENT, f.loc)
                     bound |= d.symbols
         for t, sh in f.result_types:
             self.value_type(t, sh, bound, f"@{f.name} result type", f.loc)
@@ -182,9 +204,15 @@ class _Checker:
                     if t.dtype.is_quant:
                         raise TypeRuleError(E.QUANTIZED_MISUSE, f"{op.name} does not take quantized {t}; "
                                             "cast it to a float dtype first")
-            # Attributes built by hand may skip the parser's checks: check them once here.
-            normalize_attrs(op.name, opdef.attr_index, op.attrs, declared[0].dtype if declared else None)
-            return tuple(opdef.rule(op.name, in_types, op.attrs, declared, self.module))
+            # Attributes built by hand may skip the parser's checks: check them once here, and
+            # give the rule the checked values.
+            attrs = normalize_attrs(op.name, opdef.attr_index, op.attrs, declared[0].dtype if declared else None)
+            if not _same_attrs(opdef, attrs, op.attrs):
+                missing = sorted(set(attrs) - set(op.attrs))
+                raise TypeRuleError(E.MISSING_ATTRIBUTE if missing else E.ATTRIBUTE_VALUE,
+                                    f"{op.name}: attributes are not in canonical form"
+                                    + (f" (missing {', '.join(missing)})" if missing else ""))
+            return tuple(opdef.rule(op.name, in_types, attrs, declared, self.module))
         except TypeRuleError as e:
             self.fail(e.code, e.message, loc)
 
@@ -192,6 +220,10 @@ class _Checker:
     def tasks(self) -> None:
         m = self.module
         for t in m.tasks.values():
+            self.name(t.name, "task", GLOBAL_NAME, t.loc)
+            for key in t.inputs + t.outputs:
+                if not isinstance(key, str):
+                    self.fail(E.ATTRIBUTE_TYPE, f"task @{t.name}: store keys are strings, found {key!r}", t.loc)
             f = m.funcs.get(t.func)
             if f is None:
                 self.fail(E.UNDEFINED_FUNC, f"task @{t.name}: function @{t.func} is not defined", t.loc)
@@ -201,27 +233,52 @@ class _Checker:
             if len(t.outputs) != len(f.result_types):
                 self.fail(E.RESULT_COUNT, f"task @{t.name}: @{f.name} has {len(f.result_types)} result(s), "
                           f"outputs names {len(t.outputs)}", t.loc)
+            if list(t.after) != sorted(set(t.after)):
+                self.fail(E.ATTRIBUTE_VALUE, f"task @{t.name}: after must be sorted and without repeats "
+                          "(its canonical form)", t.loc)
             for a in t.after:
                 if a not in m.tasks:
                     self.fail(E.UNDEFINED_TASK, f"task @{t.name}: after names @{a}, which is not a task", t.loc)
-        # Cycle check: depth-first search with colours.
-        state: dict[str, int] = {}
-        for start in m.tasks:
-            stack = [(start, iter(m.tasks[start].after))]
-            if state.get(start):
-                continue
-            state[start] = 1
-            while stack:
-                name, it = stack[-1]
-                nxt = next(it, None)
-                if nxt is None:
-                    state[name] = 2
-                    stack.pop()
-                elif state.get(nxt) == 1:
-                    self.fail(E.TASK_CYCLE, f"task @{nxt} depends on itself through after", m.tasks[nxt].loc)
-                elif not state.get(nxt):
-                    state[nxt] = 1
-                    stack.append((nxt, iter(m.tasks[nxt].after)))
+        cycle = _find_cycle({name: t.after for name, t in m.tasks.items()})
+        if cycle:
+            self.fail(E.TASK_CYCLE, f"task @{cycle} depends on itself through after", m.tasks[cycle].loc)
+
+    def calls(self) -> None:
+        """A function may not call itself, directly or through others: calls must end."""
+        edges = {name: tuple(op.attrs["callee"] for op in f.ops if op.name == "call") for name, f in self.module.funcs.items()}
+        cycle = _find_cycle(edges)
+        if cycle:
+            self.fail(E.CALL_CYCLE, f"function @{cycle} calls itself (directly or through other functions)",
+                      self.module.funcs[cycle].loc)
+
+
+def _same_attrs(opdef: OpDef, a: dict, b: dict) -> bool:
+    """Attribute dicts with the same canonical bytes: `1` is not `1.0`, and a NaN with a
+    payload is not the canonical NaN."""
+    return a.keys() == b.keys() and all(
+        attr_bytes(opdef.attr_index[k], a[k]) == attr_bytes(opdef.attr_index[k], b[k]) for k in a)
+
+
+def _find_cycle(edges: dict[str, tuple[str, ...]]) -> str | None:
+    """A node on a cycle of the graph `edges` (depth-first search with colours), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    for start in edges:
+        if state.get(start):
+            continue
+        state[start] = 1
+        stack = [(start, iter(edges[start]))]
+        while stack:
+            name, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[name] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return nxt
+            elif not state.get(nxt) and nxt in edges:
+                state[nxt] = 1
+                stack.append((nxt, iter(edges[nxt])))
+    return None
 
 
 class _Scope:
@@ -246,5 +303,6 @@ def verify(module: Module) -> Module:
             c.mesh(mesh)
         for f in module.funcs.values():
             c.func(f)
+        c.calls()
         c.tasks()
     return module

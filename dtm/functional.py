@@ -1,0 +1,926 @@
+"""Tensor ops, named and behaving as in PyTorch, each written as DTM IR ops.
+
+The IR is strict (equal dtypes, normalised axes, rank >= 2 matmul); this layer does what
+a PyTorch user expects on top: dtype promotion, negative dims, Python scalars, 1-D matmul,
+int-to-float for transcendental functions, torch's `gather`, `view(-1)`, indexing.
+Every function records lazily through `apply`; nothing here computes.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections import namedtuple
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import ErrorCode
+from .ir.dtypes import numpy_dtype
+from .ir.types import TensorType
+from .tensor import (DEFAULT_FLOAT, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
+                     result_type)
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _scalar(value: Any, dtype) -> Tensor:
+    """A rank-0 constant: broadcasting in the IR takes it to any shape."""
+    return apply("full", type=TensorType(dtype, ()), value=value)
+
+
+def _convert_scalar(value, dtype):
+    """A Python scalar as a value of `dtype`, as torch converts it: True is 1 in a number
+    tensor, an int wraps into an unsigned or narrow dtype (u8 tensor * -1 -> 255 * x), and
+    a float rounds to the dtype, overflowing to an infinity (f16 tensor * 1e6 -> inf)."""
+    if dtype is bool_:
+        return bool(value)
+    if dtype.is_float:
+        with np.errstate(over="ignore"):
+            return float(np.array(value, np.float64).astype(numpy_dtype(dtype)))
+    return int(np.array(int(value)).astype(numpy_dtype(dtype)))
+
+
+def as_tensor(x: Any, dtype=None) -> Tensor:
+    """A Tensor from a Tensor, a Python or numpy scalar (a rank-0 constant of `dtype`, else
+    the scalar's promotion type), or array data (lists and arrays keep their own dtype)."""
+    if isinstance(x, Tensor):
+        return x if dtype is None or x.dtype is dtype else cast(x, dtype)
+    if isinstance(x, (bool, int, float, np.generic)):
+        d = dtype if dtype is not None else result_type(x)
+        return _scalar(_convert_scalar(x.item() if isinstance(x, np.generic) else x, d), d)
+    from .tensor import tensor
+
+    return tensor(x, dtype=dtype)
+
+
+def _axis(d: int, rank: int) -> int:
+    r = builtins.max(rank, 1)
+    if not -r <= d < r:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"dim {d} is out of range for a tensor of rank {rank} "
+                    f"(expected {-r} <= dim < {r})")
+    return d % r
+
+
+def _axes(dim, rank: int) -> tuple[int, ...]:
+    """Normalised reduction axes. A rank-0 tensor accepts dim 0 or -1, as in torch, and
+    has no axis to reduce."""
+    if dim is None:
+        return tuple(range(rank))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    axes = {_axis(d, rank) for d in dims}
+    return tuple(sorted(axes)) if rank else ()
+
+
+def cast(x: Tensor, dtype) -> Tensor:
+    dtype = as_dtype(dtype)
+    return x if x.dtype is dtype else apply("cast", x, to=dtype)
+
+
+def _float(x: Tensor) -> Tensor:
+    """Integer and bool inputs of float functions compute in the default float, as in torch."""
+    return x if x.dtype.is_float else cast(x, DEFAULT_FLOAT)
+
+
+def _binary(op: str, a: Any, b: Any, dtype=None) -> Tensor:
+    d = dtype if dtype is not None else result_type(a, b)
+    return apply(op, as_tensor(a, d), as_tensor(b, d))
+
+
+def _arithmetic(op: str, a: Any, b: Any, dtype=None) -> Tensor:
+    """add, sub, mul, div. A narrow float tensor (f16, bf16) with a Python scalar computes
+    in f32 with the scalar unrounded, then rounds once, as torch's kernels do: f16 0.04 *
+    1e6 is 4e4 (rounding 1e6 to f16 first would give inf)."""
+    d = dtype if dtype is not None else result_type(a, b)
+    if d.is_float and d.bits < 32 and not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        return cast(_binary(op, a, b, float32), d)
+    return _binary(op, a, b, d)
+
+
+# --- elementwise --------------------------------------------------------------------------
+
+def _unary_float(op: str):
+    def fn(x: Tensor) -> Tensor:
+        return apply(op, _float(x))
+    fn.__name__ = op
+    return fn
+
+
+exp, exp2, log, log2, sqrt, rsqrt, reciprocal = (_unary_float(o) for o in
+                                                 ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "reciprocal"))
+sin, cos, tanh, erf, sigmoid = (_unary_float(o) for o in ("sin", "cos", "tanh", "erf", "sigmoid"))
+
+
+def neg(x: Tensor) -> Tensor:
+    return apply("neg", x)
+
+
+def abs(x: Tensor) -> Tensor:  # noqa: A001 - torch's name
+    return apply("abs", x)
+
+
+def sign(x: Tensor) -> Tensor:
+    """torch.sign: as the IR's sign, except that torch gives 0 for NaN (the IR keeps NaN)."""
+    y = apply("sign", x)
+    return apply("where", apply("ne", x, x), _scalar(0.0, x.dtype), y) if x.dtype.is_float else y
+
+
+def _rounding(op: str):
+    def fn(x: Tensor) -> Tensor:
+        return apply(op, x) if x.dtype.is_float else x
+    fn.__name__ = op
+    return fn
+
+
+floor, ceil, round = (_rounding(o) for o in ("floor", "ceil", "round"))  # noqa: A001
+
+
+def logical_not(x: Tensor) -> Tensor:
+    return apply("logical_not", cast(x, bool_))
+
+
+def add(a, b, alpha=1) -> Tensor:
+    if alpha == 1 and result_type(a, b) is bool_:
+        return logical_or(a, b)  # torch: bool + bool is bool (True + True is True)
+    return _arithmetic("add", a, b if alpha == 1 else mul(b, alpha))
+
+
+def sub(a, b, alpha=1) -> Tensor:
+    return _arithmetic("sub", a, b if alpha == 1 else mul(b, alpha))
+
+
+def mul(a, b) -> Tensor:
+    if result_type(a, b) is bool_:
+        return logical_and(a, b)  # torch: bool * bool is bool
+    return _arithmetic("mul", a, b)
+
+
+def div(a, b, rounding_mode: str | None = None) -> Tensor:
+    """True division (ints give floats); rounding_mode "trunc" or "floor" as in torch."""
+    d = result_type(a, b)
+    if rounding_mode is None:
+        d = d if d.is_float else DEFAULT_FLOAT
+        return _arithmetic("div", a, b, d)
+    if rounding_mode == "trunc":
+        return _binary("div", a, b, d) if not d.is_float else trunc(_binary("div", a, b, d))
+    if rounding_mode == "floor":
+        return floor_divide(a, b)
+    raise error(ErrorCode.ATTRIBUTE_VALUE, f"rounding_mode must be None, 'trunc' or 'floor', found {rounding_mode!r}")
+
+
+def trunc(x: Tensor) -> Tensor:
+    return where(x < 0, ceil(x), floor(x)) if x.dtype.is_float else x
+
+
+def floor_divide(a, b) -> Tensor:
+    d = result_type(a, b)
+    a, b = as_tensor(a, d), as_tensor(b, d)
+    if d.is_float:
+        return _floor_divide_float(a, b)
+    q = apply("div", a, b)  # truncated; step down where the signs differ and it was inexact
+    inexact = apply("ne", apply("mul", q, b), a)
+    differ = apply("ne", apply("lt", a, _scalar(0, d)), apply("lt", b, _scalar(0, d)))
+    return where(apply("logical_and", inexact, differ), apply("sub", q, _scalar(1, d)), q)
+
+
+def _floor_divide_float(a: Tensor, b: Tensor) -> Tensor:
+    """Python's and torch's float a // b, derived from fmod as torch does: floor(a / b)
+    differs when the quotient rounds (1 // 0.1 is 9, floor(1 / 0.1) is 10) and at infinities
+    (inf // 1 is nan; 1 // -inf is -1)."""
+    d = a.dtype
+    zero = _scalar(0, d)
+    mod = apply("mod", a, b)
+    div = apply("div", apply("sub", a, mod), b)
+    fix = apply("logical_and", apply("ne", mod, zero), apply("ne", apply("lt", b, zero), apply("lt", mod, zero)))
+    div = apply("where", fix, apply("sub", div, _scalar(1, d)), div)
+    fl = apply("floor", div)
+    fl = apply("where", apply("gt", apply("sub", div, fl), _scalar(0.5, d)), apply("add", fl, _scalar(1, d)), fl)
+    quotient = apply("div", a, b)
+    fl = apply("where", apply("eq", div, zero), apply("mul", zero, quotient), fl)  # 0 with the sign of a / b
+    return apply("where", apply("eq", b, zero), quotient, fl)
+
+
+def remainder(a, b) -> Tensor:
+    """Python's modulo: the result has the sign of the divisor (torch.remainder)."""
+    d = result_type(a, b)
+    a, b = as_tensor(a, d), as_tensor(b, d)
+    r = apply("mod", a, b)
+    zero = _scalar(0, d)
+    fix = apply("logical_and", apply("ne", r, zero), apply("ne", apply("lt", r, zero), apply("lt", b, zero)))
+    return where(fix, apply("add", r, b), r)
+
+
+def fmod(a, b) -> Tensor:
+    return _binary("mod", a, b)
+
+
+def pow(a, b) -> Tensor:  # noqa: A001
+    """torch.pow: integer powers of integers stay integers; otherwise in float."""
+    d = result_type(a, b)
+    if d.is_int:
+        return _int_pow(a, b, d)
+    d = d if d.is_float else DEFAULT_FLOAT
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, Tensor):
+        if b == 2:
+            a = as_tensor(a, d)
+            return apply("mul", a, a)
+        if b == 1:
+            return as_tensor(a, d)
+        if b == 0.5:
+            return sqrt(as_tensor(a, d))
+    return _binary("pow", a, b, d)
+
+
+def _int_pow(a, b, d) -> Tensor:
+    """Integer pow (the IR's pow is float only). A constant exponent multiplies by repeated
+    squaring: exact, and wrapping on overflow as torch does. A tensor exponent computes in
+    f64 and rounds, exact while the result stays below 2**53 (a negative exponent gives
+    0, 1 or -1, the integer quotient torch gives)."""
+    if isinstance(b, Tensor) or not isinstance(a, Tensor):
+        f64 = as_dtype("f64")
+        return cast(apply("round", _binary("pow", a, b, f64)), d)
+    b = int(b)
+    if b < 0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "pow: integers to negative integer powers are not allowed")
+    base, out = as_tensor(a, d), None
+    while b:
+        if b & 1:
+            out = base if out is None else apply("mul", out, base)
+        b >>= 1
+        if b:
+            base = apply("mul", base, base)
+    return out if out is not None else expand(_scalar(1, d), a.shape)
+
+
+def maximum(a, b) -> Tensor:
+    return _binary("max", a, b)
+
+
+def minimum(a, b) -> Tensor:
+    return _binary("min", a, b)
+
+
+def _compare(op: str):
+    def fn(a, b) -> Tensor:
+        return _binary(op, a, b)
+    fn.__name__ = op
+    return fn
+
+
+eq, ne, lt, le, gt, ge = (_compare(o) for o in ("eq", "ne", "lt", "le", "gt", "ge"))
+
+
+def _boolean_operator(fn):
+    """`&`, `|`, `^` on bool tensors and bools. torch's are bitwise on integers, which the IR
+    has no op for: that is an error here, never a silently logical result."""
+    def op(a, b) -> Tensor:
+        for v in (a, b):
+            if not (v.dtype is bool_ if isinstance(v, Tensor) else isinstance(v, (bool, np.bool_))):
+                what = v.dtype if isinstance(v, Tensor) else type(v).__name__
+                raise error(ErrorCode.DTYPE_MISMATCH, f"{fn.__name__}: the operators &, |, ^ and ~ need bool "
+                            f"operands (bitwise integer ops are not supported), found {what}")
+        return fn(a, b)
+    return op
+
+
+def _invert(x: Tensor) -> Tensor:
+    if x.dtype is not bool_:
+        raise error(ErrorCode.DTYPE_MISMATCH, f"~ needs a bool tensor (bitwise integer ops are not supported), "
+                    f"found {x.dtype}")
+    return logical_not(x)
+
+
+def logical_and(a, b) -> Tensor:
+    return apply("logical_and", cast(as_tensor(a), bool_), cast(as_tensor(b), bool_))
+
+
+def logical_or(a, b) -> Tensor:
+    return apply("logical_or", cast(as_tensor(a), bool_), cast(as_tensor(b), bool_))
+
+
+def logical_xor(a, b) -> Tensor:
+    return apply("logical_xor", cast(as_tensor(a), bool_), cast(as_tensor(b), bool_))
+
+
+def where(cond, x, y) -> Tensor:
+    d = result_type(x, y)
+    return apply("where", cast(as_tensor(cond), bool_), as_tensor(x, d), as_tensor(y, d))
+
+
+def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
+    """torch.clamp: values beyond a bound become the bound. Written with `where`, not
+    maximum/minimum, so a value equal to a bound keeps its whole gradient, as in torch
+    (maximum would split it at the tie)."""
+    x = as_tensor(x, result_type(x, *(b for b in (min, max) if b is not None)))
+    if min is not None:
+        x = where(lt(x, min), min, x)
+    if max is not None:
+        x = where(gt(x, max), max, x)
+    return x
+
+
+def relu(x: Tensor) -> Tensor:
+    return apply("max", x, _scalar(0, x.dtype))
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    return apply("gelu", _float(x), approximate=approximate)
+
+
+def silu(x: Tensor) -> Tensor:
+    return apply("silu", _float(x))
+
+
+def masked_fill(x: Tensor, mask, value) -> Tensor:
+    """torch.masked_fill: the value takes x's dtype (2.5 fills an int tensor with 2)."""
+    if not isinstance(value, Tensor) and not x.dtype.is_float:
+        value = np.array(value).astype(numpy_dtype(x.dtype)).item()
+    return where(mask, as_tensor(value, x.dtype), x)
+
+
+# --- reductions ---------------------------------------------------------------------------
+
+def _sum_dtype(x: Tensor):
+    return int64 if not x.dtype.is_float else x.dtype
+
+
+def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:  # noqa: A001
+    x = cast(x, as_dtype(dtype) if dtype is not None else _sum_dtype(x))
+    return apply("reduce_sum", x, axes=_axes(dim, x.ndim), keepdims=keepdim)
+
+
+def prod(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    x = cast(x, as_dtype(dtype) if dtype is not None else _sum_dtype(x))
+    return apply("reduce_prod", x, axes=_axes(dim, x.ndim), keepdims=keepdim)
+
+
+def mean(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    x = cast(x, as_dtype(dtype)) if dtype is not None else x
+    if not x.dtype.is_float:
+        raise error(ErrorCode.DTYPE_MISMATCH, f"mean() needs a float tensor, found {x.dtype}; pass dtype= or cast first")
+    axes = _axes(dim, x.ndim)
+    n = 1
+    for a in axes:
+        n *= x.shape[a]
+    s = apply("reduce_sum", x, axes=axes, keepdims=keepdim)
+    return apply("div", s, _scalar(float(n), x.dtype))
+
+
+def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, correction: int | None = None) -> Tensor:
+    """Variance with Bessel's correction by default (correction=1), as torch.var."""
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    x = _float(x)
+    axes = _axes(dim, x.ndim)
+    n = 1
+    for a in axes:
+        n *= x.shape[a]
+    centered = sub(x, mean(x, axes, keepdim=True))
+    s = apply("reduce_sum", apply("mul", centered, centered), axes=axes, keepdims=keepdim)
+    return apply("div", s, _scalar(float(builtins.max(n - correction, 0)), x.dtype))
+
+
+def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, correction: int | None = None) -> Tensor:
+    return sqrt(var(x, dim, unbiased, keepdim, correction))
+
+
+MinMax = namedtuple("MinMax", ["values", "indices"])
+
+
+def _extremum(op: str, x: Tensor, axes: tuple[int, ...], keepdim: bool) -> Tensor:
+    """reduce_max / reduce_min; bool tensors (numeric-only in the IR) reduce as u8."""
+    if x.dtype is bool_:
+        return cast(apply(op, cast(x, "u8"), axes=axes, keepdims=keepdim), bool_)
+    return apply(op, x, axes=axes, keepdims=keepdim)
+
+
+def _minmax(op: str, arg: str, x: Tensor, dim, keepdim: bool):
+    if dim is None:
+        return _extremum(op, x, tuple(range(x.ndim)), False)
+    if not isinstance(dim, int):
+        return _extremum(op, x, _axes(dim, x.ndim), keepdim)
+    return MinMax(_extremum(op, x, _axes(dim, x.ndim), keepdim), _arg(arg, cast(x, "u8") if x.dtype is bool_ else x,
+                                                                       dim, keepdim))
+
+
+def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
+    """max(x) is the maximum; max(x, dim) is (values, indices), as in torch."""
+    if isinstance(dim, Tensor):
+        return maximum(x, dim)
+    return _minmax("reduce_max", "argmax", x, dim, keepdim)
+
+
+def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
+    if isinstance(dim, Tensor):
+        return minimum(x, dim)
+    return _minmax("reduce_min", "argmin", x, dim, keepdim)
+
+
+def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    return _extremum("reduce_max", x, _axes(dim, x.ndim), keepdim)
+
+
+def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    return _extremum("reduce_min", x, _axes(dim, x.ndim), keepdim)
+
+
+def _arg(op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
+    """argmax / argmin; a rank-0 tensor (which torch accepts with dim 0 or -1) has index 0."""
+    if dim is None or x.ndim == 0:
+        if dim is not None:
+            _axis(dim, 0)
+        return apply(op, reshape(x, (-1,)), axis=0, keepdims=False)
+    return apply(op, x, axis=_axis(dim, x.ndim), keepdims=keepdim)
+
+
+def argmax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    return _arg("argmax", x, dim, keepdim)
+
+
+def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    return _arg("argmin", x, dim, keepdim)
+
+
+# --- movement -----------------------------------------------------------------------------
+
+def _sizes(args) -> tuple:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        return tuple(args[0])
+    return tuple(args)
+
+
+def reshape(x: Tensor, *shape) -> Tensor:
+    shape = list(_sizes(shape))
+    if shape.count(-1) > 1:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"reshape: only one dim can be -1, found {shape}")
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            if s != -1:
+                known *= s
+        if known == 0 or x.numel() % known:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"reshape: cannot view {x.type} as {tuple(shape)}")
+        shape[shape.index(-1)] = x.numel() // known
+    shape = tuple(int(s) for s in shape)
+    return x if shape == x.shape else apply("reshape", x, shape=shape)
+
+
+view = reshape
+
+
+def permute(x: Tensor, *dims) -> Tensor:
+    dims = tuple(_axis(d, x.ndim) for d in _sizes(dims))
+    return x if dims == tuple(range(x.ndim)) else apply("permute", x, perm=dims)
+
+
+def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
+    perm = list(range(x.ndim))
+    a, b = _axis(dim0, x.ndim), _axis(dim1, x.ndim)
+    perm[a], perm[b] = perm[b], perm[a]
+    return permute(x, perm)
+
+
+def expand(x: Tensor, *sizes) -> Tensor:
+    sizes = list(_sizes(sizes))
+    lead = len(sizes) - x.ndim
+    if lead < 0:
+        raise error(ErrorCode.RANK_MISMATCH, f"expand: {len(sizes)} sizes for a tensor of rank {x.ndim}")
+    shape = tuple(x.shape[i - lead] if s == -1 else int(s) for i, s in enumerate(sizes))
+    return x if shape == x.shape else apply("broadcast_to", x, shape=shape)
+
+
+def broadcast_to(x: Tensor, shape) -> Tensor:
+    return expand(x, tuple(shape))
+
+
+def squeeze(x: Tensor, dim=None) -> Tensor:
+    axes = range(x.ndim) if dim is None else _axes(dim, x.ndim)
+    shape = tuple(s for i, s in enumerate(x.shape) if not (i in axes and s == 1))
+    return reshape(x, shape)
+
+
+def unsqueeze(x: Tensor, dim: int) -> Tensor:
+    d = _axis(dim, x.ndim + 1)
+    return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
+
+
+def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    if x.ndim == 0:
+        return reshape(x, (1,))
+    s, e = _axis(start_dim, x.ndim), _axis(end_dim, x.ndim)
+    n = 1
+    for d in x.shape[s:e + 1]:
+        n *= d
+    return reshape(x, x.shape[:s] + (n,) + x.shape[e + 1:])
+
+
+def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        raise error(ErrorCode.OPERAND_COUNT, "cat() needs at least one tensor")
+    d = result_type(*tensors)
+    tensors = [cast(t, d) for t in tensors]
+    if len(tensors) == 1:
+        return tensors[0]
+    return apply("concat", *tensors, axis=_axis(dim, tensors[0].ndim))
+
+
+concat = cat
+
+
+def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        raise error(ErrorCode.OPERAND_COUNT, "stack() needs at least one tensor")
+    d = _axis(dim, tensors[0].ndim + 1)
+    return cat([unsqueeze(t, d) for t in tensors], d)
+
+
+def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
+    d = _axis(dim, x.ndim)
+    return _slice(x, d, start, start + length, 1)
+
+
+def _slice(x: Tensor, axis: int, start: int, stop: int, step: int) -> Tensor:
+    if (start, stop, step) == (0, x.shape[axis], 1):
+        return x
+    starts = [0] * x.ndim
+    stops = list(x.shape)
+    steps = [1] * x.ndim
+    starts[axis], stops[axis], steps[axis] = start, stop, step
+    return apply("slice", x, start=tuple(starts), stop=tuple(stops), step=tuple(steps))
+
+
+def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
+    d = _axis(dim, x.ndim)
+    n = x.shape[d]
+    if isinstance(split_size_or_sections, int):
+        size = split_size_or_sections
+        if size <= 0 and n:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"split: split_size must be positive, found {size}")
+        sizes = [builtins.min(size, n - i) for i in range(0, n, size)] or [0]
+    else:
+        sizes = list(split_size_or_sections)
+        if builtins.sum(sizes) != n:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"split: sizes {sizes} do not add up to dim {d} of {x.type}")
+    out, at = [], 0
+    for s in sizes:
+        out.append(_slice(x, d, at, at + s, 1))
+        at += s
+    return tuple(out)
+
+
+def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+    if chunks <= 0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"chunk: chunks must be positive, found {chunks}")
+    n = x.shape[_axis(dim, x.ndim)]
+    return split(x, -(-n // chunks) if n else 1, dim)
+
+
+def flip(x: Tensor, dims) -> Tensor:
+    return apply("flip", x, axes=_axes(dims, x.ndim))
+
+
+def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float = 0.0) -> Tensor:
+    """torch.nn.functional.pad: `pad` lists (left, right) for the last dim, then the one
+    before it, and so on; negative amounts crop."""
+    if mode != "constant":
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: only mode='constant' is supported, found {mode!r}")
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: {list(pad)} must hold (left, right) pairs for at most {x.ndim} dims")
+    low, high = [0] * x.ndim, [0] * x.ndim
+    for i in range(len(pad) // 2):
+        low[x.ndim - 1 - i], high[x.ndim - 1 - i] = int(pad[2 * i]), int(pad[2 * i + 1])
+    for a in range(x.ndim):  # crop first for negative amounts
+        if low[a] < 0 or high[a] < 0:
+            x = _slice(x, a, -builtins.min(low[a], 0), x.shape[a] + builtins.min(high[a], 0), 1)
+    low = tuple(builtins.max(v, 0) for v in low)
+    high = tuple(builtins.max(v, 0) for v in high)
+    if not any(low) and not any(high):
+        return x
+    return apply("pad", x, low=low, high=high, value=value)
+
+
+def _iota(shape: tuple[int, ...], dim: int) -> Tensor:
+    return apply("iota", type=TensorType(int64, shape), dim=dim)
+
+
+def take(x: Tensor, index: Tensor, axis: int) -> Tensor:
+    """numpy.take along `axis`, with negative indices wrapped as Python does."""
+    index = as_tensor(index)
+    if not index.dtype.is_int:
+        raise error(ErrorCode.DTYPE_MISMATCH, f"indices must be an integer tensor, found {index.dtype}")
+    index = cast(index, int64)
+    n = x.shape[axis]
+    index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
+    return apply("gather", x, index, axis=axis)
+
+
+def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    """torch.gather: out[i][j][k] = x[i][index[i][j][k]][k] for dim 1 (take along an axis).
+
+    Written as one IR gather on the flattened tensor: the flat position of each picked
+    element is index * stride(dim) plus the position of the other coordinates."""
+    d = _axis(dim, x.ndim)
+    index = as_tensor(index)
+    if not index.dtype.is_int:
+        raise error(ErrorCode.DTYPE_MISMATCH, f"gather: index must be an integer tensor, found {index.dtype}")
+    index = cast(index, int64)
+    if index.ndim != x.ndim:
+        raise error(ErrorCode.RANK_MISMATCH, f"gather: index {index.type} must have the rank of {x.type}")
+    strides = [1] * x.ndim
+    for a in range(x.ndim - 2, -1, -1):
+        strides[a] = strides[a + 1] * x.shape[a + 1]
+    n = x.shape[d]
+    index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
+    flat = apply("mul", index, _scalar(strides[d], int64))
+    for a in range(x.ndim):
+        if a != d:
+            flat = apply("add", flat, apply("mul", _iota(index.shape, a), _scalar(strides[a], int64)))
+    return apply("gather", reshape(x, (-1,)), flat, axis=0)
+
+
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    return take(x, index, _axis(dim, x.ndim))
+
+
+def tril(x: Tensor, diagonal: int = 0) -> Tensor:
+    return _triangle(x, diagonal, lower=True)
+
+
+def triu(x: Tensor, diagonal: int = 0) -> Tensor:
+    return _triangle(x, diagonal, lower=False)
+
+
+def _triangle(x: Tensor, k: int, lower: bool) -> Tensor:
+    shape = x.shape[-2:]
+    rows, cols = _iota(shape, 0), _iota(shape, 1)
+    diff = apply("sub", cols, rows)  # j - i
+    keep = apply("le", diff, _scalar(k, int64)) if lower else apply("ge", diff, _scalar(k, int64))
+    return apply("where", keep, x, _scalar(0 if not x.dtype.is_float else 0.0, x.dtype) if x.dtype is not bool_
+                 else _scalar(False, bool_))
+
+
+# --- linear algebra -----------------------------------------------------------------------
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """torch.matmul: 1-D operands are promoted to matrices and the added dim removed."""
+    d = result_type(a, b)
+    a, b = as_tensor(a, d), as_tensor(b, d)
+    if a.ndim == 0 or b.ndim == 0:
+        raise error(ErrorCode.RANK_MISMATCH, f"matmul: both operands need at least one dim, found {a.type} and {b.type}")
+    squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
+    if squeeze_a:
+        a = reshape(a, (1, a.shape[0]))
+    if squeeze_b:
+        b = reshape(b, (b.shape[0], 1))
+    out = apply("matmul", a, b)
+    if squeeze_a:
+        out = squeeze(out, -2)
+    if squeeze_b:
+        out = squeeze(out, -1)
+    return out
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias (weight is [out, in], as in torch)."""
+    y = matmul(x, transpose(weight, 0, 1))
+    return add(y, bias) if bias is not None else y
+
+
+# --- composites ---------------------------------------------------------------------------
+
+def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
+    x = cast(_float(x), as_dtype(dtype)) if dtype is not None else _float(x)
+    return apply("softmax", x, axis=_axis(dim, x.ndim))
+
+
+def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
+    x = cast(_float(x), as_dtype(dtype)) if dtype is not None else _float(x)
+    return apply("log_softmax", x, axis=_axis(dim, x.ndim))
+
+
+def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if x.shape[x.ndim - len(shape):] != shape:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"layer_norm: normalized_shape {shape} does not end {x.type}")
+    lead = x.shape[:x.ndim - len(shape)]
+    flat = reshape(x, lead + (int(np.prod(shape)),)) if len(shape) != 1 else x
+    w = reshape(weight, (-1,)) if weight is not None else None
+    b = reshape(bias, (-1,)) if bias is not None else None
+    if (w is None) != (b is None):  # the IR takes both or neither
+        n = flat.shape[-1]
+        w = w if w is not None else as_tensor(np.ones(n, numpy_dtype(flat.dtype)))
+        b = b if b is not None else as_tensor(np.zeros(n, numpy_dtype(flat.dtype)))
+    out = apply("layer_norm", flat, w, b, eps=eps) if w is not None else apply("layer_norm", flat, eps=eps)
+    return reshape(out, x.shape)
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None) -> Tensor:
+    if attn_mask is not None or dropout_p:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "scaled_dot_product_attention: attn_mask and dropout_p are not supported; "
+                    "use is_causal=True or compose softmax(q @ k^T) yourself")
+    return apply("scaled_dot_product_attention", q, k, v, causal=is_causal, scale=scale)
+
+
+# --- indexing -----------------------------------------------------------------------------
+
+def _expand_index(x: Tensor, index) -> list:
+    index = list(index) if isinstance(index, tuple) else [index]
+    index = [np.asarray(i) if isinstance(i, list) else i for i in index]
+    # A k-D bool mask covers k dims; None and ... cover none; anything else one.
+    consumed = builtins.sum(i.ndim if isinstance(i, (Tensor, np.ndarray)) and i.dtype in (bool_, np.bool_) else
+                            0 if i is None or i is Ellipsis else 1 for i in index)
+    if builtins.sum(1 for i in index if i is Ellipsis) > 1:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "an index can hold only one Ellipsis (...)")
+    if consumed > x.ndim:
+        raise error(ErrorCode.RANK_MISMATCH, f"too many indices ({consumed}) for a tensor of rank {x.ndim}")
+    # Identity tests: `in` and `.index` would compare tensors in the index with `==`.
+    at = next((k for k, i in enumerate(index) if i is Ellipsis), None)
+    if at is not None:
+        index[at:at + 1] = [slice(None)] * (x.ndim - consumed)
+        return index
+    return index + [slice(None)] * (x.ndim - consumed)
+
+
+def getitem(x: Tensor, index) -> Tensor:
+    """Basic indexing (ints, slices with any step, None, ...) as slices and reshapes;
+    integer tensors and lists as gathers (torch's advanced-indexing layout)."""
+    index = _expand_index(x, index)
+    out = x
+    axis = 0  # the dim of `out` that the next index entry applies to
+    advanced: list[tuple[int, Tensor]] = []
+    for i in index:
+        if i is None:
+            out = unsqueeze(out, axis)
+            axis += 1
+        elif isinstance(i, slice):
+            n = out.shape[axis]
+            start, stop, step = i.indices(n)
+            if step < 0:
+                # x[a:b:-s] is the flip of the ascending slice over the same elements.
+                count = builtins.max(0, (start - stop - step - 1) // -step)
+                lo = start + step * (count - 1) if count else 0
+                out = flip(_slice(out, axis, lo, lo + (count - 1) * -step + 1 if count else 0, -step), axis)
+            else:
+                count = builtins.max(0, (stop - start + step - 1) // step)
+                out = _slice(out, axis, start, start + (count - 1) * step + 1 if count else start, step)
+            axis += 1
+        elif isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+            n = out.shape[axis]
+            if not -n <= i < n:
+                raise error(ErrorCode.ATTRIBUTE_VALUE, f"index {i} is out of range for dim {axis} of size {n}")
+            out = squeeze(_slice(out, axis, int(i) % n, int(i) % n + 1, 1), axis)
+        elif isinstance(i, (Tensor, list, np.ndarray)):
+            t = as_tensor(i) if not isinstance(i, Tensor) else i
+            if t.dtype is bool_:
+                # A mask's result shape depends on its values: read it now (like torch, which
+                # syncs). A k-D mask covers k dims: the k index tensors of its True elements.
+                if t.shape != out.shape[axis:axis + t.ndim]:
+                    raise error(ErrorCode.SHAPE_MISMATCH, f"the mask {t.type} does not match dims {axis}.. "
+                                f"of {out.type}")
+                for k, where_true in enumerate(np.nonzero(t.numpy())):
+                    advanced.append((axis + k, as_tensor(where_true.astype(np.int64))))
+                axis += t.ndim
+                continue
+            advanced.append((axis, t))
+            axis += 1
+        else:
+            raise error(ErrorCode.ATTRIBUTE_TYPE, f"unsupported index {i!r} of type {type(i).__name__}")
+    if advanced:
+        out = _advanced(out, advanced)
+    return out
+
+
+def _advanced(x: Tensor, advanced: list[tuple[int, Tensor]]) -> Tensor:
+    """torch's advanced indexing with integer tensors at dims `axes`: the broadcast index
+    shape replaces those dims (in place when they are adjacent, else at the front)."""
+    axes = [a for a, _ in advanced]
+    idx = [cast(t, int64) for _, t in advanced]
+    shape = np.broadcast_shapes(*[t.shape for t in idx])
+    adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
+    rest = [a for a in range(x.ndim) if a not in axes]
+    x = permute(x, axes + rest)
+    # Merge the indexed dims into one and compute the flat index into it.
+    sizes = [x.shape[i] for i in range(len(axes))]
+    merged = int(np.prod(sizes)) if sizes else 1
+    x = reshape(x, (merged,) + x.shape[len(axes):])
+    flat = None
+    stride = 1
+    for t, n in reversed(list(zip(idx, sizes))):
+        t = where(apply("lt", t, _scalar(0, int64)), apply("add", t, _scalar(n, int64)), t)
+        term = expand(t, shape) if t.shape != tuple(shape) else t
+        term = apply("mul", term, _scalar(stride, int64)) if stride != 1 else term
+        flat = term if flat is None else apply("add", flat, term)
+        stride *= n
+    out = apply("gather", x, flat, axis=0)
+    if adjacent and axes[0] > 0:
+        k = len(shape)
+        front = list(range(k, k + axes[0]))
+        out = permute(out, front + list(range(k)) + list(range(k + axes[0], out.ndim)))
+    return out
+
+
+def setitem(x: Tensor, index, value) -> Tensor:
+    """The value of x after `x[index] = value`, as a new lazy tensor: the flat positions
+    the index selects are found by indexing an iota, and the values scattered there.
+    `x[mask] = scalar` (the common masking idiom) is a `where`, which reads no values."""
+    if isinstance(index, Tensor) and index.dtype is bool_ and index.shape == x.shape[:index.ndim] and (
+            not isinstance(value, Tensor) or value.ndim == 0):
+        mask = reshape(index, index.shape + (1,) * (x.ndim - index.ndim))
+        return where(mask, as_tensor(value, x.dtype), x)
+    positions = getitem(reshape(_iota((x.numel(),), 0), x.shape), index)
+    value = as_tensor(value, x.dtype)
+    extra = value.ndim - positions.ndim
+    if extra > 0 and value.shape[:extra] == (1,) * extra:  # torch drops leading size-1 dims
+        value = reshape(value, value.shape[extra:])
+    value = expand(value, positions.shape) if value.shape != positions.shape else value
+    flat_pos = reshape(positions, (-1,))
+    flat_val = reshape(value, (-1,))
+    n = x.numel()
+    hit = apply("scatter_add", apply("full", type=TensorType(int64, (n,)), value=0), flat_pos,
+                apply("full", type=TensorType(int64, flat_pos.shape), value=1), axis=0)
+    vals_dtype = x.dtype if x.dtype is not bool_ else int64
+    placed = apply("scatter_add", apply("full", type=TensorType(vals_dtype, (n,)), value=0), flat_pos,
+                   cast(flat_val, vals_dtype), axis=0)
+    placed = cast(placed, x.dtype)
+    new = where(apply("gt", hit, _scalar(0, int64)), placed, reshape(x, (-1,)))
+    return reshape(new, x.shape)
+
+
+def to(x: Tensor, *args, **kwargs) -> Tensor:
+    """x.to(dtype) / x.to("cpu") / x.to(device, dtype)."""
+    dtype = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, str) and a.startswith("cpu"):
+            continue
+        dtype = a
+    return cast(x, dtype) if dtype is not None else x
+
+
+def _setitem_method(self: Tensor, index, value) -> None:
+    """In place for the user, functional underneath: the tensor now names the new value,
+    computed from a snapshot of the old one (so the graph has no cycle, and ops that read
+    the old value keep reading it)."""
+    leaf = self._op is None and self.requires_grad
+    if leaf and is_grad_enabled():
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "a leaf tensor that requires grad cannot be assigned to in place "
+                    "(use `with dtm.no_grad():` to change its value)")
+    new = setitem(self._snapshot(), index, value)
+    if leaf:  # written under no_grad: it stays a leaf that requires grad, as in torch
+        self._buffer = new.realize()._buffer
+        return
+    self.type, self._op, self._inputs, self._attrs, self._buffer = new.type, new._op, new._inputs, new._attrs, None
+    self.requires_grad = new.requires_grad
+    for t in new._inputs:
+        t._add_user(self)
+
+
+def _reflected(fn):
+    return lambda self, other: fn(other, self)
+
+
+_METHODS = {
+    # operators
+    "__add__": add, "__radd__": _reflected(add), "__sub__": sub, "__rsub__": _reflected(sub),
+    "__mul__": mul, "__rmul__": _reflected(mul), "__truediv__": div, "__rtruediv__": _reflected(div),
+    "__floordiv__": floor_divide, "__rfloordiv__": _reflected(floor_divide), "__mod__": remainder,
+    "__rmod__": _reflected(remainder), "__pow__": pow, "__rpow__": _reflected(pow), "__matmul__": matmul,
+    "__rmatmul__": _reflected(matmul), "__neg__": neg, "__abs__": abs, "__eq__": eq, "__ne__": ne,
+    "__lt__": lt, "__le__": le, "__gt__": gt, "__ge__": ge, "__and__": _boolean_operator(logical_and),
+    "__or__": _boolean_operator(logical_or), "__xor__": _boolean_operator(logical_xor), "__invert__": _invert,
+    "__rand__": _reflected(_boolean_operator(logical_and)), "__ror__": _reflected(_boolean_operator(logical_or)),
+    "__rxor__": _reflected(_boolean_operator(logical_xor)), "__getitem__": getitem, "__setitem__": _setitem_method,
+    # methods
+    "add": add, "sub": sub, "mul": mul, "div": div, "pow": pow, "neg": neg, "abs": abs, "sign": sign,
+    "exp": exp, "exp2": exp2, "log": log, "log2": log2, "sqrt": sqrt, "rsqrt": rsqrt, "reciprocal": reciprocal,
+    "sin": sin, "cos": cos, "tanh": tanh, "erf": erf, "sigmoid": sigmoid, "floor": floor, "ceil": ceil,
+    "round": round, "trunc": trunc, "relu": relu, "gelu": gelu, "silu": silu, "clamp": clamp, "clip": clamp,
+    "maximum": maximum, "minimum": minimum, "eq": eq, "ne": ne, "lt": lt, "le": le, "gt": gt, "ge": ge,
+    "logical_not": logical_not, "logical_and": logical_and, "logical_or": logical_or,
+    "masked_fill": masked_fill, "where": lambda self, cond, other: where(cond, self, other),
+    "sum": sum, "prod": prod, "mean": mean, "var": var, "std": std, "max": max, "min": min, "amax": amax,
+    "amin": amin, "argmax": argmax, "argmin": argmin,
+    "reshape": reshape, "view": view, "permute": permute, "transpose": transpose, "expand": expand,
+    "broadcast_to": broadcast_to, "squeeze": squeeze, "unsqueeze": unsqueeze, "flatten": flatten,
+    "split": split, "chunk": chunk, "flip": flip, "narrow": narrow, "gather": gather,
+    "index_select": index_select, "tril": tril, "triu": triu, "matmul": matmul,
+    "softmax": softmax, "log_softmax": log_softmax, "to": to, "type_as": lambda self, o: cast(self, o.dtype),
+    "contiguous": lambda self: self, "clone": lambda self: self.detach() if not self.requires_grad else add(self, 0),
+    "float": lambda self: cast(self, float32), "double": lambda self: cast(self, "f64"),
+    "half": lambda self: cast(self, "f16"), "bfloat16": lambda self: cast(self, "bf16"),
+    "long": lambda self: cast(self, int64), "int": lambda self: cast(self, "i32"), "bool": lambda self: cast(self, bool_),
+    "cpu": lambda self: self,
+    "t": lambda self: transpose(self, 0, 1) if self.ndim == 2 else self,
+    "T": property(lambda self: permute(self, tuple(reversed(range(self.ndim))))),
+    "mT": property(lambda self: transpose(self, -2, -1)),
+}
+for _name, _fn in _METHODS.items():
+    setattr(Tensor, _name, _fn)
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in (
+    "annotations", "builtins", "namedtuple", "np", "Any", "Sequence", "ErrorCode", "TensorType", "Tensor",
+    "apply", "as_dtype", "bool_", "error", "float32", "int64", "is_grad_enabled", "result_type", "numpy_dtype",
+    "DEFAULT_FLOAT", "MinMax")]

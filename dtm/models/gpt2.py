@@ -1,0 +1,228 @@
+"""GPT-2, in the shape of nanoGPT's model.py: the paper's model on one page.
+
+`GPT2.from_pretrained(dir)` reads a Hugging Face checkpoint directory (config.json and
+model.safetensors, HF names, Conv1D weights stored [in, out] and transposed here, lm_head
+tied to wte). `generate` decodes with a per-layer key/value cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .. import functional as F
+from .. import nn
+from ..errors import DTMError, ErrorCode
+from ..nn import functional as NF
+from ..tensor import Tensor, manual_seed, no_grad, rand, randn, realize, tensor
+
+
+# Weights HF keeps in Conv1D layout, [in, out]: transposed to and from Linear's [out, in].
+_CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+    dropout: float = 0.0
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "GPT2Config":
+        known = {f.name for f in fields(cls)}
+        out = cls(**{k: v for k, v in cfg.items() if k in known})
+        out.dropout = cfg.get("resid_pdrop", 0.0)
+        return out
+
+
+class KVCache:
+    """Keys and values seen so far, per layer: [B, n_head, T_past, head_dim]."""
+
+    def __init__(self, n_layer: int):
+        self.k: list[Tensor | None] = [None] * n_layer
+        self.v: list[Tensor | None] = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = F.split(self.c_attn(x), C, dim=2)
+        # [B, T, C] -> [B, n_head, T, head_dim]
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            if cache.k[layer] is not None:
+                k = F.cat([cache.k[layer], k], dim=2)
+                v = F.cat([cache.v[layer], v], dim=2)
+            cache.k[layer], cache.v[layer] = k, v
+        # A single new token may attend to every cached position; a prompt attends causally.
+        y = NF.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        if init:
+            self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p._buffer = np.zeros(p.shape, np.float32)
+            elif name.startswith("ln_f") or ".ln_" in name:
+                p._buffer = np.ones(p.shape, np.float32)
+            else:
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
+                p._buffer = (randn(*p.shape) * std).numpy()
+
+    def forward(self, ids, cache: KVCache | None = None) -> Tensor:
+        """ids: int64 [B, T] -> logits [B, T, vocab_size]."""
+        ids = ids if isinstance(ids, Tensor) else tensor(np.asarray(ids, dtype=np.int64))
+        B, T = ids.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.config.n_positions:
+            raise DTMError(ErrorCode.SHAPE_MISMATCH, f"GPT2: {start + T} positions exceed n_positions = "
+                           f"{self.config.n_positions}")
+        pos = tensor(np.arange(start, start + T, dtype=np.int64))
+        x = self.drop(self.wte(ids) + self.wpe(pos))
+        for i, block in enumerate(self.h):
+            x = block(x, cache, i)
+        x = self.ln_f(x)
+        return F.matmul(x, self.wte.weight.transpose(0, 1))  # lm_head shares wte's weights
+
+    @no_grad()
+    def generate(self, ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 progress: bool = False) -> Tensor:
+        """The prompt followed by `max_new_tokens` tokens: greedy when temperature is 0,
+        else sampled from softmax(logits / temperature) over the top_k most likely."""
+        ids = np.asarray(ids.numpy() if isinstance(ids, Tensor) else ids, dtype=np.int64)
+        if ids.ndim == 1:
+            ids = ids[None]
+        cache = KVCache(self.config.n_layer)
+        out = [ids]
+        step_input = ids
+        for i in range(max_new_tokens):
+            logits = self(tensor(step_input), cache)[:, -1, :]
+            # One program computes the logits and the new cache; realizing the cache now keeps
+            # the next step from recomputing every earlier one.
+            realize(logits, *cache.k, *cache.v)
+            nxt = self._pick(logits, temperature, top_k)
+            out.append(nxt)
+            step_input = nxt
+            if progress:
+                print(f"\rgenerating: {i + 1}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        return tensor(np.concatenate(out, axis=1))
+
+    @staticmethod
+    def _pick(logits: Tensor, temperature: float, top_k: int | None) -> np.ndarray:
+        if temperature == 0.0:
+            return F.argmax(logits, dim=-1, keepdim=True).numpy()
+        logits = F.div(logits, temperature)
+        if top_k is not None:
+            kth = np.sort(logits.numpy(), axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
+            logits = F.masked_fill(logits, logits < tensor(kth), float("-inf"))
+        probs = F.softmax(logits, dim=-1).numpy().astype(np.float64)
+        u = rand(probs.shape[0], 1, dtype="f64").numpy()
+        cdf = np.cumsum(probs, axis=-1)
+        return np.minimum((cdf < u * cdf[:, -1:]).sum(-1, keepdims=True), probs.shape[-1] - 1).astype(np.int64)
+
+    def hf_state_dict(self) -> dict[str, np.ndarray]:
+        """This model's weights under HF GPT2LMHeadModel's names and layouts (Conv1D weights
+        as [in, out], lm_head tied to wte): the inverse of from_pretrained."""
+        out = {}
+        for name, t in self.state_dict().items():
+            w = t.numpy()
+            if name.endswith(_CONV1D):
+                w = np.ascontiguousarray(w.T)
+            out["transformer." + name] = w
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+        return out
+
+    def save_pretrained(self, path: str) -> None:
+        """Write an HF GPT-2 checkpoint directory (config.json, model.safetensors)."""
+        os.makedirs(path, exist_ok=True)
+        c = self.config
+        config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
+                  "n_positions": c.n_positions, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+                  "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+                  "attn_pdrop": c.dropout, "activation_function": "gelu_new"}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        state = {k: v for k, v in self.hf_state_dict().items() if k != "lm_head.weight"}
+        nn.save_safetensors(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "GPT2":
+        """Load a Hugging Face GPT-2 checkpoint directory (config.json, model.safetensors)."""
+        with open(os.path.join(path, "config.json")) as f:
+            config = GPT2Config.from_hf(json.load(f))
+        model = cls(config, init=False)
+        weights = nn.load_safetensors(os.path.join(path, "model.safetensors"))
+        state = {}
+        for name, t in weights.items():
+            name = name.removeprefix("transformer.")
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+                continue  # causal-mask buffers; the head is tied to wte
+            if name.endswith(_CONV1D):
+                t = Tensor.from_numpy(np.ascontiguousarray(t.numpy().T))  # HF Conv1D stores [in, out]
+            state[name] = t
+        model.load_state_dict(state)
+        return model.eval()
+
+
+__all__ = ["GPT2", "GPT2Config", "KVCache", "manual_seed"]

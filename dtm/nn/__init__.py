@@ -1,0 +1,9 @@
+"""Neural-network modules and functions, named as in torch.nn."""
+
+from . import functional
+from .modules import (GELU, CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleList, Parameter,
+                      ReLU, Sequential, Tanh)
+from .weights import load_safetensors, save_safetensors
+
+__all__ = ["functional", "Module", "Parameter", "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU",
+           "Tanh", "Sequential", "ModuleList", "CrossEntropyLoss", "save_safetensors", "load_safetensors"]

@@ -1,0 +1,152 @@
+"""The execution context of the reference interpreter: who this rank is, where it sits on
+each mesh, its tensor store, and how it talks to the other ranks.
+
+Group semantics (normative, spec "Collectives"): a rank's coordinates on a mesh are its
+index unravelled row-major over the mesh's axes. The group of a rank for `axes` is every
+rank that shares its coordinates on each mesh axis *not* in `axes`; a member's index within
+the group is its coordinates on `axes` raveled row-major in the order `axes` lists them.
+So on a 2 x 2 mesh [dp, tp], rank 3 = (1, 1) has group [2, 3] for ["tp"], [1, 3] for
+["dp"], [0, 1, 2, 3] for ["dp", "tp"] and [0, 2, 1, 3] for ["tp", "dp"].
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from ..errors import DTMError, ErrorCode as E
+from ..ir.types import Mesh
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class Comm(Protocol):
+    """What the reference ops need from a device group. Ranks are global (row-major over
+    the mesh); `group` lists the global ranks of one group in group order."""
+
+    def exchange(self, op: str, group: tuple[int, ...], rank: int, x: np.ndarray,
+                 timeout: float) -> list[np.ndarray]:
+        """Contribute `x` and return every member's contribution, in group order. `op`
+        describes the call (op, attributes, dtype, shape) and must be the same on every
+        member. Blocks until the whole group has contributed; raises DTMError: TIMEOUT after
+        `timeout` seconds, COLLECTIVE_MISMATCH when the members' `op` differ."""
+        ...
+
+    def send(self, src: int, dst: int, x: np.ndarray, timeout: float) -> None:
+        """Queue a copy of `x` for `dst`; returns without waiting for the receiver."""
+        ...
+
+    def recv(self, src: int, dst: int, timeout: float) -> np.ndarray:
+        """The oldest tensor `src` queued for `dst` (FIFO per ordered pair of ranks)."""
+        ...
+
+
+class Mailbox:
+    """Point-to-point queues between ranks of one process: FIFO per ordered pair (src, dst).
+    `send` never blocks (it is buffered); `recv` waits up to `timeout` seconds."""
+
+    def __init__(self):
+        self._queues: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self._cond = threading.Condition()
+        self.aborted: str | None = None  # set by the device group when a rank fails
+
+    def send(self, src: int, dst: int, x: np.ndarray, timeout: float) -> None:
+        with self._cond:
+            self._queues[(src, dst)].append(np.array(x, copy=True))
+            self._cond.notify_all()
+
+    def recv(self, src: int, dst: int, timeout: float) -> np.ndarray:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            queue = self._queues[(src, dst)]
+            while not queue:
+                left = deadline - time.monotonic()
+                if self.aborted is not None:
+                    raise DTMError(E.TIMEOUT, f"recv on rank {dst} from rank {src}: abandoned, {self.aborted}")
+                if left <= 0:
+                    raise DTMError(E.TIMEOUT, f"recv on rank {dst}: nothing arrived from rank {src} "
+                                   f"in {timeout:g} s")
+                self._cond.wait(left)
+            return queue.popleft()
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            self.aborted = reason
+            self._cond.notify_all()
+
+
+@dataclass
+class RefContext:
+    """Per-rank state of one reference execution.
+
+    rank:    this rank's global index (row-major over the mesh's axes); 0 on one device.
+    meshes:  the meshes collectives name; `run` fills it from the module when empty.
+    store:   the tensor store that store_get / store_put read and write.
+    comm:    the device group; None on a single device, where only groups of one work.
+    timeout: seconds a collective or recv waits before raising DTMError (TIMEOUT).
+    module:  the module being run (set by `run`; `call` runs its other functions).
+    """
+
+    rank: int = 0
+    meshes: dict[str, Mesh] = field(default_factory=dict)
+    store: dict[str, np.ndarray] = field(default_factory=dict)
+    comm: Comm | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    module: object | None = None
+    _mailbox: Mailbox | None = field(default=None, repr=False)
+
+    def p2p(self) -> Comm:
+        """Where send and recv go: the device group, or on one device a private mailbox
+        (so a rank can send to itself; a recv with nothing queued times out at once)."""
+        if self.comm is not None:
+            return self.comm
+        if self._mailbox is None:
+            self._mailbox = Mailbox()
+        return _SelfMailbox(self._mailbox)
+
+    def mesh(self, name: str) -> Mesh:
+        m = self.meshes.get(name)
+        if m is None:
+            raise DTMError(E.UNDEFINED_MESH, f"mesh @{name} is not declared")
+        if not 0 <= self.rank < m.size:
+            raise DTMError(E.INVALID_GROUP, f"rank {self.rank} is not on mesh @{name} of {m.size} ranks")
+        return m
+
+    def coords(self, mesh: str) -> dict[str, int]:
+        """This rank's coordinate on every axis of `mesh` (row-major unravel of rank)."""
+        m = self.mesh(mesh)
+        idx = np.unravel_index(self.rank, tuple(s for _, s in m.axes))
+        return {a: int(i) for (a, _), i in zip(m.axes, idx)}
+
+    def group(self, mesh: str, axes: Sequence[str]) -> tuple[tuple[int, ...], int]:
+        """(global ranks of this rank's group in group order, this rank's index in it)."""
+        m = self.mesh(mesh)
+        sizes = dict(m.axes)
+        for a in axes:
+            if a not in sizes:
+                raise DTMError(E.UNKNOWN_MESH_AXIS, f"mesh @{mesh} has axes {list(sizes)}, not {a!r}")
+        mine = self.coords(mesh)
+        members = []
+        for combo in itertools.product(*(range(sizes[a]) for a in axes)):  # row-major over axes
+            c = dict(mine, **dict(zip(axes, combo)))
+            members.append(int(np.ravel_multi_index(tuple(c[a] for a, _ in m.axes), tuple(sizes.values()))))
+        return tuple(members), members.index(self.rank)
+
+
+class _SelfMailbox:
+    """A single rank's mailbox: nobody else can send, so an empty queue fails at once."""
+
+    def __init__(self, mailbox: Mailbox):
+        self.mailbox = mailbox
+
+    def send(self, src: int, dst: int, x: np.ndarray, timeout: float) -> None:
+        self.mailbox.send(src, dst, x, timeout)
+
+    def recv(self, src: int, dst: int, timeout: float) -> np.ndarray:
+        return self.mailbox.recv(src, dst, 0.0)

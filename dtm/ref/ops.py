@@ -1,0 +1,568 @@
+"""The reference semantics: one numpy implementation per op of the registry.
+
+`IMPLS[name](ctx, attrs, *inputs, out_types=...)` returns the op's results as a tuple of
+numpy arrays. `attrs` holds every attribute with symbolic dims already evaluated, and
+`out_types` the result types with static shapes, which creation ops read their shape and
+dtype from. Each result has exactly the shape and numpy dtype of its type (quantized types:
+the uint8 block storage of `dtm.ref.quant`).
+
+Conventions that hold for every op below:
+- Narrow floats (f16, bf16, f8e4m3, f8e5m2) are computed in f32 and the result rounded
+  once to the result dtype; f32 computes in f32 and f64 in f64. Exceptions, computed in
+  f64 and rounded once: `erf`, exact `gelu` and `random`.
+- Integers wrap around (two's complement), never raise, never promote; division by zero
+  gives 0. No op warns: the interpreter silences numpy's floating-point warnings.
+- Results never alias operands (the interpreter copies a result that might).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import DTMError, ErrorCode as E
+from ..ir.types import TensorType
+from . import philox, quant
+from .mathfn import erf as _erf_f64
+
+Impl = Callable[..., tuple]
+IMPLS: dict[str, Impl] = {}
+
+NARROW_FLOATS = frozenset(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16,
+                                                ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2))
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+def _wide(x: np.ndarray) -> np.ndarray:
+    """The array to compute with: narrow floats as f32, everything else as is."""
+    return x.astype(np.float32) if x.dtype in NARROW_FLOATS else x
+
+
+def _np(t: TensorType) -> np.dtype:
+    return quant.storage_dtype(t.dtype)
+
+
+def _as(x, t: TensorType) -> np.ndarray:
+    """x rounded (or converted) to the numpy dtype of type t."""
+    return np.asarray(x).astype(_np(t), copy=False)
+
+
+def _scalar(value, dtype: np.dtype):
+    """An attribute scalar as a 0-d array of `dtype` (integers wrap, floats round)."""
+    return np.array(value).astype(dtype)
+
+
+def _is_int(x: np.ndarray) -> bool:
+    return x.dtype.kind in "iu"
+
+
+def _is_float(x: np.ndarray) -> bool:
+    return x.dtype.kind == "f" or x.dtype in NARROW_FLOATS  # ml_dtypes' kind is "V"
+
+
+def _clamp_index(idx: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Integer indices of any dtype clamped into [lo, hi] (hi >= lo), as int64."""
+    idx = np.asarray(idx)
+    if idx.dtype.kind == "u":  # large u64 values must not wrap to negatives
+        return np.maximum(np.minimum(idx.astype(np.uint64), np.uint64(hi)).astype(np.int64), lo)
+    return np.clip(idx.astype(np.int64), lo, hi)
+
+
+def register(name: str):
+    def deco(fn: Impl) -> Impl:
+        assert name not in IMPLS, name
+        IMPLS[name] = fn
+        return fn
+    return deco
+
+
+def elementwise(name: str, fn: Callable) -> None:
+    """Register an op that applies fn to its (widened) operands; numpy broadcasting."""
+    def impl(ctx, attrs, *xs, out_types):
+        return (_as(fn(*[_wide(x) for x in xs]), out_types[0]),)
+    impl.__name__ = f"ref_{name}"
+    register(name)(impl)
+
+
+# --- elementwise unary -------------------------------------------------------------------
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))  # exp overflow gives inf and 1/inf = 0: exact limits
+
+
+for _name, _fn in {
+    "neg": np.negative, "abs": np.abs,        # integers wrap: abs(MIN) = MIN
+    "sign": np.sign,                          # NaN stays NaN
+    "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt,
+    "rsqrt": lambda x: np.reciprocal(np.sqrt(x)), "reciprocal": np.reciprocal,
+    "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
+    "erf": _erf_f64,                          # in f64 (fdlibm's, < 1 ulp), then rounded
+    "sigmoid": _sigmoid, "floor": np.floor, "ceil": np.ceil,
+    "round": np.rint,                         # half to even
+    "logical_not": np.logical_not,
+}.items():
+    elementwise(_name, _fn)
+
+
+@register("cast")
+def _cast(ctx, attrs, x, *, out_types):
+    """Float -> int truncates toward zero, saturates out of range, NaN -> 0; any -> bool is
+    x != 0 (NaN -> true); int -> int wraps; other pairs round to nearest even (numpy astype).
+    Quantized: float -> q8_0/q4_0 quantizes, and back dequantizes (dtm.ref.quant)."""
+    t = out_types[0]
+    if t.dtype.is_quant:
+        return (quant.quantize(x, t.dtype),)
+    if x.shape != tuple(t.shape):  # uint8 block storage of a quantized operand
+        src = quant.dtype_of_storage(x.shape[-1], t.shape[-1])
+        return (quant.dequantize(x, src, _np(t)),)
+    out = _np(t)
+    if out == np.bool_:
+        return (x != 0,)
+    if out.kind in "iu" and _is_float(x):
+        return (_float_to_int(x, out),)
+    return (x.astype(out),)
+
+
+def _float_to_int(x: np.ndarray, out: np.dtype) -> np.ndarray:
+    t = np.trunc(x.astype(np.float64))
+    info = np.iinfo(out)
+    high = t >= float(info.max)  # float(max) rounds up to 2^63 / 2^64 for 64-bit: still right
+    low = t <= float(info.min)
+    inside = np.where(high | low | np.isnan(t), 0, t).astype(out)
+    return np.where(high, info.max, np.where(low, info.min, inside)).astype(out)
+
+
+@register("bitcast")
+def _bitcast(ctx, attrs, x, *, out_types):
+    """The same bits read as the result dtype; to bool, a nonzero byte reads as true."""
+    out = _np(out_types[0])
+    if out == np.bool_:
+        return (x.view(np.uint8) != 0,)
+    return (x.view(out),)
+
+
+# --- elementwise binary, comparisons, where ------------------------------------------------
+
+def _trunc_div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Integer x / y rounded toward zero (C semantics); y == 0 gives 0; MIN / -1 wraps to MIN."""
+    safe = np.where(y == 0, 1, y).astype(y.dtype)
+    q = np.floor_divide(x, safe)
+    if x.dtype.kind == "i":  # floor -> trunc: inexact quotients of unlike signs step toward zero
+        step = (np.remainder(x, safe) != 0) & ((x < 0) != (safe < 0))
+        q = q + step.astype(q.dtype)
+    return np.where(y == 0, np.zeros((), q.dtype), q)
+
+
+def _div(x, y):
+    return _trunc_div(x, y) if _is_int(x) else x / y
+
+
+def _mod(x, y):
+    if _is_int(x):  # C fmod: the sign of x; y == 0 gives 0
+        safe = np.where(y == 0, 1, y).astype(y.dtype)
+        return np.where(y == 0, np.zeros((), x.dtype), np.fmod(x, safe))
+    return np.fmod(x, y)
+
+
+
+for _name, _fn in {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _div, "pow": np.power,
+    "max": np.maximum, "min": np.minimum,    # NaN propagates
+    "mod": _mod,
+    "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor,
+    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+    "gt": np.greater, "ge": np.greater_equal,
+}.items():
+    elementwise(_name, _fn)
+
+
+@register("where")
+def _where(ctx, attrs, cond, x, y, *, out_types):
+    return (_as(np.where(cond, x, y), out_types[0]),)
+
+
+# --- reductions ----------------------------------------------------------------------------
+
+def _identity(ufunc, dtype: np.dtype):
+    """The initial value of a max / min reduction: what an empty reduction returns."""
+    if dtype.kind == "f":
+        return -np.inf if ufunc is np.maximum else np.inf
+    info = np.iinfo(dtype)
+    return info.min if ufunc is np.maximum else info.max
+
+
+def _reduction(name: str, ufunc) -> None:
+    """Reduce over `axes` (an empty list reduces nothing); integers wrap; max / min
+    propagate NaN and of an empty set are -inf / +inf (integers: the dtype's min / max)."""
+    def impl(ctx, attrs, x, *, out_types):
+        w = _wide(x)
+        kw = {"initial": _identity(ufunc, w.dtype)} if ufunc in (np.maximum, np.minimum) else {"dtype": w.dtype}
+        r = ufunc.reduce(w, axis=tuple(attrs["axes"]), keepdims=attrs["keepdims"], **kw)
+        return (_as(r, out_types[0]),)
+    impl.__name__ = f"ref_{name}"
+    register(name)(impl)
+
+
+_reduction("reduce_sum", np.add)
+_reduction("reduce_prod", np.multiply)
+_reduction("reduce_max", np.maximum)
+_reduction("reduce_min", np.minimum)
+
+
+def _arg_reduction(name: str, fn) -> None:
+    """The first index of the extreme along `axis` (a NaN counts as the extreme, so the
+    first NaN wins); 0 where the axis is empty."""
+    def impl(ctx, attrs, x, *, out_types):
+        axis = attrs["axis"]
+        if x.shape[axis] == 0:
+            return (np.zeros(out_types[0].shape, np.int64),)
+        return (_as(fn(_wide(x), axis=axis, keepdims=attrs["keepdims"]), out_types[0]),)
+    impl.__name__ = f"ref_{name}"
+    register(name)(impl)
+
+
+_arg_reduction("argmax", np.argmax)
+_arg_reduction("argmin", np.argmin)
+
+
+# --- movement ------------------------------------------------------------------------------
+
+@register("reshape")
+def _reshape(ctx, attrs, x, *, out_types):
+    return (np.reshape(x, tuple(attrs["shape"])),)  # row-major
+
+
+@register("permute")
+def _permute(ctx, attrs, x, *, out_types):
+    return (np.transpose(x, attrs["perm"]),)
+
+
+@register("broadcast_to")
+def _broadcast_to(ctx, attrs, x, *, out_types):
+    return (np.broadcast_to(x, tuple(attrs["shape"])),)
+
+
+@register("slice")
+def _slice(ctx, attrs, x, *, out_types):
+    for i, (a, b, d) in enumerate(zip(attrs["start"], attrs["stop"], x.shape)):
+        if not 0 <= a <= b <= d:  # reachable only through symbolic bounds: the verifier checks the rest
+            raise DTMError(E.ATTRIBUTE_VALUE, f"slice: dim {i} of size {d} needs 0 <= start <= stop <= {d}, "
+                           f"found {a}:{b}")
+    return (x[tuple(slice(a, b, s) for a, b, s in zip(attrs["start"], attrs["stop"], attrs["step"]))],)
+
+
+@register("pad")
+def _pad(ctx, attrs, x, *, out_types):
+    out = np.full(out_types[0].shape, _scalar(attrs["value"], x.dtype), x.dtype)
+    out[tuple(slice(lo, lo + d) for lo, d in zip(attrs["low"], x.shape))] = x
+    return (out,)
+
+
+@register("concat")
+def _concat(ctx, attrs, *xs, out_types):
+    return (np.concatenate(xs, axis=attrs["axis"]),)
+
+
+def _along(axis: int, index) -> tuple:
+    """An index expression selecting `index` on dim `axis`."""
+    return (slice(None),) * axis + (index,)
+
+
+@register("gather")
+def _gather(ctx, attrs, x, indices, *, out_types):
+    """np.take with every index clamped into [0, n - 1] (negatives clamp to 0, no wrap);
+    from an empty axis every element is 0."""
+    axis, n = attrs["axis"], x.shape[attrs["axis"]]
+    if n == 0:
+        return (np.zeros(out_types[0].shape, x.dtype),)
+    return (np.take(x, _clamp_index(indices, 0, n - 1), axis=axis),)
+
+
+@register("scatter_add")
+def _scatter_add(ctx, attrs, x, indices, updates, *, out_types):
+    """x plus every update added at its clamped index (the transpose of gather); repeated
+    indices accumulate in row-major order of `indices`."""
+    axis, n = attrs["axis"], x.shape[attrs["axis"]]
+    out = _wide(x).copy()
+    if n > 0:
+        np.add.at(out, _along(axis, _clamp_index(indices, 0, n - 1)), _wide(updates))
+    return (_as(out, out_types[0]),)
+
+
+@register("flip")
+def _flip(ctx, attrs, x, *, out_types):
+    return (np.flip(x, axis=tuple(attrs["axes"])) if attrs["axes"] else x,)
+
+
+def _start(start: np.ndarray, dim: int, size: int) -> int:
+    """A run-time start clamped into [0, dim - size], so the window always fits."""
+    return int(_clamp_index(start, 0, max(dim - size, 0)))
+
+
+@register("dynamic_slice")
+def _dynamic_slice(ctx, attrs, x, start, *, out_types):
+    axis, size = attrs["axis"], attrs["size"]
+    if size > x.shape[axis]:
+        raise DTMError(E.ATTRIBUTE_VALUE, f"dynamic_slice: size {size} does not fit dim {axis} of size {x.shape[axis]}")
+    s = _start(start, x.shape[axis], size)
+    return (x[_along(axis, slice(s, s + size))],)
+
+
+@register("dynamic_update_slice")
+def _dynamic_update_slice(ctx, attrs, x, update, start, *, out_types):
+    axis = attrs["axis"]
+    size, dim = update.shape[axis], x.shape[axis]
+    if size > dim:
+        raise DTMError(E.SHAPE_MISMATCH, f"dynamic_update_slice: the update has {size} elements along dim "
+                       f"{axis}, the operand only {dim}")
+    out = x.copy()
+    s = _start(start, dim, size)
+    out[_along(axis, slice(s, s + size))] = update
+    return (out,)
+
+
+# --- linear algebra ------------------------------------------------------------------------
+
+@register("matmul")
+def _matmul(ctx, attrs, a, b, *, out_types):
+    """np.matmul over the last two dims, batch dims broadcast; integers accumulate in their
+    own dtype, wrapping (the result is exact modulo 2^bits)."""
+    return (_as(np.matmul(_wide(a), _wide(b)), out_types[0]),)
+
+
+# --- creation ------------------------------------------------------------------------------
+
+@register("constant")
+def _constant(ctx, attrs, *, out_types):
+    return (attrs["value"].to_numpy(),)
+
+
+@register("full")
+def _full(ctx, attrs, *, out_types):
+    t = out_types[0]
+    return (np.full(t.shape, _scalar(attrs["value"], _np(t)), _np(t)),)
+
+
+@register("iota")
+def _iota(ctx, attrs, *, out_types):
+    t, dim = out_types[0], attrs["dim"]
+    shape = tuple(t.shape)
+    line = np.arange(shape[dim], dtype=np.int64).reshape([-1 if i == dim else 1 for i in range(len(shape))])
+    return (np.broadcast_to(line, shape).astype(_np(t)),)
+
+
+@register("random")
+def _random(ctx, attrs, key, *, out_types):
+    """Philox4x32-10 of each element's row-major index under `key` (dtm.ref.philox)."""
+    t = out_types[0]
+    draw = philox.uniform if attrs["distribution"] == "uniform" else philox.normal
+    return (draw(key, tuple(t.shape), _np(t)),)
+
+
+# --- composites (computed in f32 for narrow floats, then rounded once) ---------------------
+
+def _softmax_f(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)  # subtract the max: no overflow
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+@register("softmax")
+def _softmax(ctx, attrs, x, *, out_types):
+    return (_as(_softmax_f(_wide(x), attrs["axis"]), out_types[0]),)
+
+
+@register("log_softmax")
+def _log_softmax(ctx, attrs, x, *, out_types):
+    w, axis = _wide(x), attrs["axis"]
+    m = np.max(w, axis=axis, keepdims=True, initial=-np.inf)
+    return (_as(w - m - np.log(np.sum(np.exp(w - m), axis=axis, keepdims=True)), out_types[0]),)
+
+
+@register("layer_norm")
+def _layer_norm(ctx, attrs, x, *affine, out_types):
+    """(x - mean) / sqrt(var + eps) over the last dim, var biased (divide by n)."""
+    w = _wide(x)
+    mean = np.mean(w, axis=-1, keepdims=True)
+    var = np.mean(np.square(w - mean), axis=-1, keepdims=True)
+    y = (w - mean) / np.sqrt(var + attrs["eps"])
+    if affine:
+        weight, bias = affine
+        y = y * _wide(weight) + _wide(bias)
+    return (_as(y, out_types[0]),)
+
+
+@register("gelu")
+def _gelu(ctx, attrs, x, *, out_types):
+    """exact: 0.5 x (1 + erf(x / sqrt 2)), in f64; tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    if attrs["approximate"] == "none":
+        w = x.astype(np.float64)
+        return (_as(0.5 * w * (1.0 + _erf_f64(w / math.sqrt(2.0))), out_types[0]),)
+    w = _wide(x)
+    inner = math.sqrt(2.0 / math.pi) * (w + 0.044715 * w * w * w)
+    return (_as(0.5 * w * (1 + np.tanh(inner)), out_types[0]),)
+
+
+@register("silu")
+def _silu(ctx, attrs, x, *, out_types):
+    w = _wide(x)
+    return (_as(w * _sigmoid(w), out_types[0]),)
+
+
+@register("scaled_dot_product_attention")
+def _sdpa(ctx, attrs, q, k, v, *, out_types):
+    """softmax(q k^T * scale) v over [..., L, D], [..., S, D], [..., S, Dv]; scale defaults
+    to 1/sqrt(D); causal keeps key j for query i iff j <= i (top-left aligned, as
+    torch's is_causal); with S = 0 the result is 0."""
+    q, k, v = _wide(q), _wide(k), _wide(v)
+    d = q.shape[-1]
+    scale = attrs["scale"] if attrs["scale"] is not None else float(np.float64(1.0) / np.sqrt(np.float64(d)))
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if attrs["causal"]:
+        L, S = s.shape[-2:]
+        s = np.where(np.tri(L, S, dtype=bool), s, -np.inf)
+    return (_as(np.matmul(_softmax_f(s, -1), v), out_types[0]),)
+
+
+# --- state ---------------------------------------------------------------------------------
+
+@register("assign")
+def _assign(ctx, attrs, target, value, *, out_types):
+    """Write value into the caller's buffer for the parameter `target`, in place."""
+    if not target.flags.writeable:
+        raise DTMError(E.READ_ONLY_INPUT, "assign: the input array bound to the target is read-only; "
+                       "pass a writable array the caller owns")
+    np.copyto(target, value)
+    return ()
+
+
+# --- collectives and point-to-point --------------------------------------------------------
+
+def _exchange(ctx, name: str, attrs, x: np.ndarray, what: str) -> tuple[list[np.ndarray], int]:
+    """Every group member's x in group order, and this rank's index in the group."""
+    members, index = ctx.group(attrs["mesh"], attrs["axes"])
+    if len(members) == 1:
+        return [x], 0
+    if ctx.comm is None:
+        raise DTMError(E.INVALID_GROUP, f"{name}: a group of {len(members)} ranks over {list(attrs['axes'])} of "
+                       f"@{attrs['mesh']} needs a device group (RefContext.comm), and this context has none")
+    return ctx.comm.exchange(f"{what} {x.dtype}{list(x.shape)}", members, ctx.rank, x, ctx.timeout), index
+
+
+def _combine(xs: list[np.ndarray], op: str) -> np.ndarray:
+    """Reduce the members' values left to right in group order (so float sums are
+    deterministic); narrow floats in f32; avg is sum / n, for integers truncating."""
+    ws = [_wide(x) for x in xs]
+    fn = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    acc = ws[0]
+    for w in ws[1:]:
+        acc = fn(acc, w)
+    if op == "avg" and _is_int(acc):  # the wrapped sum, divided in a wide type (n may not fit i8)
+        wide = np.dtype(np.uint64 if acc.dtype.kind == "u" else np.int64)
+        acc = _trunc_div(acc.astype(wide), np.full((), len(xs), wide)).astype(acc.dtype)
+    elif op == "avg":
+        acc = acc / acc.dtype.type(len(xs))
+    return acc
+
+
+@register("all_reduce")
+def _all_reduce(ctx, attrs, x, *, out_types):
+    xs, _ = _exchange(ctx, "all_reduce", attrs, x, f"all_reduce({attrs['op']})")
+    return (_as(_combine(xs, attrs["op"]), out_types[0]),)
+
+
+@register("all_gather")
+def _all_gather(ctx, attrs, x, *, out_types):
+    xs, _ = _exchange(ctx, "all_gather", attrs, x, f"all_gather(dim={attrs['dim']})")
+    return (np.concatenate(xs, axis=attrs["dim"]),)
+
+
+@register("reduce_scatter")
+def _reduce_scatter(ctx, attrs, x, *, out_types):
+    xs, index = _exchange(ctx, "reduce_scatter", attrs, x, f"reduce_scatter({attrs['op']}, dim={attrs['dim']})")
+    blocks = np.split(_combine(xs, attrs["op"]), len(xs), axis=attrs["dim"])
+    return (_as(blocks[index], out_types[0]),)
+
+
+@register("broadcast")
+def _broadcast(ctx, attrs, x, *, out_types):
+    xs, _ = _exchange(ctx, "broadcast", attrs, x, f"broadcast(src={attrs['src']})")
+    return (xs[attrs["src"]].copy(),)  # every rank read the same contribution: own a copy
+
+
+@register("all_to_all")
+def _all_to_all(ctx, attrs, x, *, out_types):
+    s, c = attrs["split_dim"], attrs["concat_dim"]
+    xs, index = _exchange(ctx, "all_to_all", attrs, x, f"all_to_all(split_dim={s}, concat_dim={c})")
+    # Source j's block `index` comes to this rank; received blocks join in source order.
+    return (np.concatenate([np.split(src, len(xs), axis=s)[index] for src in xs], axis=c),)
+
+
+@register("barrier")
+def _barrier(ctx, attrs, *, out_types):
+    _exchange(ctx, "barrier", attrs, np.zeros(0, np.uint8), "barrier")
+    return ()
+
+
+def _peer(ctx, name: str, attrs, peer: str) -> int:
+    """The global rank of group rank attrs[peer]."""
+    members, _ = ctx.group(attrs["mesh"], attrs["axes"])
+    if ctx.comm is None and len(members) > 1:
+        raise DTMError(E.INVALID_GROUP, f"{name}: a group of {len(members)} ranks needs a device group "
+                       "(RefContext.comm), and this context has none")
+    return members[attrs[peer]]
+
+
+@register("send")
+def _send(ctx, attrs, x, *, out_types):
+    """Buffered: returns once x is queued for the peer, without waiting for its recv."""
+    dst = _peer(ctx, "send", attrs, "dst")
+    ctx.p2p().send(ctx.rank, dst, x, ctx.timeout)
+    return ()
+
+
+@register("recv")
+def _recv(ctx, attrs, *, out_types):
+    """The oldest tensor the peer sent to this rank (FIFO per ordered pair of ranks)."""
+    src = _peer(ctx, "recv", attrs, "src")
+    x = ctx.p2p().recv(src, ctx.rank, ctx.timeout)
+    _expect(x, out_types[0], f"recv from rank {src}")
+    return (x,)
+
+
+def _expect(x: np.ndarray, t: TensorType, what: str) -> None:
+    """Raise unless x holds a value of static type t."""
+    if x.dtype != _np(t):
+        raise DTMError(E.DTYPE_MISMATCH, f"{what}: expected {t}, found a {x.dtype} array")
+    if x.shape != quant.storage_shape(t):
+        raise DTMError(E.SHAPE_MISMATCH, f"{what}: expected {t} (array shape {list(quant.storage_shape(t))}), "
+                       f"found shape {list(x.shape)}")
+
+
+# --- store and call ------------------------------------------------------------------------
+
+@register("store_get")
+def _store_get(ctx, attrs, *, out_types):
+    key = attrs["key"]
+    if key not in ctx.store:
+        raise DTMError(E.STORE_KEY_MISSING, f"store_get: no tensor is stored under {key!r}")
+    x = ctx.store[key]
+    _expect(x, out_types[0], f"store_get {key!r}")
+    return (x.copy(),)
+
+
+@register("store_put")
+def _store_put(ctx, attrs, x, *, out_types):
+    ctx.store[attrs["key"]] = np.array(x, copy=True)
+    return ()
+
+
+@register("call")
+def _call(ctx, attrs, *args, out_types):
+    from .interpreter import run  # the interpreter imports this table
+
+    return tuple(run(ctx.module, attrs["callee"], args, ctx))

@@ -1,0 +1,1 @@
+"""Devices, buffers and executors (DESIGN.md layer 7)."""

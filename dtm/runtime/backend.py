@@ -1,0 +1,40 @@
+"""Backends run an IR function on numpy buffers: `get_backend(name).run(module, func, inputs)`.
+
+`ref` is the numpy reference interpreter (dtm/ref), the oracle; the compiled `cpu` backend
+arrives with the compiler. The name comes from the argument, else `DTM_BACKEND`, else `ref`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from ..errors import DTMError, ErrorCode
+from ..ir.module import Module
+from ..ref.interpreter import run as ref_run
+
+
+class Backend(Protocol):
+    name: str
+
+    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]: ...
+
+
+class RefBackend:
+    name = "ref"
+
+    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return ref_run(module, func, inputs)
+
+
+BACKENDS: dict[str, Backend] = {"ref": RefBackend()}
+
+
+def get_backend(name: str | None = None) -> Backend:
+    name = name or os.environ.get("DTM_BACKEND") or "ref"
+    backend = BACKENDS.get(name)
+    if backend is None:
+        raise DTMError(ErrorCode.UNKNOWN_BACKEND, f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+    return backend

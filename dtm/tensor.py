@@ -1,0 +1,632 @@
+"""The lazy `Tensor`: ops record, `realize()` runs.
+
+Every op on a Tensor checks its types at once (with the op's type rule from the registry,
+so a mistake is reported at the user's line) and records a node. `realize()`, `.numpy()`
+or `.item()` turn the pending nodes into one IR function (`capture`) and hand it to a
+backend (`ref` now; `DTM_BACKEND` or the `backend=` argument chooses). Realized tensors
+keep their graph while they require grad, so `backward()` (autograd.py) can capture the
+forward program and differentiate it as IR.
+
+This file holds the Tensor class, capture and realize, creation functions, dtypes and
+promotion, and `jit`. The ops themselves are in functional.py; Tensor methods delegate.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .errors import ErrorCode, TensorError
+from .ir import DTYPES, DType
+from .ir.attrs import normalize_attrs
+from .ir.dtypes import Kind, numpy_dtype
+from .ir.dtypes import from_numpy as dtype_of_numpy
+from .ir.module import Func, Module, Op, Value
+from .ir.registry import REGISTRY
+from .ir.typerules import TypeRuleError
+from .ir.types import TensorType
+from .runtime.backend import get_backend
+
+_DTM_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# --- dtypes -------------------------------------------------------------------------------
+
+float16, bfloat16, float32, float64 = (DTYPES[n] for n in ("f16", "bf16", "f32", "f64"))
+float8_e4m3, float8_e5m2 = DTYPES["f8e4m3"], DTYPES["f8e5m2"]
+int8, int16, int32, int64 = (DTYPES[n] for n in ("i8", "i16", "i32", "i64"))
+uint8, uint16, uint32, uint64 = (DTYPES[n] for n in ("u8", "u16", "u32", "u64"))
+bool_ = DTYPES["bool"]
+DEFAULT_FLOAT = float32
+
+_DTYPE_ALIASES = {"float16": float16, "half": float16, "bfloat16": bfloat16, "float32": float32, "float": float32,
+                  "float64": float64, "double": float64, "int8": int8, "int16": int16, "int32": int32,
+                  "int64": int64, "long": int64, "uint8": uint8, "bool": bool_}
+
+
+def as_dtype(d: Any) -> DType:
+    """A DTM dtype from a DType, a name ("f32", "float32", "bfloat16"), a numpy or torch dtype."""
+    if isinstance(d, DType):
+        return d
+    if isinstance(d, str):
+        if d in DTYPES:
+            return DTYPES[d]
+        if d in _DTYPE_ALIASES:
+            return _DTYPE_ALIASES[d]
+    name = getattr(d, "__module__", "")
+    if name == "torch":  # torch.float32 -> "float32"
+        return as_dtype(str(d).replace("torch.", ""))
+    try:
+        return dtype_of_numpy(np.dtype(d))
+    except (TypeError, KeyError):
+        raise TensorError(ErrorCode.UNKNOWN_DTYPE, f"unknown dtype {d!r}", user_line()) from None
+
+
+def _category(d: DType) -> int:
+    return {Kind.BOOL: 0, Kind.UNSIGNED: 1, Kind.SIGNED: 1, Kind.FLOAT: 2}[d.kind]
+
+
+def promote_types(a: DType, b: DType) -> DType:
+    """PyTorch's promotion between two tensor dtypes."""
+    if a is b:
+        return a
+    ca, cb = _category(a), _category(b)
+    if ca != cb:
+        return a if ca > cb else b
+    if ca == 2:
+        if {a.name, b.name} == {"f16", "bf16"} or a.bits == b.bits:
+            return float32
+        return a if a.bits > b.bits else b
+    if a.kind is b.kind:
+        return a if a.bits > b.bits else b
+    s, u = (a, b) if a.kind is Kind.SIGNED else (b, a)
+    if s.bits > u.bits:
+        return s
+    return {8: int16, 16: int32, 32: int64, 64: int64}[u.bits]
+
+
+def _combine(higher: DType | None, lower: DType | None) -> DType | None:
+    """A lower promotion tier counts only where it is of a higher category."""
+    if higher is None or lower is None:
+        return higher if lower is None else lower
+    return promote_types(higher, lower) if _category(lower) > _category(higher) else higher
+
+
+def result_type(*xs: Any) -> DType:
+    """PyTorch's promotion over tensors and Python scalars, in three tiers promoted apart:
+    tensors with dims, rank-0 tensors, scalars (bool; int as i64; float as the default
+    float). A lower tier only lifts the category of the ones above it, so int tensor + 2.5
+    -> f32, f16 tensor + 2.5 -> f16, i32 tensor + i64 rank-0 tensor -> i32, but i32 tensor
+    + f64 rank-0 tensor -> f64."""
+    tiers: list[DType | None] = [None, None, None]
+    for x in xs:
+        if isinstance(x, Tensor):
+            tier, d = (0 if x.ndim else 1), x.dtype
+        else:
+            tier = 2
+            d = (bool_ if isinstance(x, (bool, np.bool_)) else
+                 DEFAULT_FLOAT if isinstance(x, (float, np.floating)) else int64)
+        tiers[tier] = d if tiers[tier] is None else promote_types(tiers[tier], d)
+    return _combine(tiers[0], _combine(tiers[1], tiers[2]))
+
+
+# --- where the user called from -----------------------------------------------------------
+
+
+def user_line() -> str | None:
+    """"file:line" of the innermost frame outside the dtm package: the user's own code."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_DTM_DIR):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else None
+
+
+def error(code: ErrorCode, message: str) -> TensorError:
+    return TensorError(code, message, user_line())
+
+
+# --- grad mode and tracing ----------------------------------------------------------------
+
+class _State(threading.local):
+    grad_enabled = True
+    tracing = 0
+
+
+STATE = _State()
+
+
+class no_grad:  # noqa: N801 - torch's name
+    """Ops inside record no gradient history (usable as a decorator too)."""
+
+    def __enter__(self):
+        self.prev = STATE.grad_enabled
+        STATE.grad_enabled = False
+
+    def __exit__(self, *exc):
+        STATE.grad_enabled = self.prev
+
+    def __call__(self, fn: Callable) -> Callable:
+        def wrapped(*a, **kw):
+            with no_grad():
+                return fn(*a, **kw)
+        return wrapped
+
+
+def is_grad_enabled() -> bool:
+    return STATE.grad_enabled
+
+
+# --- the Tensor ---------------------------------------------------------------------------
+
+class Tensor:
+    """A lazy n-dimensional array. `_op` is None for a leaf (data, or a jit placeholder
+    when `_buffer` is None too); otherwise the tensor is the result of `_op` applied to
+    `_inputs` with `_attrs`, computed once into `_buffer` by realize()."""
+
+    __slots__ = ("type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "__weakref__")
+    __array_priority__ = 1000  # numpy defers to our operators: ndarray + Tensor -> Tensor
+
+    def __init__(self, type: TensorType, op: str | None = None, inputs: tuple["Tensor", ...] = (),
+                 attrs: dict | None = None, buffer: np.ndarray | None = None, requires_grad: bool = False):
+        self.type = type
+        self._op = op
+        self._inputs = inputs
+        self._attrs = attrs if attrs is not None else {}
+        self._buffer = buffer
+        self.requires_grad = requires_grad
+        self.grad: Tensor | None = None
+        self._users: list[weakref.ref] | None = None  # ops that read this tensor, see _snapshot
+        for t in inputs:
+            t._add_user(self)
+
+    def _add_user(self, user: "Tensor") -> None:
+        users = self._users
+        if users is None:
+            users = self._users = []
+        users.append(weakref.ref(user))
+        if len(users) >= 16 and not len(users) & (len(users) - 1):  # at powers of two: drop the dead
+            users[:] = [r for r in users if r() is not None]
+
+    def _snapshot(self) -> "Tensor":
+        """A new tensor with this one's current value and history, which the ops that have
+        read this tensor so far now read instead. An in-place write (x[i] = v) then changes
+        only what later ops see, as in torch, where the earlier ops would have run already."""
+        old = Tensor(self.type, self._op, self._inputs, self._attrs, self._buffer, self.requires_grad)
+        for ref in self._users or ():
+            u = ref()
+            if u is not None and u._inputs:  # realized results without history read nothing again
+                u._inputs = tuple(old if i is self else i for i in u._inputs)
+                old._add_user(u)
+        self._users = None
+        return old
+
+    # -- construction --
+    @staticmethod
+    def from_numpy(array: np.ndarray, requires_grad: bool = False) -> "Tensor":
+        arr = np.asarray(array)
+        try:
+            dtype = dtype_of_numpy(arr.dtype)
+        except KeyError:
+            raise error(ErrorCode.UNKNOWN_DTYPE, f"numpy dtype {arr.dtype} has no DTM dtype") from None
+        # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+        arr = arr if arr.flags.c_contiguous else np.array(arr, order="C")
+        t = Tensor(TensorType(dtype, tuple(int(d) for d in arr.shape)), buffer=arr)
+        if requires_grad:
+            t.requires_grad_(True)
+        return t
+
+    def requires_grad_(self, flag: bool = True) -> "Tensor":
+        if flag and not self.dtype.is_float:
+            raise error(ErrorCode.DTYPE_MISMATCH, f"only float tensors can require grad, this one is {self.dtype}")
+        self.requires_grad = flag
+        return self
+
+    # -- shape and dtype --
+    @property
+    def dtype(self) -> DType:
+        return self.type.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[_axis(dim, self.ndim)]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.type.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._op is None or not self.requires_grad
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    # -- running --
+    def realize(self, backend: str | None = None) -> "Tensor":
+        realize(self, backend=backend)
+        return self
+
+    def numpy(self) -> np.ndarray:
+        self.realize()
+        return self._buffer
+
+    def item(self):
+        if self.numel() != 1:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"item() needs a tensor with one element, this one is {self.type}")
+        return self.numpy().reshape(()).item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a.astype(dtype) if dtype is not None else a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.numpy().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.numpy().__dlpack_device__()
+
+    def __repr__(self) -> str:
+        if STATE.tracing:
+            return f"Tensor(<traced {self.type}>)"
+        body = np.array2string(self.numpy(), separator=", ", prefix="tensor(")
+        extra = f", dtype={self.dtype}" if self.dtype not in (float32, int64, bool_) else ""
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"tensor({body}{extra}{grad})"
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise error(ErrorCode.RANK_MISMATCH, "len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __index__(self) -> int:
+        return int(self.item())
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    __hash__ = object.__hash__
+
+    # -- autograd (autograd.py does the work) --
+    def backward(self, gradient: "Tensor | None" = None) -> None:
+        from .autograd import backward
+
+        backward(self, gradient)
+
+    def detach(self) -> "Tensor":
+        """The same value with no gradient history."""
+        if self._buffer is not None:
+            return Tensor(self.type, buffer=self._buffer)
+        return Tensor(self.type, self._op, self._inputs, self._attrs)
+
+
+# --- recording ops ------------------------------------------------------------------------
+
+def _axis(d: int, rank: int) -> int:
+    if not -max(rank, 1) <= d < max(rank, 1):
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"dim {d} is out of range for a tensor of rank {rank}")
+    return d % rank if rank else 0
+
+
+def apply(op: str, *inputs: Tensor, type: TensorType | None = None, **attrs: Any) -> Tensor:
+    """Record `op` on `inputs`: check it with the op's type rule now (errors name the
+    user's line) and return the lazy result."""
+    opdef = REGISTRY[op]
+    in_types = tuple(t.type for t in inputs)
+    declared = (type,) if type is not None else ()
+    try:
+        norm = normalize_attrs(op, opdef.attr_index, attrs, type.dtype if type is not None else None)
+        out = opdef.rule(op, in_types, norm, declared, _NO_MESHES)
+        if type is None and any(a.kind.value == "scalar" for a in opdef.attrs):
+            norm = normalize_attrs(op, opdef.attr_index, attrs, out[0].dtype)
+    except TypeRuleError as e:
+        raise error(e.code, e.message) from None
+    requires = STATE.grad_enabled and any(t.requires_grad for t in inputs) and out[0].dtype.is_float
+    return Tensor(out[0], op, inputs, norm, requires_grad=requires)
+
+
+class _NoMeshes:
+    """The context a type rule sees from eager code: no meshes or functions are declared."""
+
+    meshes: dict = {}
+    funcs: dict = {}
+
+
+_NO_MESHES = _NoMeshes()
+
+
+def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str = "main",
+            keep: Callable[[Tensor], bool] | None = None) -> tuple[Module, list[Tensor]]:
+    """The IR function computing `outputs`, and the tensors its parameters stand for.
+
+    Parameters are `params` first (in order), then every other tensor the walk reaches that
+    is a leaf or already realized (its buffer is read at run time). `keep(t)` may force a
+    realized tensor to be recomputed from its inputs instead (autograd needs that)."""
+    index: dict[int, Value] = {}
+    param_tensors: list[Tensor] = list(params)
+    param_values: list[Value] = []
+    ops: list[Op] = []
+    for t in param_tensors:
+        v = Value(t.type, f"p{len(param_values)}")
+        index[id(t)] = v
+        param_values.append(v)
+    extra: list[Tensor] = []
+    # Iterative post-order walk: programs can be far deeper than Python's recursion limit.
+    stack: list[tuple[Tensor, bool]] = [(t, False) for t in reversed(outputs)]
+    while stack:
+        t, ready = stack.pop()
+        if id(t) in index:
+            continue
+        is_param = t._op is None or (t._buffer is not None and not (keep and keep(t)))
+        if is_param:
+            if t._op is None and t._buffer is None and id(t) not in index:
+                raise error(ErrorCode.UNDEFINED_VALUE, "a traced placeholder from another dtm.jit call was used here")
+            v = Value(t.type, f"p{len(param_values) + len(extra)}")
+            index[id(t)] = v
+            extra.append(t)
+            continue
+        if not ready:
+            stack.append((t, True))
+            for i in reversed(t._inputs):
+                if id(i) not in index:
+                    stack.append((i, False))
+            continue
+        v = Value(t.type, f"t{len(ops)}")
+        ops.append(Op(t._op, tuple(index[id(i)] for i in t._inputs), t._attrs, (v,)))
+        index[id(t)] = v
+    # Parameters: explicit ones, then the leaves found, numbered in the order found.
+    found = [index[id(t)] for t in extra]
+    for i, v in enumerate(found):
+        v.name = f"p{len(param_values) + i}"
+    func = Func(name, param_values + found, [(t.type, None) for t in outputs], ops,
+                [index[id(t)] for t in outputs])
+    module = Module()
+    module.funcs[name] = func
+    return module, param_tensors + extra
+
+
+def realize(*tensors: Tensor, backend: str | None = None) -> None:
+    """Compute every pending tensor in `tensors` with one IR program."""
+    pending = []
+    seen = set()
+    for t in tensors:
+        if t._buffer is None and id(t) not in seen:
+            seen.add(id(t))
+            pending.append(t)
+    if not pending:
+        return
+    if STATE.tracing:
+        raise error(ErrorCode.UNDEFINED_VALUE, "a value cannot be read inside dtm.jit while tracing "
+                    "(no .item(), .numpy(), print or if on tensors in a jitted function)")
+    module, params = capture(pending)
+    if any(p._buffer is None for p in params):
+        raise error(ErrorCode.UNDEFINED_VALUE, "this tensor depends on a dtm.jit placeholder and cannot be realized")
+    results = get_backend(backend).run(module, "main", [p._buffer for p in params])
+    for t, r in zip(pending, results):
+        t._buffer = r
+        if not t.requires_grad:
+            t._inputs = ()  # nothing will differentiate through it: free the graph
+
+
+# --- creation -----------------------------------------------------------------------------
+
+def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
+    if isinstance(data, Tensor):
+        arr = data.numpy()
+    else:
+        if hasattr(data, "detach") and hasattr(data, "numpy") and type(data).__module__.startswith("torch"):
+            bf16 = str(data.dtype) == "torch.bfloat16"  # torch's .numpy() has no bf16; via f32 is exact
+            data = data.detach().cpu()
+            data = data.float().numpy().astype(numpy_dtype(bfloat16)) if bf16 else data.numpy()
+        try:
+            arr = np.asarray(data)
+        except ValueError as e:  # ragged nested lists
+            raise error(ErrorCode.SHAPE_MISMATCH, f"cannot make a tensor from this data: {e}") from None
+    if dtype is None:
+        from_python = not isinstance(data, (np.ndarray, np.generic))  # numpy data keeps its dtype
+        if arr.dtype == np.float64 and from_python:
+            dtype = DEFAULT_FLOAT  # Python floats become the default float, as in torch
+        elif arr.dtype.kind == "i" and from_python:
+            dtype = int64
+        else:
+            try:
+                dtype = dtype_of_numpy(arr.dtype)
+            except KeyError:
+                raise error(ErrorCode.UNKNOWN_DTYPE, f"cannot make a tensor from numpy dtype {arr.dtype}") from None
+    return np.array(arr, dtype=numpy_dtype(dtype), copy=True)
+
+
+def tensor(data: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    """A new leaf tensor holding a copy of `data` (nested lists, scalars, numpy, torch)."""
+    return Tensor.from_numpy(_to_array(data, as_dtype(dtype) if dtype is not None else None), requires_grad)
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    """A leaf tensor over `array`'s data (no copy when it is contiguous)."""
+    return Tensor.from_numpy(array)
+
+
+def from_dlpack(obj: Any) -> Tensor:
+    return Tensor.from_numpy(np.from_dlpack(obj))
+
+
+def _shape(size: Sequence) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = size[0]
+    return tuple(int(s) for s in size)
+
+
+def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    d = as_dtype(dtype) if dtype is not None else result_type(fill_value)
+    return Tensor.from_numpy(np.full(_shape([size]), fill_value, dtype=numpy_dtype(d)), requires_grad)
+
+
+def zeros(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return full(_shape(size), 0, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+
+
+def ones(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return full(_shape(size), 1, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+
+
+def zeros_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return zeros(t.shape, dtype=dtype if dtype is not None else t.dtype)
+
+
+def ones_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return ones(t.shape, dtype=dtype if dtype is not None else t.dtype)
+
+
+def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
+    return full(t.shape, fill_value, dtype=dtype if dtype is not None else t.dtype)
+
+
+def arange(start, end=None, step=1, dtype: Any = None) -> Tensor:
+    if end is None:
+        start, end = 0, start
+    d = as_dtype(dtype) if dtype is not None else result_type(start, end, step)
+    return Tensor.from_numpy(np.arange(start, end, step).astype(numpy_dtype(d)))
+
+
+class _Generator:
+    """Random numbers come from the IR's counter-based `random` op, keyed by (seed, call
+    number), so every backend draws the same numbers for the same seed."""
+
+    def __init__(self, seed: int = 0):
+        self.manual_seed(seed)
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed = int(seed) & 0xFFFFFFFF
+        self.counter = 0
+
+    def key(self) -> Tensor:
+        k = np.array([self.seed, self.counter & 0xFFFFFFFF], dtype=np.uint32)
+        self.counter += 1
+        return Tensor.from_numpy(k)
+
+
+GENERATOR = _Generator()
+
+
+def manual_seed(seed: int) -> None:
+    GENERATOR.manual_seed(seed)
+
+
+def _random(size, distribution: str, dtype: Any, requires_grad: bool) -> Tensor:
+    t = TensorType(as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT, _shape(size))
+    with no_grad():
+        out = apply("random", GENERATOR.key(), type=t, distribution=distribution)
+    out.realize()
+    out = Tensor(out.type, buffer=out._buffer)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def randn(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return _random(size, "normal", dtype, requires_grad)
+
+
+def rand(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return _random(size, "uniform", dtype, requires_grad)
+
+
+def randn_like(t: Tensor) -> Tensor:
+    return randn(t.shape, dtype=t.dtype)
+
+
+def rand_like(t: Tensor) -> Tensor:
+    return rand(t.shape, dtype=t.dtype)
+
+
+# --- jit ----------------------------------------------------------------------------------
+
+class _Traced:
+    __slots__ = ("module", "n_args", "captured", "out_is_tuple")
+
+    def __init__(self, module: Module, n_args: int, captured: list[Tensor], out_is_tuple: bool):
+        self.module, self.n_args, self.captured, self.out_is_tuple = module, n_args, captured, out_is_tuple
+
+
+class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
+    """Trace `fn` to an IR module once per input signature and replay it.
+
+    Tensor arguments become the function's parameters; tensors `fn` reads from outside
+    (model weights) become further parameters whose current values are read at every
+    call, so an optimizer's updates are seen. Other arguments are part of the signature.
+    `jit(fn).ir(*args)` returns the traced module."""
+
+    def __init__(self, fn: Callable, backend: str | None = None):
+        self.fn = fn
+        self.backend = backend
+        self.cache: dict = {}
+
+    def _signature(self, args) -> tuple:
+        return tuple(("T", a.type) if isinstance(a, Tensor) else ("V", repr(a)) for a in args)
+
+    def _trace(self, args) -> _Traced:
+        key = self._signature(args)
+        traced = self.cache.get(key)
+        if traced is not None:
+            return traced
+        placeholders = [Tensor(a.type) if isinstance(a, Tensor) else a for a in args]
+        STATE.tracing += 1
+        try:
+            with no_grad():
+                out = self.fn(*placeholders)
+        finally:
+            STATE.tracing -= 1
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        tensor_args = [p for p in placeholders if isinstance(p, Tensor)]
+        module, params = capture(outs, params=tensor_args, name=getattr(self.fn, "__name__", "main"))
+        module.funcs["main"] = module.funcs.pop(next(iter(module.funcs)))
+        module.funcs["main"].name = "main"
+        traced = _Traced(module, len(tensor_args), params[len(tensor_args):], isinstance(out, (tuple, list)))
+        self.cache[key] = traced
+        return traced
+
+    def ir(self, *args) -> Module:
+        return self._trace(args).module
+
+    def __call__(self, *args):
+        traced = self._trace(args)
+        inputs = [a.numpy() for a in args if isinstance(a, Tensor)] + [t.numpy() for t in traced.captured]
+        results = get_backend(self.backend).run(traced.module, "main", inputs)
+        outs = [Tensor.from_numpy(r) for r in results]
+        return tuple(outs) if traced.out_is_tuple else outs[0]
+
+
+__all__ = [
+    "Tensor", "tensor", "from_numpy", "from_dlpack", "zeros", "ones", "full", "zeros_like", "ones_like",
+    "full_like", "arange", "randn", "rand", "randn_like", "rand_like", "manual_seed", "no_grad",
+    "is_grad_enabled", "jit", "realize", "as_dtype", "promote_types", "result_type", "apply", "capture",
+    "float16", "bfloat16", "float32", "float64", "float8_e4m3", "float8_e5m2", "int8", "int16", "int32",
+    "int64", "uint8", "uint16", "uint32", "uint64", "bool_",
+]

@@ -1,0 +1,114 @@
+"""GPT-2 against Hugging Face transformers: random weights saved in HF layout (nothing is
+downloaded), loaded with GPT2.from_pretrained, compared on logits, greedy decoding and a
+training step's gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import dtm  # noqa: E402
+import dtm.models.gpt2  # noqa: E402
+from dtm.models.gpt2 import GPT2  # noqa: E402
+from dtm.nn import functional as NF  # noqa: E402
+
+SMALL = dict(vocab_size=101, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+# The real 124M shapes, with 2 of the 12 layers to keep the test short.
+GPT2_124M_2L = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=2, n_head=12)
+
+
+def hf_checkpoint(tmp_path, seed: int = 0, **cfg):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(**cfg, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # non-trivial LayerNorm affine parameters and biases
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name or "ln_f" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize("cfg", [SMALL, GPT2_124M_2L], ids=["small", "124M-shapes-2-layers"])
+def test_logits_match_transformers(tmp_path, cfg):
+    hf = hf_checkpoint(tmp_path, **cfg)
+    model = GPT2.from_pretrained(str(tmp_path))
+    ids = np.random.default_rng(0).integers(0, cfg["vocab_size"], size=(2, 17), dtype=np.int64)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)).logits.numpy()
+    got = model(ids)
+    assert isinstance(got, dtm.Tensor) and got.shape == (2, 17, cfg["vocab_size"])
+    assert rel_err(got.numpy(), want) < 1e-4
+
+
+def test_greedy_continuation_matches_transformers(tmp_path):
+    hf = hf_checkpoint(tmp_path, seed=1, **SMALL)
+    model = GPT2.from_pretrained(str(tmp_path))
+    prompt = np.array([[5, 17, 42, 8, 99, 3]], dtype=np.int64)
+    with torch.no_grad():
+        want = hf.generate(torch.from_numpy(prompt), max_new_tokens=32, do_sample=False,
+                           pad_token_id=0, attention_mask=torch.ones_like(torch.from_numpy(prompt))).numpy()
+    got = model.generate(prompt, max_new_tokens=32)
+    assert got.shape == (1, 38)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_kv_cache_decoding_equals_full_recompute(tmp_path):
+    hf_checkpoint(tmp_path, seed=2, **SMALL)
+    model = GPT2.from_pretrained(str(tmp_path))
+    ids = np.array([[1, 2, 3, 4, 5, 6, 7, 8]], dtype=np.int64)
+    full = model(ids).numpy()[:, -1]
+    from dtm.models.gpt2 import KVCache
+
+    cache = KVCache(model.config.n_layer)
+    model(ids[:, :5], cache)  # prefill, then one token at a time
+    for t in range(5, 8):
+        last = model(ids[:, t:t + 1], cache).numpy()[:, -1]
+    assert rel_err(last, full) < 1e-5
+
+
+def test_training_step_gradients_match_torch(tmp_path):
+    hf = hf_checkpoint(tmp_path, seed=3, **SMALL)
+    hf.train()
+    model = GPT2.from_pretrained(str(tmp_path)).train()
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, SMALL["vocab_size"], size=(2, 12), dtype=np.int64)
+    targets = rng.integers(0, SMALL["vocab_size"], size=(2, 12), dtype=np.int64)
+    targets[0, :3] = -100  # ignored positions
+
+    logits = hf(torch.from_numpy(ids)).logits
+    want_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, SMALL["vocab_size"]),
+                                                  torch.from_numpy(targets).reshape(-1), ignore_index=-100)
+    want_loss.backward()
+
+    out = model(ids)
+    loss = NF.cross_entropy(out.reshape(-1, SMALL["vocab_size"]), dtm.tensor(targets).reshape(-1))
+    loss.backward()
+    assert abs(loss.item() - want_loss.item()) < 1e-5 * abs(want_loss.item())
+
+    hf_grads = {n.removeprefix("transformer."): p.grad.numpy() for n, p in hf.named_parameters()}
+    for name, p in model.named_parameters():
+        g = hf_grads[name]
+        if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            g = g.T  # HF Conv1D layout
+        assert p.grad is not None, name
+        assert rel_err(p.grad.numpy(), g) < 1e-4, name
+
+
+def test_save_pretrained_is_read_by_transformers(tmp_path):
+    """The inverse direction: a DTM model written in HF layout loads into transformers."""
+    dtm.manual_seed(4)
+    model = GPT2(dtm.models.gpt2.GPT2Config(**SMALL)).eval()
+    model.save_pretrained(str(tmp_path))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    ids = np.arange(10, dtype=np.int64)[None] % SMALL["vocab_size"]
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)).logits.numpy()
+    assert rel_err(model(ids).numpy(), want) < 1e-4
