@@ -17,6 +17,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/ir_tour.py
+	$(BIN)/python examples/train_char_gpt.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -x -p no:cacheprovider tests

@@ -26,10 +26,13 @@ def twin_models(n_layer: int):
     model = GPT2(config, init=False)
     rng = np.random.default_rng(0)
     for name, p in model.named_parameters():
-        p._buffer = (rng.standard_normal(p.shape, dtype=np.float32) * 0.02 if not name.endswith("bias")
-                     else np.zeros(p.shape, np.float32))
-        if ".ln_" in name or name.startswith("ln_f"):
-            p._buffer = np.ones(p.shape, np.float32) if name.endswith("weight") else p._buffer
+        if name.endswith("bias"):
+            value = np.zeros(p.shape, np.float32)
+        elif ".ln_" in name or name.startswith("ln_f"):
+            value = np.ones(p.shape, np.float32)
+        else:
+            value = rng.standard_normal(p.shape, dtype=np.float32) * 0.02
+        p._set_value(value)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=n_layer, resid_pdrop=0.0, embd_pdrop=0.0,
                                                               attn_pdrop=0.0)).eval()
     hf.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in model.hf_state_dict().items()})

@@ -850,12 +850,12 @@ def setitem(x: Tensor, index, value) -> Tensor:
 
 
 def to(x: Tensor, *args, **kwargs) -> Tensor:
-    """x.to(dtype) / x.to("cpu") / x.to(device, dtype)."""
+    """x.to(dtype) / x.to("cpu") / x.to(device, dtype) / x.to(other) (other's dtype)."""
     dtype = kwargs.get("dtype")
     for a in args:
         if isinstance(a, str) and a.startswith("cpu"):
             continue
-        dtype = a
+        dtype = a.dtype if isinstance(a, Tensor) else a
     return cast(x, dtype) if dtype is not None else x
 
 

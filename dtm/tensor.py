@@ -204,6 +204,12 @@ class Tensor:
         self._users = None
         return old
 
+    def _set_value(self, array: np.ndarray) -> None:
+        """Give this tensor a new value in place, as a leaf (an optimizer step,
+        load_state_dict): ops recorded earlier keep reading the old value."""
+        self._snapshot()
+        self._buffer, self._op, self._inputs, self._attrs = array, None, (), {}
+
     # -- construction --
     @staticmethod
     def from_numpy(array: np.ndarray, requires_grad: bool = False) -> "Tensor":

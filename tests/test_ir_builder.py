@@ -279,11 +279,6 @@ def test_wrong_operand_count_is_irerror(n):
     assert code_of(lambda: f.add(*[x] * n)) == "E0302"
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="bug: Builder.op's new non-Value operand check formats its message with type(v).__name__, "
-                          "but `type` is shadowed by op()'s `type=None` keyword parameter, so f.add(x, 1.0) raises "
-                          "TypeError ('NoneType' object is not callable) instead of IRError E0302; "
-                          "builder.FuncBuilder.op")
 def test_non_value_operand_is_irerror():
     b, f = fb()
     x = f.param("f32[4]")

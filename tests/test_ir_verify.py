@@ -564,10 +564,6 @@ def test_mesh_size_limit():
     assert ei.value.code.value == "E0505" and "2^62" in ei.value.message
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: a mesh axis size >= 2^62 in text passes "
-                   "the parser (which checks only size >= 1, parser.py near 'sizes must be >= 1') and is refused "
-                   "by the verifier, whose Mesh has no location, so the E0505 has no line and column; the parser "
-                   "should refuse it at the size token like size 0")
 @pytest.mark.parametrize("size", [2**62, 2**63 - 1])
 def test_mesh_size_too_large_is_located(size):
     decl = f"mesh @m[a = {size}]"
@@ -1083,21 +1079,14 @@ def test_float_scalar_attribute_out_of_dtype_range(line, params):
     assert "overflows" in e.message
 
 
-F8_OVERFLOW = pytest.mark.xfail(
-    strict=True, raises=(pytest.fail.Exception, AssertionError),
-    reason="bug: for f8e4m3 (no infinities: overflow gives NaN) a finite value beyond its largest value 448 is not "
-           "refused: `full {value = 500.0} : f8e4m3[2]` verifies as value = nan (and `constant {value = [500.0]}` as "
-           "[nan]), and `full {value = -500.0} : f8e4m3[2]` is refused with a misleading 'attributes are not in "
-           "canonical form' (the cast gives -nan); attrs.normalize_scalar only tests math.isinf(rounded), it should "
-           "also refuse a NaN made from a finite value (and the literal path too)")
 
 
 @pytest.mark.parametrize("line", [
-    pytest.param("%q = full {value = 500.0} : f8e4m3[2]", marks=F8_OVERFLOW),
-    pytest.param("%q = full {value = 470.0} : f8e4m3[2]", marks=F8_OVERFLOW),
-    pytest.param("%q = full {value = 1e300} : f8e4m3[2]", marks=F8_OVERFLOW),
-    pytest.param("%q = full {value = -500.0} : f8e4m3[2]", marks=F8_OVERFLOW),
-    pytest.param("%q = constant {value = [500.0]} : f8e4m3[1]", marks=F8_OVERFLOW),
+    "%q = full {value = 500.0} : f8e4m3[2]",
+    "%q = full {value = 470.0} : f8e4m3[2]",
+    "%q = full {value = 1e300} : f8e4m3[2]",
+    "%q = full {value = -500.0} : f8e4m3[2]",
+    "%q = constant {value = [500.0]} : f8e4m3[1]",
 ])
 def test_float_value_beyond_f8e4m3_range_is_refused(line):
     with pytest.raises(ir.IRError) as ei:

@@ -249,8 +249,6 @@ def test_safetensors_round_trip(backend, tmp_path):
         assert again[k].dtype is v.dtype and np.array_equal(again[k].numpy(), v.numpy()), k
 
 
-@pytest.mark.xfail(strict=True, reason="bug: dtm/nn/weights.py save_safetensors uses np.ascontiguousarray, "
-                   "which turns a rank-0 array into shape (1,)")
 def test_safetensors_rank0(backend, tmp_path):
     path = str(tmp_path / "s.safetensors")
     dtm.nn.save_safetensors({"s": dtm.tensor(2.5)}, path)
@@ -405,8 +403,6 @@ def test_cosine_annealing_lr(backend, eta_min):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: dtm/optim/lr_scheduler.py lr_at clamps t to T_max; torch's "
-                   "CosineAnnealingLR keeps following the cosine past T_max (the lr rises again)")
 def test_cosine_annealing_lr_past_t_max(backend):
     got, want = _lrs(8, 0.01, 20)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)

@@ -465,6 +465,10 @@ case("getitem-tensor-split", lambda M, x, i, j: x[i, :, j], A((2, 4, 3)), IDX((5
 case("getitem-tensor-slice", lambda M, x, i: x[1:, i, ::2], A((3, 4, 5)), IDX((2,), 4))
 case("getitem-tensor-repeat-grad", lambda M, x, i: x[i] * 2, A((3,)), IDX((10,), 3))
 case("getitem-bool-mask", lambda M, x: x[M.tensor([True, False, True, True])], A((4, 3)))
+case("getitem-bool-list", lambda M, x: x[:, [True, False, True]], A((4, 3)))
+case("getitem-bool-mask-2d", lambda M, x: x[x > 0.5], A((4, 3)))
+case("getitem-bool-mask-2d-of-3d", lambda M, x, m: x[m], A((2, 3, 4)), MASK(2, 3))
+case("getitem-bool-mask-then-int", lambda M, x, m: x[m, 1], A((2, 3, 4)), MASK(2, 3))
 case("setitem-int", lambda M, x, v: _setitem(x, 1, v), A((3, 4)), A((4,)))
 case("setitem-slice-bcast", lambda M, x, v: _setitem(x, (slice(None), slice(None, None, 2)), v), A((3, 4)), A((3, 1)))
 case("setitem-neg-step", lambda M, x, v: _setitem(x, (Ellipsis, slice(None, None, -2)), v), A((3, 4)), A((2,)),
@@ -511,6 +515,7 @@ case("to-f32", lambda M, x: x.float(), A((3, 4)), dtypes=ALL)
 case("to-i32", lambda M, x: x.to(M.int32), A((3, 4), lo=-5, hi=5), dtypes=ALL, grad=False)
 case("to-bool", lambda M, x: x.bool(), A((3, 4), lo=-1, hi=1), grad=False)
 case("to-cpu", lambda M, x: x.to("cpu", M.float64), A((3,)))
+case("to-other", lambda M, x, y: x.to(y), A((3,)), A((2,), "f64", grad=False))
 case("type_as", lambda M, x, y: x.type_as(y), A((3,)), A((2,), "i32", grad=False), grad=False)
 case("double-half-bfloat16", lambda M, x: x.double().half().bfloat16().float(), A((3, 4)),
      tol={"f32": TOL["bf16"], "f64": TOL["bf16"]})

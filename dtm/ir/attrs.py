@@ -41,7 +41,7 @@ def normalize_scalar(op: str, name: str, value: Any, dtype: DType) -> int | floa
             return math.nan
         with np.errstate(over="ignore"):
             rounded = float(np.array(value, dtype=np.float64).astype(numpy_dtype(dtype)).astype(np.float64))
-        if math.isinf(rounded) and not math.isinf(value):
+        if not math.isfinite(rounded) and not math.isinf(value):  # f8e4m3 has no inf: it overflows to NaN
             fail(E.ATTRIBUTE_VALUE, f"{op}: {name} = {value!r} overflows {dtype}")
         return rounded  # the value the dtype holds: 0.1 and 0.10000000149011612 are one f32
     elif dtype.is_int and (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):

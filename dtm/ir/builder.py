@@ -75,7 +75,7 @@ class FuncBuilder:
             raise IRError(E.UNKNOWN_OP, f"unknown op {opname!r}")
         for i, v in enumerate(operands):
             if not isinstance(v, Value):
-                raise IRError(E.OPERAND_COUNT, f"{opname}: operand {i} is {type(v).__name__} {v!r}; operands are "
+                raise IRError(E.OPERAND_COUNT, f"{opname}: operand {i} is {v.__class__.__name__} {v!r}; operands are "
                               "Values (make a constant with f.full(type=..., value=...) first)")
         lo, hi = opdef.arity
         if len(operands) < lo or (hi is not None and len(operands) > hi):

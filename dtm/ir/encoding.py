@@ -443,11 +443,28 @@ def _decode_func(r: _Reader, name: str) -> Func:
             k = r.str()
             if k in attrs:
                 r.fail(E.BAD_ENCODING, f"{opname}: attribute {k!r} appears twice")
+            start = r.pos
             attrs[k] = r.attr()
+            _check_canonical_attr(r, opname, k, attrs[k], start)
         results = tuple(new(r.type(), r.sharding()) for _ in range(r.count()))
         ops.append(Op(opname, operands, attrs, results))
     returns = [ref() for _ in range(r.count())]
     return Func(name, params, result_types, ops, returns)
+
+
+def _check_canonical_attr(r: _Reader, opname: str, name: str, value: Any, start: int) -> None:
+    """One module, one encoding: an attribute of a known op must be written exactly as the
+    encoder writes a value of its kind (a dim as a dim, a mesh as a symbol reference, ...)."""
+    opdef = REGISTRY.get(opname)
+    spec = opdef.attr_index.get(name) if opdef is not None else None
+    if spec is None:
+        return  # the verifier reports unknown ops and attributes
+    try:
+        canonical = attr_bytes(spec, value)
+    except (AttributeError, TypeError, ValueError, IRError):
+        canonical = None
+    if canonical != r.data[start:r.pos]:
+        r.fail(E.BAD_ENCODING, f"{opname}: attribute {name!r} is not in the canonical encoding of a {spec.kind.value}")
 
 
 __all__ = ["encode", "decode", "attr_bytes", "MAGIC"]

@@ -446,8 +446,8 @@ class _Parser:
             toks.expect("=")
             size_tok = toks.peek()
             size = toks.integer()
-            if size < 1:
-                raise toks.error(E.INVALID_MESH, f"axis {a[1]!r} has size {size}; sizes must be >= 1", size_tok)
+            if not 1 <= size < MAX_DIM:
+                raise toks.error(E.INVALID_MESH, f"axis {a[1]!r} has size {size}; sizes must be in [1, 2^62)", size_tok)
             return a, size
 
         axes = toks.comma_list("]", axis)

@@ -21,7 +21,7 @@ from .encoding import attr_bytes
 from .gcpause import gc_paused
 from .module import Func, Module, Op, Value
 from .registry import REGISTRY, OpDef
-from .symbolic import SymDim
+from .symbolic import MAX_DEGREE, SymDim
 from .typerules import TypeRuleError, check_quant_shape
 from .types import REDUCE_OPS, Sharding, TensorType
 
@@ -96,6 +96,8 @@ class _Checker:
             for d in t.shape:
                 if isinstance(d, int) and not 0 <= d < MAX_DIM:
                     self.fail(E.INVALID_DIM, f"{what}: {t} has dim {d} outside [0, 2^62)", loc)
+                if isinstance(d, SymDim) and max(len(m) for m, _ in d.terms) > MAX_DEGREE:
+                    self.fail(E.INVALID_DIM, f"{what}: {t} has a dim of degree above {MAX_DEGREE}", loc)
             try:
                 check_quant_shape(t)
             except TypeRuleError as e:
@@ -255,8 +257,15 @@ class _Checker:
 def _same_attrs(opdef: OpDef, a: dict, b: dict) -> bool:
     """Attribute dicts with the same canonical bytes: `1` is not `1.0`, and a NaN with a
     payload is not the canonical NaN."""
-    return a.keys() == b.keys() and all(
-        attr_bytes(opdef.attr_index[k], a[k]) == attr_bytes(opdef.attr_index[k], b[k]) for k in a)
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        try:
+            if attr_bytes(opdef.attr_index[k], a[k]) != attr_bytes(opdef.attr_index[k], b[k]):
+                return False
+        except (AttributeError, TypeError, ValueError, IRError):  # `b[k]` is not even of the right kind
+            return False
+    return True
 
 
 def _find_cycle(edges: dict[str, tuple[str, ...]]) -> str | None:

@@ -121,12 +121,12 @@ class GPT2(nn.Module):
         """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
         for name, p in self.named_parameters():
             if name.endswith("bias"):
-                p._buffer = np.zeros(p.shape, np.float32)
+                p._set_value(np.zeros(p.shape, np.float32))
             elif name.startswith("ln_f") or ".ln_" in name:
-                p._buffer = np.ones(p.shape, np.float32)
+                p._set_value(np.ones(p.shape, np.float32))
             else:
                 std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
-                p._buffer = (randn(*p.shape) * std).numpy()
+                p._set_value((randn(*p.shape) * std).numpy())
 
     def forward(self, ids, cache: KVCache | None = None) -> Tensor:
         """ids: int64 [B, T] -> logits [B, T, vocab_size]."""

@@ -124,8 +124,7 @@ class Module:
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
                 raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t.type} here, {arr.shape} in the state")
-            t._buffer = np.array(arr, dtype=t.numpy().dtype, copy=True)
-            t._op, t._inputs = None, ()
+            t._set_value(np.array(arr, dtype=t.numpy().dtype, copy=True))
 
     def save(self, path: str) -> None:
         from .weights import save_safetensors

@@ -30,8 +30,8 @@ MAX_HEADER = 100 * 1024 * 1024
 def save_safetensors(state: Mapping[str, Tensor | np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:
     """Write `state` to `path`: to a temporary name, fsync, then rename, so a crash never
     leaves a half-written file under `path`."""
-    arrays = {name: np.ascontiguousarray(t.numpy() if isinstance(t, Tensor) else np.asarray(t))
-              for name, t in state.items()}
+    arrays = {name: np.asarray(t.numpy() if isinstance(t, Tensor) else t, order="C")
+              for name, t in state.items()}  # not np.ascontiguousarray: it makes 0-d arrays 1-d
     for name, arr in arrays.items():
         if from_numpy(arr.dtype).name not in _TO_ST:
             raise DTMError(ErrorCode.UNKNOWN_DTYPE, f"{name}: dtype {arr.dtype} cannot be stored in safetensors")

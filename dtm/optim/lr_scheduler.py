@@ -9,7 +9,8 @@ from .optimizers import Optimizer
 
 class CosineAnnealingLR:
     """lr(t) = eta_min + (base_lr - eta_min) * (1 + cos(pi * t / T_max)) / 2, with an
-    optional linear warm-up over the first `warmup` steps (0 by default, as in torch)."""
+    optional linear warm-up over the first `warmup` steps (0 by default, as in torch).
+    Past T_max the cosine continues, as torch's closed form does; pick T_max = steps."""
 
     def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0, warmup: int = 0):  # noqa: N803
         self.optimizer, self.T_max, self.eta_min, self.warmup = optimizer, T_max, eta_min, warmup
@@ -20,7 +21,7 @@ class CosineAnnealingLR:
     def lr_at(self, base: float, t: int) -> float:
         if t < self.warmup:
             return base * (t + 1) / self.warmup
-        t = min(t - self.warmup, self.T_max)
+        t -= self.warmup  # past T_max the cosine goes on (back up), as torch's does
         return self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * t / self.T_max)) / 2
 
     def _set(self, t: int) -> None:

@@ -44,7 +44,7 @@ class Optimizer:
                 targets.extend(v for v in new_state.values() if isinstance(v, Tensor))
         realize(*targets)
         for p, new_p, state, new_state in news:
-            p._buffer = new_p._buffer
+            p._set_value(new_p._buffer)
             for k, v in new_state.items():
                 state[k] = Tensor.from_numpy(v._buffer) if isinstance(v, Tensor) else v
 

@@ -1,0 +1,582 @@
+"""The loop lowering: each fused group of a Schedule becomes a loop-IR Kernel (or a fallback
+step), over buffers that hold the function's parameters, constants and stored values.
+
+The heart is `KernelBuilder.ev(v, index)`: the scalar expression for element `index` of
+value v. A value stored elsewhere is a Load; an elementwise op applies itself to its
+operands at the broadcast index; a movement op maps the index (permute, broadcast, reshape,
+slice, flip) or selects (pad, concat); a reduction computed by this kernel is its
+accumulator; the matrix product of a matmul kernel is read back from the output buffer.
+Results are memoised per (value, index) and each new temporary is declared in the outermost
+loop whose variables it reads (loop-invariant code motion), so a value a pass reads per row
+is computed once per row.
+
+Every flat index a kernel loads is inside its buffer (element 0 when the buffer is empty:
+the executor backs every buffer with at least one element): pad and concat read element 0
+of an operand they do not select, never a clamped neighbour.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..ir.dtypes import DTYPES
+from ..ir.module import Op, Value
+from ..ir.symbolic import Dim, SymDim, dim_add, dim_prod
+from . import loopir as L
+from .loopir import INDEX, Const, Sym, Var
+from .program import Buffer, FallbackStep, KernelStep, Program
+from .schedule import Group, Schedule, gemm_dtype, reduce_axes
+from .views import contiguous_strides, reshape_groups, strided_view
+
+PARALLEL_WORK = 1 << 15  # elements below which a kernel runs on one thread
+
+
+class LoweringError(AssertionError):
+    """A schedule the lowering cannot follow: a compiler bug."""
+
+
+class _Scope:
+    __slots__ = ("body", "memo", "names")
+
+    def __init__(self, body: list):
+        self.body = body
+        self.memo: dict = {}
+        self.names: set = set()
+
+
+def _nonneg_int(d: Dim) -> bool:
+    return isinstance(d, int)
+
+
+class KernelBuilder:
+    def __init__(self, group: Group, sched: Schedule, producer: dict, buffers: dict, name: str):
+        self.group = group
+        self.sched = sched
+        self.producer = producer
+        self.buffers = buffers          # Value -> Buffer
+        self.name = name
+        self.params: list[L.Param] = []
+        self.param_bufs: list[Buffer] = []
+        self.outputs: list[Buffer] = []
+        self.scopes: list[_Scope] = [_Scope([])]
+        self.level: dict[str, int] = {}
+        self.acc: dict[Value, tuple] = {}
+        self.counter = 0
+        self.own = set(group.stores)
+        self.floor = 0                  # temporaries are never hoisted above this scope
+
+    # -- scopes and temporaries --
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def push(self, names: tuple = ()) -> _Scope:
+        s = _Scope([])
+        self.scopes.append(s)
+        for n in names:
+            self.bind_name(n)
+        return s
+
+    def bind_name(self, name: str) -> None:
+        self.level[name] = len(self.scopes) - 1
+        self.scopes[-1].names.add(name)
+
+    def pop(self) -> list:
+        s = self.scopes.pop()
+        for n in s.names:
+            self.level.pop(n, None)
+        return s.body
+
+    def emit(self, stmt) -> None:
+        self.scopes[-1].body.append(stmt)
+
+    def let(self, e: L.Expr, key=None, prefix: str = "t") -> L.Expr:
+        """Declare e as a temporary in the outermost scope that binds all it reads."""
+        if isinstance(e, (Const, Sym, Var)):
+            if key is not None:
+                self.scopes[-1].memo[key] = e
+            return e
+        lvl = max([self.floor] + [self.level.get(n, 0) for n in L.free_syms(e)])
+        var = Var(self.fresh(prefix), e.dtype)
+        scope = self.scopes[lvl]
+        scope.body.append(L.Let(var, e))
+        scope.names.add(var.name)
+        self.level[var.name] = lvl
+        if key is not None:
+            scope.memo[key] = var
+        return var
+
+    def lookup(self, key):
+        for s in reversed(self.scopes):
+            if key in s.memo:
+                return s.memo[key]
+        return None
+
+    # -- buffers --
+    def param(self, v: Value, output: bool = False) -> str:
+        buf = self.buffers[v]
+        for p, b in zip(self.params, self.param_bufs):
+            if b is buf and p.output == output:
+                return p.name
+        name = f"{'out' if output else 'in'}{len([p for p in self.params if p.output == output])}"
+        self.params.append(L.Param(name, buf.type.dtype, output, buf.type.shape))
+        self.param_bufs.append(buf)
+        if output:
+            self.outputs.append(buf)
+        return name
+
+    def load(self, v: Value, ix: tuple) -> L.Expr:
+        name = self.param(v)
+        return L.Load(name, L.flat_index(ix, v.type.shape), v.type.dtype)
+
+    # -- the evaluator --
+    def is_loaded(self, v: Value) -> bool:
+        if v in self.own:
+            return False
+        op = self.producer.get(v)
+        return op is None or v in self.sched.stored
+
+    def ev(self, v: Value, ix: tuple) -> L.Expr:
+        key = (v, ix)
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
+        if v in self.acc:
+            want, var = self.acc[v]
+            if ix != want:
+                raise LoweringError(f"{self.name}: reduction read at {list(map(str, ix))}, computed at "
+                                    f"{list(map(str, want))}")
+            return var
+        if self.is_loaded(v):
+            return self.let(self.load(v, ix), key)
+        op = self.producer[v]
+        name = op.name
+        if name == "full":
+            return Const(op.attrs["value"], v.type.dtype)
+        if name == "iota":
+            return self.let(L.Op("cast", (ix[op.attrs["dim"]],), v.type.dtype), key)
+        if name in ("reshape", "permute", "broadcast_to", "slice", "flip"):
+            return self.ev(op.operands[0], self.move_index(op, ix))
+        if name == "pad":
+            return self.let(self.pad(op, ix), key)
+        if name == "concat":
+            return self.let(self.concat(op, ix), key)
+        if name == "matmul":
+            g = self.group
+            if g.matmul is op and gemm_dtype(op):
+                return self.let(L.Load(self.param(g.stores[0], output=True),
+                                       L.flat_index(ix, v.type.shape), v.type.dtype), key)
+            return self.naive_matmul(op, ix, key)
+        if name in ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin"):
+            raise LoweringError(f"{self.name}: reduction {name} is neither stored nor a pass of this kernel")
+        # elementwise
+        args = tuple(self.ev(x, broadcast_index(ix, x.type.shape, v.type.shape)) for x in op.operands)
+        attrs = (("to", op.attrs["to"]),) if name in ("cast", "bitcast") else ()
+        return self.let(L.Op(name, args, v.type.dtype, attrs), key)
+
+    def move_index(self, op: Op, ix: tuple) -> tuple:
+        x = op.operands[0]
+        src, dst, a = x.type.shape, op.results[0].type.shape, op.attrs
+        if op.name == "permute":
+            out = [None] * len(src)
+            for i, p in enumerate(a["perm"]):
+                out[p] = ix[i]
+            return tuple(out)
+        if op.name == "broadcast_to":
+            return broadcast_index(ix, src, dst)
+        if op.name == "slice":
+            return tuple(zero_if_one(d, L.iadd(L.dim_expr(s), L.imul(i, st)))
+                         for i, s, st, d in zip(ix, a["start"], a["step"], src))
+        if op.name == "flip":
+            return tuple(L.isub(L.isub(L.dim_expr(src[k]), 1), i) if k in a["axes"] else i
+                         for k, i in enumerate(ix))
+        return reshape_index(ix, src, dst)
+
+    def pad(self, op: Op, ix: tuple) -> L.Expr:
+        x, a = op.operands[0], op.attrs
+        valid = Const(1, INDEX)
+        inner = []
+        for i, lo, hi, d in zip(ix, a["low"], a["high"], x.type.shape):
+            if lo == 0 and hi == 0:
+                inner.append(i)
+                continue
+            j = L.isub(i, lo)
+            valid = L.iand(valid, L.iand(L.icmp(">=", j, 0), L.icmp("<", j, L.dim_expr(d))))
+            inner.append(j)
+        safe = tuple(zero_if_one(d, select_index(valid, j)) for j, d in zip(inner, x.type.shape))
+        val = self.ev(x, safe)
+        return L.Op("where", (valid, val, Const(a["value"], x.type.dtype)), x.type.dtype)
+
+    def concat(self, op: Op, ix: tuple) -> L.Expr:
+        axis = op.attrs["axis"]
+        t = op.results[0].type
+        parts = []
+        offset: Dim = 0
+        for x in op.operands:
+            n = x.type.shape[axis]
+            if n == 0:
+                continue
+            start, stop = L.dim_expr(offset), L.dim_expr(dim_add(offset, n))
+            sel = L.iand(L.icmp(">=", ix[axis], start), L.icmp("<", ix[axis], stop))
+            local = tuple(select_index(sel, L.isub(i, start) if k == axis else i) for k, i in enumerate(ix))
+            local = tuple(zero_if_one(d, i) for i, d in zip(local, x.type.shape))
+            parts.append((sel, self.ev(x, local)))
+            offset = dim_add(offset, n)
+        if not parts:
+            return Const(0, t.dtype)
+        out = parts[-1][1]
+        for sel, val in reversed(parts[:-1]):
+            out = L.Op("where", (sel, val, out), t.dtype)
+        return out
+
+    def naive_matmul(self, op: Op, ix: tuple, key) -> L.Expr:
+        """Element ix of a matrix product as a loop over the contracted dim (integers, or
+        an f32/f64 product inlined into its consumer)."""
+        a, b = op.operands
+        t = op.results[0].type
+        acc = Var(self.fresh("acc"), t.dtype)
+        self.emit(L.Let(acc, Const(0, t.dtype)))
+        self.bind_name(acc.name)
+        k = self.fresh("k")
+        self.push((k,))
+        batch = ix[:-2]
+        ia = broadcast_index(batch, a.type.shape[:-2], t.shape[:-2]) + (ix[-2], Sym(k))
+        ib = broadcast_index(batch, b.type.shape[:-2], t.shape[:-2]) + (Sym(k), ix[-1])
+        ia = tuple(zero_if_one(d, i) for i, d in zip(ia, a.type.shape))
+        ib = tuple(zero_if_one(d, i) for i, d in zip(ib, b.type.shape))
+        prod = L.Op("mul", (self.ev(a, ia), self.ev(b, ib)), t.dtype)
+        self.emit(L.Assign(acc, L.Op("add", (acc, prod), t.dtype)))
+        body = self.pop()
+        self.emit(L.Loop(k, Const(0, INDEX), L.dim_expr(a.type.shape[-1]), body))
+        self.scopes[-1].memo[key] = acc
+        return acc
+
+    # -- reductions --
+    def reduce_pass(self, op: Op, full_ix: tuple, row_ix: tuple, axes_loops: list) -> None:
+        x, r = op.operands[0], op.results[0]
+        dt = x.type.dtype
+        is_arg = op.name in ("argmax", "argmin")
+        acc = Var(self.fresh("acc"), dt)
+        self.emit(L.Let(acc, Const(_init(op.name, dt), dt)))
+        self.bind_name(acc.name)
+        best_i = None
+        if is_arg:
+            best_i = Var(self.fresh("arg"), r.type.dtype)
+            self.emit(L.Let(best_i, Const(0, r.type.dtype)))
+            self.bind_name(best_i.name)
+        depth = 0
+        for var, extent in axes_loops:
+            self.push((var,))
+            depth += 1
+        val = self.ev(x, full_ix)
+        reduction = None
+        if is_arg:
+            better = "gt" if op.name == "argmax" else "lt"
+            cmp = L.Op(better, (val, acc), _BOOL)
+            if dt.is_float:  # the first NaN wins and stays
+                cmp = L.Op("logical_and", (L.Op("eq", (acc, acc), _BOOL),
+                                           L.Op("logical_or", (cmp, L.Op("ne", (val, val), _BOOL)), _BOOL)), _BOOL)
+            pos = full_ix[op.attrs["axis"]]
+            self.emit(L.If(cmp, [L.Assign(acc, val), L.Assign(best_i, L.Op("cast", (pos,), r.type.dtype))]))
+        else:
+            fn = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}[op.name]
+            self.emit(L.Assign(acc, L.Op(fn, (acc, val), dt)))
+            if fn in ("add", "mul") and dt.is_float:
+                reduction = ("+" if fn == "add" else "*", acc.name)
+        for var, extent in reversed(axes_loops):
+            body = self.pop()
+            self.emit(L.Loop(var, Const(0, INDEX), extent, body, reduction=reduction))
+            reduction = None
+        self.acc[r] = (row_ix, best_i if is_arg else acc)
+
+    # -- kernels --
+    def build(self) -> L.Kernel:
+        g = self.group
+        if g.kind == "matmul" and gemm_dtype(g.matmul):
+            body = self.build_gemm()
+        else:
+            body = self.build_loops()
+        dims = sorted(_free_dims(body) - {p.name for p in self.params})
+        return L.Kernel(self.name, self.params, dims, body)
+
+    def build_loops(self) -> list:
+        g = self.group
+        F, R = g.domain, g.axes
+        rank = len(F)
+        full_ix = tuple(Const(0, INDEX) if d == 1 else Sym(f"i{k}") for k, d in enumerate(F))
+        loops = [(f"i{k}", L.dim_expr(F[k])) for k in range(rank) if F[k] != 1]
+        if R:
+            outer = [k for k in range(rank) if k not in R and F[k] != 1]
+            inner = [(f"i{k}", L.dim_expr(F[k])) for k in R if F[k] != 1]
+        else:
+            outer = [k for k in range(rank - 1) if F[k] != 1]
+            inner = [lp for lp in loops if lp[0] == f"i{rank - 1}"]
+        work = L.dim_expr(dim_prod(F))
+        row_stores = [v for v in g.stores if v.type.shape != F]
+        full_stores = [v for v in g.stores if v.type.shape == F]
+        outs = {v: self.param(v, output=True) for v in g.stores}
+        # the outer loops, flattened into one (parallel) loop
+        o_var = None
+        if outer:
+            o_var = "o" if len(outer) > 1 else f"i{outer[0]}"
+            self.push((o_var,))
+            if len(outer) > 1:
+                stride: L.Expr = Const(1, INDEX)
+                binds = []
+                for pos, k in enumerate(reversed(outer)):
+                    e = L.idiv(Sym(o_var), stride)
+                    if pos != len(outer) - 1:
+                        e = L.imod(e, L.dim_expr(F[k]))
+                    binds.append(L.Bind(f"i{k}", e))
+                    stride = L.imul(stride, L.dim_expr(F[k]))
+                for b in reversed(binds):
+                    self.emit(b)
+                    self.bind_name(b.name)
+        for p in g.passes:
+            keep = p.attrs.get("keepdims", False)
+            rix = tuple(Const(0, INDEX) if k in R else i for k, i in enumerate(full_ix)) if keep else \
+                tuple(i for k, i in enumerate(full_ix) if k not in R)
+            self.reduce_pass(p, full_ix, rix, inner)
+        keep_shape, drop_shape = _row_shapes(F, R)
+        for v in row_stores:
+            if v.type.shape == keep_shape:
+                rix = tuple(Const(0, INDEX) if k in R else i for k, i in enumerate(full_ix))
+            else:
+                rix = tuple(i for k, i in enumerate(full_ix) if k not in R)
+            self.emit(L.Store(outs[v], L.flat_index(rix, v.type.shape), self.ev(v, rix)))
+        if full_stores:
+            for var, _ in inner:
+                self.push((var,))
+            for v in full_stores:
+                self.emit(L.Store(outs[v], L.flat_index(full_ix, F), self.ev(v, full_ix)))
+            for i, (var, extent) in enumerate(reversed(inner)):
+                body = self.pop()
+                par = work if (o_var is None and i == len(inner) - 1 and not R) else None
+                self.emit(L.Loop(var, Const(0, INDEX), extent, body, parallel=par))
+        if o_var is not None:
+            body = self.pop()
+            extent = L.dim_expr(dim_prod([F[k] for k in outer]))
+            self.emit(L.Loop(o_var, Const(0, INDEX), extent, body, parallel=work))
+        return self.pop_root()
+
+    def pop_root(self) -> list:
+        assert len(self.scopes) == 1
+        return self.scopes[0].body
+
+    def build_gemm(self) -> list:
+        g = self.group
+        mm = g.matmul
+        t = mm.results[0].type
+        sink = g.stores[0]
+        out = self.param(sink, output=True)
+        nb = t.rank - 2
+        bvars = tuple(f"b{k}" for k in range(nb))
+        operands = []
+        for x in mm.operands:
+            view = strided_view(x, self.producer, lambda u: self.is_loaded(u))
+            if view is None:
+                raise LoweringError(f"{self.name}: matmul operand is not a strided view of a stored value")
+            base, off, st = view
+            name = self.param(base)
+            xb = x.type.rank - 2
+            offset = L.dim_expr(off)
+            for k in range(nb):
+                j = k - (nb - xb)
+                if j >= 0 and x.type.shape[j] != 1:
+                    offset = L.iadd(offset, L.imul(Sym(bvars[k]), L.dim_expr(st[j])))
+            operands.append(L.Strided(name, offset, L.dim_expr(st[-2]), L.dim_expr(st[-1])))
+        cst = contiguous_strides(t.shape)
+        c_off: L.Expr = Const(0, INDEX)
+        for k in range(nb):
+            c_off = L.iadd(c_off, L.imul(Sym(bvars[k]), L.dim_expr(cst[k])))
+        c = L.Strided(out, c_off, L.dim_expr(t.shape[-1]), Const(1, INDEX))
+        epilogue = None
+        if sink is not mm.results[0]:
+            # the epilogue: loops over a block [i0_, i1_) x [j0_, j1_) of batch entry bt
+            self.push(("bt", "i0_", "i1_", "j0_", "j1_"))
+            self.floor = len(self.scopes) - 1
+            for b in _batch_binds(bvars, t.shape[:-2], Sym("bt")):
+                self.emit(b)
+                self.bind_name(b.name)
+            ix = tuple(Sym(v) for v in bvars) + (Sym("i"), Sym("j"))
+            ix = tuple(Const(0, INDEX) if d == 1 else i for i, d in zip(ix, t.shape))
+            self.push(("i",))
+            self.push(("j",))
+            self.emit(L.Store(out, L.flat_index(ix, t.shape), self.ev(sink, ix)))
+            jbody = self.pop()
+            self.emit(L.Loop("j", Sym("j0_"), Sym("j1_"), jbody))
+            ibody = self.pop()
+            self.emit(L.Loop("i", Sym("i0_"), Sym("i1_"), ibody))
+            epilogue = self.pop()
+            self.floor = 0
+        gemm = L.Gemm(t.dtype, tuple(L.dim_expr(d) for d in t.shape[:-2]), bvars,
+                      L.dim_expr(t.shape[-2]), L.dim_expr(t.shape[-1]), L.dim_expr(mm.operands[0].type.shape[-1]),
+                      operands[0], operands[1], c, epilogue)
+        self.emit(gemm)
+        return self.pop_root()
+
+
+_BOOL = DTYPES["bool"]
+
+
+def _init(name: str, dt):
+    if name in ("reduce_sum",):
+        return 0
+    if name == "reduce_prod":
+        return 1
+    big = name in ("reduce_max", "argmax")
+    if dt.is_float:
+        return -math.inf if big else math.inf
+    if dt.name == "bool":
+        return 0 if big else 1
+    info = np.iinfo(np.dtype(_NP_INT[dt.name]))
+    return int(info.min) if big else int(info.max)
+
+
+_NP_INT = {"i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
+           "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64"}
+
+
+def _row_shapes(F, R):
+    return tuple(1 if i in R else d for i, d in enumerate(F)), tuple(d for i, d in enumerate(F) if i not in R)
+
+
+def _batch_binds(bvars: tuple, dims: tuple, flat: L.Expr) -> list:
+    """Bind each batch variable from the flat batch index (row-major)."""
+    binds = []
+    stride: L.Expr = Const(1, INDEX)
+    for pos, (name, d) in enumerate(reversed(list(zip(bvars, dims)))):
+        e = L.idiv(flat, stride)
+        if pos != len(bvars) - 1:
+            e = L.imod(e, L.dim_expr(d))
+        binds.append(L.Bind(name, e))
+        stride = L.imul(stride, L.dim_expr(d))
+    return list(reversed(binds))
+
+
+def _free_dims(body: list) -> set:
+    """Symbols a kernel body reads that no loop or Bind of it defines (its dim arguments)."""
+    used: set = set()
+    bound: set = set()
+
+    def expr(e):
+        used.update(n for n in L.free_syms(e))
+
+    def walk(stmts):
+        for s in stmts:
+            if isinstance(s, L.Loop):
+                bound.add(s.var)
+                expr(s.start), expr(s.stop)
+                if s.parallel is not None:
+                    expr(s.parallel)
+                walk(s.body)
+            elif isinstance(s, (L.Let, L.Assign)):
+                bound.add(s.var.name)
+                expr(s.value)
+            elif isinstance(s, L.Bind):
+                bound.add(s.name)
+                expr(s.value)
+            elif isinstance(s, L.Store):
+                expr(s.index), expr(s.value)
+            elif isinstance(s, L.If):
+                expr(s.cond)
+                walk(s.body)
+            elif isinstance(s, L.Gemm):
+                bound.update(s.batch_vars)
+                bound.update(("bt", "i0_", "i1_", "j0_", "j1_", s.ivar, s.jvar))
+                for e in (*s.batch, s.m, s.n, s.k):
+                    expr(e)
+                for st in (s.a, s.b, s.c):
+                    expr(st.offset), expr(st.rows), expr(st.cols)
+                walk(s.epilogue or [])
+    walk(body)
+    return used - bound
+
+
+def zero_if_one(d: Dim, i: L.Expr) -> L.Expr:
+    return Const(0, INDEX) if d == 1 else i
+
+
+def select_index(cond: L.Expr, i: L.Expr) -> L.Expr:
+    """i where cond holds, else 0 (an index always inside a non-empty buffer)."""
+    if isinstance(cond, Const):
+        return i if cond.value else Const(0, INDEX)
+    if isinstance(i, Const) and i.value == 0:
+        return i
+    return L.Op("select", (cond, i, Const(0, INDEX)), INDEX)
+
+
+def broadcast_index(ix: tuple, src: tuple, dst: tuple) -> tuple:
+    """The index of a broadcast operand of shape src at result index ix (shape dst)."""
+    lead = len(dst) - len(src)
+    return tuple(Const(0, INDEX) if s == 1 else ix[lead + k] for k, s in enumerate(src))
+
+
+def reshape_index(ix: tuple, src: tuple, dst: tuple) -> tuple:
+    """The source index of a reshape at result index ix, group by group."""
+    groups = reshape_groups(src, dst) or [(list(range(len(src))), list(range(len(dst))))]
+    out: list = [Const(0, INDEX)] * len(src)
+    for si, di in groups:
+        if len(si) == 1 and len(di) == 1:
+            out[si[0]] = zero_if_one(src[si[0]], ix[di[0]])
+            continue
+        lin: L.Expr = Const(0, INDEX)
+        stride: L.Expr = Const(1, INDEX)
+        for k in reversed(di):
+            lin = L.iadd(lin, L.imul(ix[k], stride))
+            stride = L.imul(stride, L.dim_expr(dst[k]))
+        real = [k for k in si if src[k] != 1]
+        stride = Const(1, INDEX)
+        for pos, k in enumerate(reversed(real)):
+            e = L.idiv(lin, stride)
+            if pos != len(real) - 1:
+                e = L.imod(e, L.dim_expr(src[k]))
+            out[k] = e
+            stride = L.imul(stride, L.dim_expr(src[k]))
+    return tuple(out)
+
+
+# --- the pass -----------------------------------------------------------------------------
+
+def lower_loops(sched: Schedule) -> Program:
+    """Buffers for every parameter, constant and stored value; a step per group."""
+    func = sched.func
+    producer = {r: op for op in func.ops for r in op.results}
+    buffers: dict[Value, Buffer] = {}
+    order: list[Buffer] = []
+
+    def add(v: Value, kind: str, **kw) -> Buffer:
+        b = Buffer(f"b{len(order)}", v.type, kind, v, **kw)
+        buffers[v] = b
+        order.append(b)
+        return b
+
+    for i, p in enumerate(func.params):
+        add(p, "param", index=i)
+    for op in sched.consts:
+        add(op.results[0], "const", data=op.attrs["value"].to_numpy())
+    returned = set(func.returns)
+    for grp in sched.groups:
+        for v in grp.stores:
+            if v not in buffers:
+                kind = "fallback" if grp.kind == "fallback" else ("output" if v in returned else "temp")
+                add(v, kind)
+    steps = []
+    for n, grp in enumerate(sched.groups):
+        name = f"k{n}_{grp.name}" if grp.kind != "fallback" else f"f{n}_{grp.op.name}"
+        if grp.kind == "fallback":
+            steps.append(FallbackStep(name, grp.op, [buffers[v] for v in grp.op.operands],
+                                      [buffers[v] for v in grp.op.results]))
+            continue
+        kb = KernelBuilder(grp, sched, producer, buffers, name)
+        kernel = kb.build()
+        steps.append(KernelStep(name, kernel, list(kb.param_bufs), grp, ops=list(grp.ops)))
+    rets = [buffers[v] for v in func.returns]
+    symbols = sorted({s for v in list(func.params) for d in v.type.shape if isinstance(d, SymDim)
+                      for s in d.symbols})
+    return Program(func, order, steps, rets, symbols)
+
+
+__all__ = ["lower_loops", "KernelBuilder", "LoweringError"]

@@ -1,0 +1,446 @@
+"""The fusion pass: which values are stored to memory, and which kernel computes each.
+
+Every value that is not stored is recomputed inline wherever a kernel reads it: elementwise
+ops, broadcasts, `full` and `iota`, and movement ops (index arithmetic, no copies). A value
+is stored (`Schedule.stored`) when
+  - the function returns it, or a fallback op (one `lower` has no loops for) reads it;
+  - it is the base of a matrix product operand that is not a strided view of a stored value;
+  - it is a reduction or matrix product that the kernel reading it cannot compute in place
+    (see below); or a pure op reads a parameter that an `assign` later overwrites.
+
+Each stored value gets a kernel, one of:
+  - elementwise: loops over the value's shape;
+  - reduce (a row kernel): loops over the outer dims of a full shape F; for each outer
+    index, one pass per reduction over the reduced axes R (in program order, each reading
+    the earlier ones' results), then the stores. Values of shape F and "row" values (F with
+    R removed, or set to 1) read the reductions in place: softmax and layer_norm over the
+    last dim are one kernel each. Row kernels that share a reduction are merged;
+  - matmul: a matrix product, followed by an epilogue: the elementwise ops that read the
+    product at its own index and produce one stored value of its type (bias, activation,
+    residual: gelu(x @ w + b) is one kernel);
+  - fallback: any other op (gather, scatter, random, collectives, store, call, ops on
+    narrow floats or quantized dtypes) runs the reference implementation.
+Kernels are ordered by their data dependencies, effects in program order, and an `assign`
+after every kernel that reads its target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.module import Func, Op, Value
+from ..ir.registry import REGISTRY, Category
+from .views import MOVES, strided_view
+
+NATIVE = frozenset(("bool", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "f32", "f64"))
+EW_CATEGORIES = (Category.UNARY, Category.BINARY, Category.COMPARE, Category.TERNARY)
+REDUCES = ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin")
+SOURCES = ("full", "iota")
+
+FULL, ROW, OTHER = "full", "row", "other"
+
+
+def op_kind(op: Op) -> str:
+    """How the compiler handles an op: ew, move, source, const, reduce, matmul or fallback."""
+    types = [v.type for v in op.operands] + [r.type for r in op.results]
+    if any(t.dtype.name not in NATIVE for t in types):
+        return "fallback"
+    cat = REGISTRY[op.name].category
+    if cat in EW_CATEGORIES:
+        return "ew"
+    if op.name in MOVES:
+        return "move"
+    if op.name in SOURCES:
+        return "source"
+    if op.name == "constant":
+        return "const"
+    if op.name in REDUCES:
+        return "reduce"
+    if op.name == "matmul":
+        return "matmul"
+    return "fallback"
+
+
+def reduce_axes(op: Op) -> tuple[int, ...]:
+    return (op.attrs["axis"],) if op.name in ("argmax", "argmin") else tuple(sorted(op.attrs["axes"]))
+
+
+def row_shapes(F: tuple, R: tuple) -> tuple[tuple, tuple]:
+    """The shape of a reduction's result over axes R of shape F: (keepdims, without)."""
+    return (tuple(1 if i in R else d for i, d in enumerate(F)), tuple(d for i, d in enumerate(F) if i not in R))
+
+
+@dataclass
+class Group:
+    """One kernel. `stores` are the values it writes; `loads` those it reads from memory."""
+
+    kind: str                                   # elementwise | reduce | matmul | fallback
+    stores: list[Value]
+    domain: tuple = ()                          # F: the shape the loops run over
+    axes: tuple = ()                            # R: reduced axes of F (reduce kernels)
+    passes: list[Op] = field(default_factory=list)
+    matmul: Op | None = None
+    op: Op | None = None                        # the fallback op
+    ops: list[Op] = field(default_factory=list)  # every op computed here, program order
+    loads: list[Value] = field(default_factory=list)
+    first: int = 0                              # program position of its first op
+
+    @property
+    def name(self) -> str:
+        names = []
+        for op in self.ops:
+            if op.name not in names and op.name not in ("full", "iota"):
+                names.append(op.name)
+        text = "_".join(names[:4]) + ("_etc" if len(names) > 4 else "")
+        return text or "copy"
+
+
+@dataclass
+class Schedule:
+    func: Func
+    groups: list[Group]
+    stored: set
+    consts: list[Op]
+
+    def __str__(self) -> str:
+        from ..ir.symbolic import format_dim
+
+        names = _names(self.func)
+        lines = [f"schedule of @{self.func.name}: {len(self.groups)} kernel(s)"]
+        for i, g in enumerate(self.groups):
+            dom = "[" + ", ".join(format_dim(d) for d in g.domain) + "]"
+            head = f"k{i} {g.kind}"
+            if g.kind == "fallback":
+                head += f" {g.op.name}"
+            else:
+                head += f" over {dom}" + (f" reducing axes {list(g.axes)}" if g.axes else "")
+            lines.append(head)
+            if g.passes:
+                lines.append("  passes: " + ", ".join(f"{names.get(p.results[0], '?')} = {p.name}" for p in g.passes))
+            if g.matmul is not None:
+                lines.append(f"  matmul: {names.get(g.matmul.results[0], '?')}")
+            lines.append("  ops: " + " ".join(op.name for op in g.ops))
+            lines.append("  reads: " + (", ".join(names.get(v, "?") for v in g.loads) or "-"))
+            lines.append("  writes: " + (", ".join(names.get(v, "?") for v in g.stores) or "-"))
+        return "\n".join(lines)
+
+
+def _names(f: Func) -> dict:
+    names = {}
+    for p in f.params:
+        names[p] = "%" + str(p.name)
+    for op in f.ops:
+        for r in op.results:
+            names[r] = "%" + str(r.name)
+    return names
+
+
+class _Graph:
+    """Def-use facts about one function."""
+
+    def __init__(self, func: Func):
+        self.func = func
+        self.producer: dict[Value, Op] = {}
+        self.pos: dict[Op, int] = {}
+        self.users: dict[Value, list[Op]] = {}
+        for i, op in enumerate(func.ops):
+            self.pos[op] = i
+            for r in op.results:
+                self.producer[r] = op
+            for v in op.operands:
+                self.users.setdefault(v, []).append(op)
+        self.kind = {op: op_kind(op) for op in func.ops}
+        self.params = set(func.params)
+
+
+@dataclass
+class _Walk:
+    passes: list = field(default_factory=list)
+    need: set = field(default_factory=set)
+    matmuls: dict = field(default_factory=dict)    # matmul op -> set of modes reached in
+    loads: list = field(default_factory=list)
+    ops: set = field(default_factory=set)
+
+
+def _child_mode(mode: str, w_shape: tuple, u_shape: tuple, F: tuple, R: tuple) -> str:
+    if mode == FULL:
+        if w_shape == F:
+            return FULL
+        if R and w_shape == row_shapes(F, R)[0]:
+            return ROW
+        return OTHER
+    if mode == ROW and w_shape == u_shape:
+        return ROW
+    return OTHER
+
+
+def _move_mode(op: Op, mode: str, F: tuple, R: tuple) -> str:
+    src, dst = op.operands[0].type.shape, op.results[0].type.shape
+    keep, drop = row_shapes(F, R)
+    if op.name == "broadcast_to" and mode == FULL and R and src == keep and dst == F:
+        return ROW
+    if op.name == "reshape":
+        if mode == FULL and src == dst:
+            return FULL
+        if mode == ROW and src in (keep, drop) and dst in (keep, drop):
+            return ROW
+    return OTHER
+
+
+class _Scheduler:
+    def __init__(self, func: Func):
+        self.g = _Graph(func)
+        self.stored: set[Value] = set()
+
+    # -- the cone of a stored value --
+    def is_boundary(self, v: Value, own: set) -> bool:
+        return v in self.g.params or (v in self.stored and v not in own)
+
+    def walk(self, roots: list[Value], F: tuple, R: tuple, own: set) -> _Walk:
+        g, w = self.g, _Walk()
+        seen: set = set()
+        loads_seen: set = set()
+        stack = []
+        for v in roots:
+            op = g.producer[v]
+            mode = ROW if (g.kind[op] == "reduce" or v.type.shape != F) else FULL
+            stack.append((v, mode))
+        passes: set = set()
+        while stack:
+            u, mode = stack.pop()
+            if (u, mode) in seen:
+                continue
+            seen.add((u, mode))
+            if self.is_boundary(u, own) or (u not in own and g.kind.get(g.producer.get(u)) == "const"):
+                if u not in loads_seen:
+                    loads_seen.add(u)
+                    w.loads.append(u)
+                continue
+            op = g.producer[u]
+            kind = g.kind[op]
+            if kind == "fallback" or kind == "const":  # stored by its own kernel, or a constant buffer
+                if u not in loads_seen:
+                    loads_seen.add(u)
+                    w.loads.append(u)
+                continue
+            w.ops.add(op)
+            if kind == "reduce":
+                if mode == ROW and reduce_axes(op) == R and op.operands[0].type.shape == F:
+                    if op not in passes:
+                        passes.add(op)
+                    stack.append((op.operands[0], FULL))
+                else:
+                    w.need.add(u)
+            elif kind == "matmul":
+                w.matmuls.setdefault(op, set()).add(mode)
+                for x in op.operands:  # strided views of stored values (the gemm reads them) or inlined
+                    stack.append((x, OTHER))
+            elif kind == "ew":
+                for x in op.operands:
+                    stack.append((x, _child_mode(mode, x.type.shape, u.type.shape, F, R)))
+            elif kind == "move":
+                for x in op.operands:
+                    stack.append((x, _move_mode(op, mode, F, R)))
+            # sources read nothing
+        w.passes = sorted(passes, key=lambda op: g.pos[op])
+        return w
+
+    def cone_reduces(self, v: Value) -> list[Op]:
+        """Reductions reachable from v without crossing a stored value, program order."""
+        g, out, seen, stack = self.g, [], set(), [v]
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u != v and self.is_boundary(u, set()):
+                continue
+            op = g.producer.get(u)
+            if op is None or g.kind[op] in ("fallback", "const"):
+                continue
+            if g.kind[op] == "reduce":
+                out.append(op)
+            stack.extend(op.operands)
+        return sorted(out, key=lambda op: g.pos[op])
+
+    def domain(self, v: Value) -> tuple[tuple, tuple]:
+        op = self.g.producer[v]
+        if self.g.kind[op] == "reduce":
+            return op.operands[0].type.shape, reduce_axes(op)
+        shape = v.type.shape
+        for r in self.cone_reduces(v):
+            F, R = r.operands[0].type.shape, reduce_axes(r)
+            if shape == F or shape in row_shapes(F, R):
+                return F, R
+        return shape, ()
+
+    # -- what must be stored --
+    def initial(self) -> None:
+        g = self.g
+        self.stored.update(v for v in g.func.returns if v not in g.params)
+        assigned = {op.operands[0] for op in g.func.ops if op.name == "assign"}
+        for op in g.func.ops:
+            kind = g.kind[op]
+            if kind == "fallback":
+                self.stored.update(op.results)
+                self.stored.update(v for v in op.operands if v not in g.params)
+            elif kind == "const":
+                self.stored.update(op.results)
+            if op.name != "assign" and any(v in assigned for v in op.operands):
+                self.stored.update(op.results)
+
+    def matmul_operands(self) -> bool:
+        """Store what the gemm's operands need; True when something was added."""
+        g, added = self.g, False
+        for op in g.func.ops:
+            if g.kind[op] != "matmul" or not gemm_dtype(op):
+                continue
+            for x in op.operands:
+                view = strided_view(x, g.producer, lambda u: u in g.params or u in self.stored)
+                target = x if view is None else view[0]
+                if target not in g.params and target not in self.stored:
+                    self.stored.add(target)
+                    added = True
+        return added
+
+    def groups_once(self) -> tuple[list[Group], set]:
+        """One kernel per stored value, and the values that must be stored as well."""
+        g, groups, need = self.g, [], set()
+        reach: dict[Op, list] = {}
+        for v in sorted(self.stored, key=self._order):
+            op = g.producer.get(v)
+            if op is None or g.kind[op] in ("fallback", "const"):
+                continue
+            F, R = self.domain(v)
+            w = self.walk([v], F, R, {v})
+            need |= w.need
+            kind = "reduce" if w.passes else "elementwise"
+            grp = Group(kind, [v], F, R if w.passes else (), w.passes, None, None,
+                        sorted(w.ops, key=g.pos.get), w.loads)
+            for mm, modes in w.matmuls.items():
+                reach.setdefault(mm, []).append((grp, modes))
+            groups.append(grp)
+        for mm, users in reach.items():
+            r = mm.results[0]
+            if r in self.stored:
+                continue
+            (grp, modes), *more = users
+            sink = grp.stores[0]
+            ok = (not more and modes == {FULL} and not grp.passes and sink.type == r.type
+                  and grp.matmul is None)
+            if ok:
+                grp.kind, grp.matmul = "matmul", mm
+            else:
+                need.add(r)
+        for grp in groups:
+            op = g.producer[grp.stores[0]]
+            if g.kind[op] == "matmul" and grp.matmul is None:
+                grp.kind, grp.matmul = "matmul", op
+        return groups, need
+
+    def _order(self, v: Value) -> int:
+        op = self.g.producer.get(v)
+        return self.g.pos[op] if op is not None else -1
+
+    def run(self) -> Schedule:
+        g = self.g
+        self.initial()
+        while True:
+            added = self.matmul_operands()
+            groups, need = self.groups_once()
+            need -= self.stored
+            if not need and not added:
+                break
+            self.stored |= need
+        groups = self.merge(groups)
+        for op in g.func.ops:
+            if g.kind[op] == "fallback":
+                loads = [v for v in op.operands]
+                groups.append(Group("fallback", list(op.results), op=op, ops=[op], loads=loads))
+        for grp in groups:
+            grp.first = min(g.pos[op] for op in grp.ops) if grp.ops else 0
+        consts = [op for op in g.func.ops if g.kind[op] == "const"]
+        return Schedule(g.func, self.order(groups), self.stored, consts)
+
+    # -- merging and ordering --
+    def merge(self, groups: list[Group]) -> list[Group]:
+        """Merge row kernels over the same domain that share a reduction."""
+        out: list[Group] = []
+        for grp in groups:
+            target = None
+            if grp.kind == "reduce":
+                for other in out:
+                    if (other.kind == "reduce" and other.domain == grp.domain and other.axes == grp.axes
+                            and set(other.passes) & set(grp.passes) and not self._connected(other, grp, groups)):
+                        target = other
+                        break
+            if target is None:
+                out.append(grp)
+                continue
+            target.stores += grp.stores
+            target.passes = sorted(set(target.passes) | set(grp.passes), key=self.g.pos.get)
+            target.ops = sorted(set(target.ops) | set(grp.ops), key=self.g.pos.get)
+            target.loads += [v for v in grp.loads if v not in target.loads]
+            groups = [x for x in groups if x is not grp]
+        return out
+
+    def _connected(self, a: Group, b: Group, groups: list[Group]) -> bool:
+        """Whether a path of loads joins a and b (either way)."""
+        by_store = {v: grp for grp in groups for v in grp.stores}
+
+        def reaches(src: Group, dst: Group) -> bool:
+            seen, stack = set(), [dst]
+            while stack:
+                x = stack.pop()
+                if x is src:
+                    return True
+                if id(x) in seen:
+                    continue
+                seen.add(id(x))
+                stack.extend(by_store[v] for v in x.loads if v in by_store)
+            return False
+
+        return reaches(a, b) or reaches(b, a)
+
+    def order(self, groups: list[Group]) -> list[Group]:
+        g = self.g
+        by_store = {v: grp for grp in groups for v in grp.stores}
+        deps: dict[int, set] = {id(grp): set() for grp in groups}
+        for grp in groups:
+            for v in grp.loads:
+                if v in by_store and by_store[v] is not grp:
+                    deps[id(grp)].add(id(by_store[v]))
+        effects = [grp for grp in groups if grp.kind == "fallback" and
+                   (REGISTRY[grp.op.name].effect or grp.op.name == "call")]
+        effects.sort(key=lambda grp: grp.first)
+        for a, b in zip(effects, effects[1:]):
+            deps[id(b)].add(id(a))
+        for e in effects:
+            written = [e.op.operands[0]] if e.op.name == "assign" else list(e.op.operands)
+            for grp in groups:
+                if grp is not e and grp.first < e.first and any(v in grp.loads for v in written):
+                    deps[id(e)].add(id(grp))
+        done: set = set()
+        result: list[Group] = []
+        pending = sorted(groups, key=lambda grp: grp.first)
+        while pending:
+            for i, grp in enumerate(pending):
+                if deps[id(grp)] <= done:
+                    break
+            else:  # pragma: no cover - the scheduler never builds a cycle
+                raise AssertionError("dtm.compiler bug: the kernel graph has a cycle")
+            pending.pop(i)
+            done.add(id(grp))
+            result.append(grp)
+        del g
+        return result
+
+
+def gemm_dtype(op: Op) -> bool:
+    """Whether a matmul runs on the tiled runtime kernel (f32, f64) or as plain loops."""
+    return op.results[0].type.dtype.name in ("f32", "f64")
+
+
+def fuse(func: Func) -> Schedule:
+    """Group the ops of `func` into kernels (see the module docstring)."""
+    return _Scheduler(func).run()
