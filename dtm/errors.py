@@ -76,6 +76,7 @@ class ErrorCode(str, enum.Enum):
     COLLECTIVE_MISMATCH = "E0803"
     STORE_KEY_MISSING = "E0804"
     READ_ONLY_INPUT = "E0805"
+    BUILD_FAILED = "E0806"
 
     def __str__(self) -> str:
         return self.value

@@ -13,13 +13,13 @@ from dtm.models.char_gpt import CharTokenizer, TrainConfig, batches, model_confi
 from dtm.models.gpt2 import GPT2  # noqa: E402
 
 # Uniform guessing over the ~60 characters costs ln(60) = 4.1 nats; the unigram
-# distribution of the text about 3.1. Below 2.8 the model has learned which characters
-# follow which.
-THRESHOLD = 2.8
+# distribution of the text about 3.1. Below 2.5 the model has learned which characters
+# follow which (a measured run ends near 2.25).
+THRESHOLD = 2.5
 
 
 def test_char_gpt_learns():
-    cfg = TrainConfig(steps=300, lr=1e-2)
+    cfg = TrainConfig(steps=300)
     _, losses = train(cfg)
     assert losses[0] > 3.8
     assert np.mean(losses[-20:]) < THRESHOLD, losses[-20:]

@@ -27,11 +27,8 @@ from ..ir.symbolic import Dim, SymDim, dim_add, dim_prod
 from . import loopir as L
 from .loopir import INDEX, Const, Sym, Var
 from .program import Buffer, FallbackStep, KernelStep, Program
-from .schedule import Group, Schedule, gemm_dtype, reduce_axes
+from .schedule import Group, Schedule, gemm_dtype
 from .views import contiguous_strides, reshape_groups, strided_view
-
-PARALLEL_WORK = 1 << 15  # elements below which a kernel runs on one thread
-
 
 class LoweringError(AssertionError):
     """A schedule the lowering cannot follow: a compiler bug."""
@@ -44,10 +41,6 @@ class _Scope:
         self.body = body
         self.memo: dict = {}
         self.names: set = set()
-
-
-def _nonneg_int(d: Dim) -> bool:
-    return isinstance(d, int)
 
 
 class KernelBuilder:
@@ -307,7 +300,7 @@ class KernelBuilder:
         rank = len(F)
         full_ix = tuple(Const(0, INDEX) if d == 1 else Sym(f"i{k}") for k, d in enumerate(F))
         loops = [(f"i{k}", L.dim_expr(F[k])) for k in range(rank) if F[k] != 1]
-        if R:
+        if g.passes:  # a row kernel (R may be empty: a reduction over no axes)
             outer = [k for k in range(rank) if k not in R and F[k] != 1]
             inner = [(f"i{k}", L.dim_expr(F[k])) for k in R if F[k] != 1]
         else:
@@ -353,7 +346,7 @@ class KernelBuilder:
                 self.emit(L.Store(outs[v], L.flat_index(full_ix, F), self.ev(v, full_ix)))
             for i, (var, extent) in enumerate(reversed(inner)):
                 body = self.pop()
-                par = work if (o_var is None and i == len(inner) - 1 and not R) else None
+                par = work if (o_var is None and i == len(inner) - 1 and not g.passes) else None
                 self.emit(L.Loop(var, Const(0, INDEX), extent, body, parallel=par))
         if o_var is not None:
             body = self.pop()

@@ -43,7 +43,8 @@ class KernelStep:
     args: list
     group: Any = None
     ops: list = field(default_factory=list)
-    source: str = ""
+    source: str = ""                # its C source, alone in a unit (render_c)
+    cfunc: Any = None               # render_c.CFunction, what the build compiles
 
     @property
     def inputs(self) -> list:

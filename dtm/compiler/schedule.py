@@ -4,6 +4,8 @@ Every value that is not stored is recomputed inline wherever a kernel reads it: 
 ops, broadcasts, `full` and `iota`, and movement ops (index arithmetic, no copies). A value
 is stored (`Schedule.stored`) when
   - the function returns it, or a fallback op (one `lower` has no loops for) reads it;
+  - it is elementwise and read by several ops, one of them a movement op (it would be
+    recomputed at each index it is read at);
   - it is the base of a matrix product operand that is not a strided view of a stored value;
   - it is a reduction or matrix product that the kernel reading it cannot compute in place
     (see below); or a pure op reads a parameter that an `assign` later overwrites.
@@ -14,14 +16,16 @@ Each stored value gets a kernel, one of:
     index, one pass per reduction over the reduced axes R (in program order, each reading
     the earlier ones' results), then the stores. Values of shape F and "row" values (F with
     R removed, or set to 1) read the reductions in place: softmax and layer_norm over the
-    last dim are one kernel each. Row kernels that share a reduction are merged;
+    last dim are one kernel each;
   - matmul: a matrix product, followed by an epilogue: the elementwise ops that read the
     product at its own index and produce one stored value of its type (bias, activation,
     residual: gelu(x @ w + b) is one kernel);
   - fallback: any other op (gather, scatter, random, collectives, store, call, ops on
     narrow floats or quantized dtypes) runs the reference implementation.
-Kernels are ordered by their data dependencies, effects in program order, and an `assign`
-after every kernel that reads its target.
+Loop kernels over the same shape that are related are then merged when the merged kernel
+can compute everything in place (see `merge`). Kernels are ordered by their data
+dependencies, effects in program order, and an `assign` after every kernel that reads its
+target.
 """
 
 from __future__ import annotations
@@ -264,15 +268,25 @@ class _Scheduler:
         return sorted(out, key=lambda op: g.pos[op])
 
     def domain(self, v: Value) -> tuple[tuple, tuple]:
+        """The loops of v's kernel: (F, R). A reduction's are its own; otherwise, among the
+        reductions v reads (unstored) whose shapes fit v, the one whose kernel computes the
+        most of them in place (ties: the one nearest v)."""
         op = self.g.producer[v]
         if self.g.kind[op] == "reduce":
             return op.operands[0].type.shape, reduce_axes(op)
         shape = v.type.shape
-        for r in self.cone_reduces(v):
+        best, best_score = (shape, ()), None
+        seen = set()
+        for r in reversed(self.cone_reduces(v)):
             F, R = r.operands[0].type.shape, reduce_axes(r)
-            if shape == F or shape in row_shapes(F, R):
-                return F, R
-        return shape, ()
+            if (F, R) in seen or not (shape == F or shape in row_shapes(F, R)):
+                continue
+            seen.add((F, R))
+            w = self.walk([v], F, R, {v})
+            score = (len(w.need), -len(w.passes))
+            if best_score is None or score < best_score:
+                best, best_score = (F, R), score
+        return best
 
     # -- what must be stored --
     def initial(self) -> None:
@@ -288,6 +302,12 @@ class _Scheduler:
                 self.stored.update(op.results)
             if op.name != "assign" and any(v in assigned for v in op.operands):
                 self.stored.update(op.results)
+            if kind in ("ew", "move"):
+                # read at two different indices (through a movement op): computed once, not once per
+                # index; this also bounds the code a chain of slices and concats could inline
+                users = set(g.users.get(op.results[0], ()))
+                if len(users) >= 2 and any(g.kind[u] == "move" for u in users):
+                    self.stored.add(op.results[0])
 
     def matmul_operands(self) -> bool:
         """Store what the gemm's operands need; True when something was added."""
@@ -352,58 +372,89 @@ class _Scheduler:
             if not need and not added:
                 break
             self.stored |= need
-        groups = self.merge(groups)
         for op in g.func.ops:
             if g.kind[op] == "fallback":
-                loads = [v for v in op.operands]
-                groups.append(Group("fallback", list(op.results), op=op, ops=[op], loads=loads))
+                groups.append(Group("fallback", list(op.results), op=op, ops=[op], loads=list(op.operands)))
         for grp in groups:
             grp.first = min(g.pos[op] for op in grp.ops) if grp.ops else 0
+        groups.sort(key=lambda grp: grp.first)
+        groups = self.merge(groups)
         consts = [op for op in g.func.ops if g.kind[op] == "const"]
         return Schedule(g.func, self.order(groups), self.stored, consts)
 
     # -- merging and ordering --
     def merge(self, groups: list[Group]) -> list[Group]:
-        """Merge row kernels over the same domain that share a reduction."""
-        out: list[Group] = []
-        for grp in groups:
-            target = None
-            if grp.kind == "reduce":
-                for other in out:
-                    if (other.kind == "reduce" and other.domain == grp.domain and other.axes == grp.axes
-                            and set(other.passes) & set(grp.passes) and not self._connected(other, grp, groups)):
-                        target = other
+        """Merge loop kernels over the same shape that are related (they share a reduction or
+        an input, or one reads what the other stores) when the merged kernel computes every
+        value in place (its own stores inline, reductions as passes) and no other kernel has
+        to run between the two. A row kernel absorbs the reductions and elementwise kernels
+        over its rows: softmax's max returned beside it, or a value derived from its result."""
+        out = list(groups)
+        i = 0
+        while i < len(out):
+            grp = out[i]
+            merged = None
+            if grp.kind in ("elementwise", "reduce"):
+                for j in range(i - 1, -1, -1):
+                    other = out[j]
+                    if other.kind not in ("elementwise", "reduce") or other.domain != grp.domain:
+                        continue
+                    if other.axes and grp.axes and other.axes != grp.axes:
+                        continue
+                    if not self._related(other, grp):
+                        continue
+                    cand = self._merged(other, grp)
+                    if cand is not None and not self._indirect(other, grp, out):
+                        merged = (j, cand)
                         break
-            if target is None:
-                out.append(grp)
+            if merged is None:
+                i += 1
                 continue
-            target.stores += grp.stores
-            target.passes = sorted(set(target.passes) | set(grp.passes), key=self.g.pos.get)
-            target.ops = sorted(set(target.ops) | set(grp.ops), key=self.g.pos.get)
-            target.loads += [v for v in grp.loads if v not in target.loads]
-            groups = [x for x in groups if x is not grp]
+            j, cand = merged
+            out[j] = cand
+            out.pop(i)
         return out
 
-    def _connected(self, a: Group, b: Group, groups: list[Group]) -> bool:
-        """Whether a path of loads joins a and b (either way)."""
-        by_store = {v: grp for grp in groups for v in grp.stores}
+    @staticmethod
+    def _related(a: Group, b: Group) -> bool:
+        return bool(set(a.passes) & set(b.passes) or set(a.stores) & set(b.loads) or set(b.stores) & set(a.loads)
+                    or set(a.loads) & set(b.loads))
 
-        def reaches(src: Group, dst: Group) -> bool:
-            seen, stack = set(), [dst]
+    def _merged(self, a: Group, b: Group) -> Group | None:
+        stores = a.stores + b.stores
+        R = a.axes or b.axes
+        w = self.walk(stores, a.domain, R, set(stores))
+        if w.need or w.matmuls:
+            return None
+        grp = Group("reduce" if w.passes else "elementwise", stores, a.domain, R if w.passes else (), w.passes,
+                    None, None, sorted(w.ops, key=self.g.pos.get), w.loads)
+        grp.first = min(a.first, b.first)
+        return grp
+
+    def _indirect(self, a: Group, b: Group, groups: list[Group]) -> bool:
+        """Whether a path through some third kernel joins a and b (merging would make a cycle)."""
+        deps = self.deps(groups)
+        by_id = {id(x): x for x in groups}
+
+        def reaches(src: Group, dst: Group) -> bool:  # does dst (transitively) come after src?
+            stack = [d for d in deps[id(dst)] if d != id(src)]
+            seen: set = set()
             while stack:
                 x = stack.pop()
-                if x is src:
+                if x == id(src):
                     return True
-                if id(x) in seen:
+                if x in seen:
                     continue
-                seen.add(id(x))
-                stack.extend(by_store[v] for v in x.loads if v in by_store)
+                seen.add(x)
+                stack.extend(deps[id(by_id[x])])
             return False
 
         return reaches(a, b) or reaches(b, a)
 
-    def order(self, groups: list[Group]) -> list[Group]:
-        g = self.g
+    def deps(self, groups: list[Group]) -> dict[int, set]:
+        """For each kernel (by id), the kernels that must run before it: those storing what it
+        loads; effects in program order; an assign or call after the kernels reading what it
+        writes."""
         by_store = {v: grp for grp in groups for v in grp.stores}
         deps: dict[int, set] = {id(grp): set() for grp in groups}
         for grp in groups:
@@ -420,6 +471,11 @@ class _Scheduler:
             for grp in groups:
                 if grp is not e and grp.first < e.first and any(v in grp.loads for v in written):
                     deps[id(e)].add(id(grp))
+        return deps
+
+    def order(self, groups: list[Group]) -> list[Group]:
+        """The kernels in an order that respects `deps`, else program order."""
+        deps = self.deps(groups)
         done: set = set()
         result: list[Group] = []
         pending = sorted(groups, key=lambda grp: grp.first)
@@ -432,7 +488,6 @@ class _Scheduler:
             pending.pop(i)
             done.add(id(grp))
             result.append(grp)
-        del g
         return result
 
 

@@ -5,7 +5,7 @@ result is bit for bit the program's):
 - identities: x * 1, x / 1, x - 0, x + 0 (integers; for floats only x + -0.0, since
   -0.0 + 0.0 is +0.0), reshape / broadcast_to to the operand's own shape, the identity
   permute, cast to the operand's own dtype, a slice of everything, a pad of nothing, a flip
-  of no axes, a concat of one operand: the result is the operand (never a parameter that
+  of no axes, a concat of one operand, a reduction over no axes: the result is the operand (never a parameter that
   an `assign` overwrites: the value before the assign must survive);
 - constant folding: an elementwise op whose operands are all `full` is a `full` (computed
   with the reference implementation), and so is a movement op (reshape, permute,
@@ -99,6 +99,8 @@ def _identity(op: Op, defs: dict) -> Value | None:
         return x
     if op.name == "concat" and len(op.operands) == 1:
         return x
+    if op.name.startswith("reduce_") and not a["axes"]:
+        return x  # a reduction over no axes
     return None
 
 

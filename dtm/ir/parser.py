@@ -510,6 +510,7 @@ class _Parser:
         stmt = _STMT.match
         tails = self.tails
         registry = REGISTRY
+        lookup = scope.__getitem__
         while i < n:
             line = lines[i]
             lineno = i + 1
@@ -543,8 +544,9 @@ class _Parser:
                 parsed = self._tail(opname, opdef, tail, lineno, end, m.start(2) + 1)
                 tails[(opname, tail)] = parsed
             attrs, attrs_key, types = parsed
-            try:
-                operands = tuple([scope[nm.strip()] for nm in opnd_text.split(",")]) if opnd_text else ()
+            try:  # names hold no blanks: drop them, split, look up (all in C)
+                operands = tuple(map(lookup, opnd_text.replace(" ", "").replace("\t", "").split(","))) \
+                    if opnd_text else ()
             except KeyError:
                 operands = tuple([self._use(scope, nm.strip(), line, lineno, i, m.start(3))
                                   for nm in opnd_text.split(",")])
@@ -557,6 +559,11 @@ class _Parser:
             if len(res_names) != len(types):
                 raise IRError(E.RESULT_COUNT, f"{opname}: {len(res_names)} result name(s) but "
                               f"{len(types)} result type(s)", lineno, m.start(2) + 1)
+            if len(res_names) == 1 and res_names[0] not in scope:  # the common case, short
+                t, sh = types[0]
+                v = scope[res_text] = Value(t, res_text[1:], sh)
+                ops.append(Op(opname, operands, attrs, (v,), (lineno, m.start(2) + 1), attrs_key))
+                continue
             results = []
             for k, (nm, (t, sh)) in enumerate(zip(res_names, types)):
                 if nm in scope:

@@ -12,6 +12,7 @@ the same few signatures thousands of times.
 
 from __future__ import annotations
 
+import operator
 import re
 
 from ..errors import ErrorCode as E
@@ -25,6 +26,8 @@ from .symbolic import MAX_DEGREE, SymDim
 from .typerules import TypeRuleError, check_quant_shape
 from .types import REDUCE_OPS, Sharding, TensorType
 
+
+_TYPE = operator.attrgetter("type")
 
 # Names the text format can write (spec 4.2): @names, and identifiers for axes and symbols.
 GLOBAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -162,8 +165,8 @@ class _Checker:
             for v in operands:
                 if v not in defined:
                     self.use(scope, v, loc, op.name)
-        declared = tuple([r.type for r in results])
-        key = (op.name, op.attrs_key, tuple([v.type for v in operands]), declared)
+        declared = tuple(map(_TYPE, results))
+        key = (op.name, op.attrs_key, tuple(map(_TYPE, operands)), declared)
         if key not in self.memo:
             # Only a signature that checks out is memoised, so a hit needs no comparison.
             if opdef.since > self.module.version:

@@ -1,7 +1,7 @@
 """Backends run an IR function on numpy buffers: `get_backend(name).run(module, func, inputs)`.
 
-`ref` is the numpy reference interpreter (dtm/ref), the oracle; the compiled `cpu` backend
-arrives with the compiler. The name comes from the argument, else `DTM_BACKEND`, else `ref`.
+`ref` is the numpy reference interpreter (dtm/ref), the oracle; `cpu` compiles the function
+into fused C kernels (dtm/runtime/cpu.py). The name comes from the argument, else `DTM_BACKEND`, else `ref`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import DTMError, ErrorCode
 from ..ir.module import Module
 from ..ref.interpreter import run as ref_run
+from .cpu import CpuBackend
 
 
 class Backend(Protocol):
@@ -29,7 +30,7 @@ class RefBackend:
         return ref_run(module, func, inputs)
 
 
-BACKENDS: dict[str, Backend] = {"ref": RefBackend()}
+BACKENDS: dict[str, Backend] = {"ref": RefBackend(), "cpu": CpuBackend()}
 
 
 def get_backend(name: str | None = None) -> Backend:

@@ -1,0 +1,76 @@
+"""Matrix product throughput: DTM's cpu backend against numpy and torch, square f32 products.
+
+Prints GFLOP/s (2*n^3 / time, best of several runs, the three libraries measured in turn so
+they see the same machine load) at each size, and DTM's ratio to each. torch runs with
+torch.set_num_threads(THREADS); DTM's kernels use OpenMP with OMP_NUM_THREADS (default: all
+cores); numpy uses whatever BLAS it was built with.
+
+Goal (the compiler issue): DTM >= 0.8x torch at 1024 and 2048.
+
+    python benchmarks/matmul.py [--sizes 256 1024 2048] [--threads 2] [--dtype f32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from dtm.ir import parse
+from dtm.runtime.backend import get_backend
+
+
+def best_time(fn, budget: float = 1.0, runs: int = 5) -> float:
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = time.perf_counter() - t0
+    reps = max(1, int(budget / runs / max(once, 1e-6)))
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 2048])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
+    ap.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
+    args = ap.parse_args()
+    try:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    except ImportError:  # pragma: no cover
+        torch = None
+    np_dtype = np.float32 if args.dtype == "f32" else np.float64
+    cpu = get_backend("cpu")
+    print(f"{'n':>6} {'dtm':>9} {'numpy':>9} {'torch':>9}   dtm/numpy dtm/torch   (GFLOP/s, {args.dtype})")
+    for n in args.sizes:
+        m = parse(f"dtm 1.0\n\nfunc @mm(%a: {args.dtype}[{n}, {n}], %b: {args.dtype}[{n}, {n}]) -> "
+                  f"({args.dtype}[{n}, {n}]) {{\n  %c = matmul %a, %b : {args.dtype}[{n}, {n}]\n  return %c\n}}\n")
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal((n, n)).astype(np_dtype), rng.standard_normal((n, n)).astype(np_dtype)
+        plan = cpu.plan(m, "mm")
+        got = plan.run([a, b])[0]
+        err = np.abs(got - a @ b).max() / np.abs(a @ b).max()
+        assert err < (1e-5 if np_dtype == np.float32 else 1e-12), err
+        flop = 2.0 * n ** 3
+        rates = {"dtm": flop / best_time(lambda: plan.run([a, b]), args.budget) / 1e9,
+                 "numpy": flop / best_time(lambda: a @ b, args.budget) / 1e9}
+        if torch is not None:
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            rates["torch"] = flop / best_time(lambda: ta @ tb, args.budget) / 1e9
+        t = rates.get("torch", float("nan"))
+        print(f"{n:>6} {rates['dtm']:>9.1f} {rates['numpy']:>9.1f} {t:>9.1f}   "
+              f"{rates['dtm'] / rates['numpy']:>9.2f} {rates['dtm'] / t:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

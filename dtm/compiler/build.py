@@ -1,0 +1,182 @@
+"""Build C sources into shared objects with the system C compiler, cached on disk.
+
+    fn = load_kernel(source, "k3_softmax")      # ctypes function dtm_kernel(bufs, dims)
+    fns = load_functions(cfuncs, names)         # many kernels, a few per compiler call
+
+The cache lives in $DTM_CACHE_DIR, else ~/.cache/dtm. An object is named by the sha256 of
+its source, the flags, the compiler's path and its `--version` text, so a second build of
+the same source is a file lookup (no compiler call), and a new compiler or flags never
+reuse a stale object. Objects are written to a temporary name and renamed into place
+(os.replace is atomic), so processes that build the same kernel at the same time all end
+with a complete object. The kernel's source is kept beside it (`<key>.c`); a failed
+compile raises DTMError E0806 naming that file and quoting the compiler. The compiler is
+$CC, else `cc`, else `gcc`. Loading uses ctypes, which releases the GIL during each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import DTMError, ErrorCode as E
+from .c_runtime import SOURCE as RUNTIME_SOURCE
+
+COMPILE_TIMEOUT = 300.0  # seconds for one compile
+BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+KERNEL_FLAGS = BASE_FLAGS + ("-ffp-contract=off",)      # every float op rounds as written
+RUNTIME_FLAGS = BASE_FLAGS + ("-ffp-contract=fast",)    # the matrix product: FMAs (order unspecified)
+
+CHUNK = 16              # kernels per translation unit
+STATS = {"compiles": 0, "hits": 0}  # counters, for tests and DTM_DEBUG
+_lock = threading.Lock()
+_versions: dict[str, str] = {}
+_loaded: dict[str, ctypes.CDLL] = {}
+_runtime: ctypes.CDLL | None = None
+
+
+class BuildError(DTMError):
+    """The C compiler is missing or failed."""
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("DTM_CACHE_DIR") or Path.home() / ".cache" / "dtm")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def compiler() -> str:
+    """The path of the C compiler: $CC, else cc, else gcc."""
+    cc = os.environ.get("CC")
+    if cc:
+        path = shutil.which(cc)
+        if path is None:
+            raise BuildError(E.BUILD_FAILED, f"the C compiler {cc!r} named by $CC was not found; install gcc "
+                             "(e.g. apt-get install gcc) or set CC to a C compiler")
+        return path
+    for name in ("cc", "gcc"):
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    raise BuildError(E.BUILD_FAILED, "no C compiler found (neither cc nor gcc is on PATH); the cpu backend "
+                     "compiles kernels with one: install gcc (e.g. apt-get install gcc) or set CC")
+
+
+def compiler_version(cc: str) -> str:
+    v = _versions.get(cc)
+    if v is None:
+        try:
+            out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise BuildError(E.BUILD_FAILED, f"cannot run the C compiler {cc!r}: {e}; install gcc or set CC") from None
+        v = _versions[cc] = out.stdout.strip() or out.stderr.strip()
+    return v
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build(source: str, name: str = "kernel", flags: tuple = KERNEL_FLAGS) -> Path:
+    """The path of the shared object built from `source` (from the cache when present)."""
+    cc = compiler()
+    key = hashlib.sha256("\0".join([source, " ".join(flags), cc, compiler_version(cc)]).encode()).hexdigest()[:40]
+    d = cache_dir()
+    so = d / f"{key}.so"
+    if so.exists():
+        with _lock:
+            STATS["hits"] += 1
+        return so
+    src = d / f"{key}.c"
+    _write_atomic(src, source.encode())
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".so.tmp")
+    os.close(fd)
+    cmd = [cc, *flags, "-o", tmp, str(src), "-lm"]
+    try:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise BuildError(E.TIMEOUT, f"compiling kernel {name} ({src}) took longer than {COMPILE_TIMEOUT:g} s") from None
+        except OSError as e:
+            raise BuildError(E.BUILD_FAILED, f"cannot run the C compiler {cc!r} on kernel {name} ({src}): {e}; "
+                             "install gcc or set CC") from None
+        if out.returncode != 0:
+            msg = (out.stderr or out.stdout).strip()
+            if len(msg) > 4000:
+                msg = msg[:4000] + "\n..."
+            raise BuildError(E.BUILD_FAILED, f"compiling kernel {name} failed: {src}\n{' '.join(cmd)}\n{msg}")
+        os.replace(tmp, so)
+        with _lock:
+            STATS["compiles"] += 1
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return so
+
+
+def load(path: Path, global_symbols: bool = False) -> ctypes.CDLL:
+    key = str(path)
+    with _lock:
+        lib = _loaded.get(key)
+        if lib is None:
+            mode = ctypes.RTLD_GLOBAL if global_symbols else ctypes.RTLD_LOCAL
+            lib = _loaded[key] = ctypes.CDLL(key, mode=mode)
+    return lib
+
+
+def runtime_library() -> ctypes.CDLL:
+    """The runtime library (matrix products), built and loaded once per process with its
+    symbols global, so the kernels that call it resolve against it."""
+    global _runtime
+    if _runtime is None:
+        _runtime = load(build(RUNTIME_SOURCE, "dtm_runtime", RUNTIME_FLAGS), global_symbols=True)
+    return _runtime
+
+
+def _function(lib: ctypes.CDLL, symbol: str):
+    fn = getattr(lib, symbol)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    return fn
+
+
+def load_kernel(source: str, name: str = "kernel", needs_runtime: bool = False, symbol: str = "dtm_kernel"):
+    """The kernel function `symbol(void **bufs, int64_t *dims)` of `source`, built and loaded."""
+    if needs_runtime:
+        runtime_library()
+    return _function(load(build(source, name)), symbol)
+
+
+def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
+    """The kernels `funcs` (render_c.CFunction), built a few per translation unit, units
+    compiled in parallel; their ctypes functions, in order."""
+    from .render_c import render_unit
+
+    if not funcs:
+        return []
+    if any(f.needs_runtime for f in funcs):
+        runtime_library()
+    units = [(funcs[i:i + chunk], names[i:i + chunk]) for i in range(0, len(funcs), chunk)]
+
+    def one(unit):
+        fs, ns = unit
+        label = ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}"
+        lib = load(build(render_unit(fs), label))
+        return [_function(lib, f.symbol) for f in fs]
+
+    if len(units) == 1:
+        return one(units[0])
+    with ThreadPoolExecutor(max_workers=min(len(units), os.cpu_count() or 1)) as pool:
+        return [fn for fns in pool.map(one, units) for fn in fns]

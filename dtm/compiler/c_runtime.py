@@ -1,0 +1,299 @@
+"""The C runtime library the kernels call: a tiled matrix product for f32 and f64.
+
+Built once (and cached like any kernel) and loaded with RTLD_GLOBAL before the first kernel
+that calls it; `HEADER` is pasted into every kernel that does, so a change of the ABI
+changes those kernels' sources (and cache keys) too.
+
+The product follows the BLIS design: for each NC-wide panel of B and each KC-deep slice of
+the contracted dim, B is packed into NR-wide column slivers; for each MC-high block of A,
+A is packed into MR-high row slivers; a register-blocked MR x NR microkernel (12 vector
+accumulators, written with GCC vector extensions so that -march=native picks AVX2/FMA,
+AVX-512 or NEON) runs over the slivers. Partial tiles go through a small buffer. Threads
+split the output into one band each (rows when M >= N, else columns), each packing its own
+operands: no barriers. A batch of small products runs one product per thread instead. The
+epilogue callback runs on each finished block (after the last slice of the contracted
+dim), on the thread that computed it. A product with one row (decoding one token) is a
+matrix-vector product without packing, its columns split between the threads.
+"""
+
+import re
+
+HEADER = r"""typedef void (*dtm_epilogue_fn)(const void *ctx, int64_t bt, int64_t i0, int64_t i1, int64_t j0, int64_t j1);
+void dtm_rt_gemm_f32(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, int64_t K,
+                     const float *A, int64_t rsa, int64_t csa, const float *B, int64_t rsb, int64_t csb,
+                     float *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx);
+void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, int64_t K,
+                     const double *A, int64_t rsa, int64_t csa, const double *B, int64_t rsb, int64_t csb,
+                     double *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx);
+int dtm_rt_version(void);"""
+
+VERSION = 5
+
+_TEMPLATE = r"""
+/* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
+typedef T V __attribute__((vector_size(VW * sizeof(T))));
+typedef T V##u __attribute__((vector_size(VW * sizeof(T)), aligned(sizeof(T))));
+#define NR_SUF (2 * VW)
+
+#if !DTM_AVX2
+static inline V BC_SUF(const T *p) { V v; for (int i = 0; i < VW; i++) v[i] = *p; return v; }
+#define FMA_SUF(a, b, c) ((a) * (b) + (c))
+#endif
+
+static void pack_a_SUF(const T *A, int64_t rs, int64_t cs, int64_t mc, int64_t kc, T *restrict Ap) {
+  for (int64_t i = 0; i < mc; i += MR) {
+    int64_t m = dtm_min(MR, mc - i);
+    const T *a = A + i * rs;
+    if (m == MR && cs == 1) {
+      for (int64_t k = 0; k < kc; k++, Ap += MR)
+        for (int r = 0; r < MR; r++) Ap[r] = a[r * rs + k];
+    } else {
+      for (int64_t k = 0; k < kc; k++, Ap += MR) {
+        for (int64_t r = 0; r < m; r++) Ap[r] = a[r * rs + k * cs];
+        for (int64_t r = m; r < MR; r++) Ap[r] = 0;
+      }
+    }
+  }
+}
+
+static void pack_b_SUF(const T *B, int64_t rs, int64_t cs, int64_t kc, int64_t nc, T *restrict Bp) {
+  for (int64_t j = 0; j < nc; j += NR_SUF) {
+    int64_t n = dtm_min(NR_SUF, nc - j);
+    const T *b = B + j * cs;
+    if (n == NR_SUF && cs == 1) {
+      for (int64_t k = 0; k < kc; k++, Bp += NR_SUF)
+        for (int c = 0; c < NR_SUF; c++) Bp[c] = b[k * rs + c];
+    } else if (n == NR_SUF && rs == 1) {  /* B transposed (a Linear's weight): columns are contiguous */
+      for (int c = 0; c < NR_SUF; c++)
+        for (int64_t k = 0; k < kc; k++) Bp[k * NR_SUF + c] = b[c * cs + k];
+      Bp += kc * NR_SUF;
+    } else {
+      for (int64_t k = 0; k < kc; k++, Bp += NR_SUF) {
+        for (int64_t c = 0; c < n; c++) Bp[c] = b[k * rs + c * cs];
+        for (int64_t c = n; c < NR_SUF; c++) Bp[c] = 0;
+      }
+    }
+  }
+}
+
+/* C[m, n] (+)= Ap @ Bp over kc: the MR x NR register tile. */
+static void micro_SUF(int64_t kc, const T *restrict Ap, const T *restrict Bp, T *C, int64_t ldc,
+                      int acc, int64_t m, int64_t n) {
+  V c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+  V c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; k++) {
+    V b0 = *(const V *)Bp, b1 = *(const V *)(Bp + VW), a;
+    a = BC_SUF(Ap + 0); c00 = FMA_SUF(a, b0, c00); c01 = FMA_SUF(a, b1, c01);
+    a = BC_SUF(Ap + 1); c10 = FMA_SUF(a, b0, c10); c11 = FMA_SUF(a, b1, c11);
+    a = BC_SUF(Ap + 2); c20 = FMA_SUF(a, b0, c20); c21 = FMA_SUF(a, b1, c21);
+    a = BC_SUF(Ap + 3); c30 = FMA_SUF(a, b0, c30); c31 = FMA_SUF(a, b1, c31);
+    a = BC_SUF(Ap + 4); c40 = FMA_SUF(a, b0, c40); c41 = FMA_SUF(a, b1, c41);
+    a = BC_SUF(Ap + 5); c50 = FMA_SUF(a, b0, c50); c51 = FMA_SUF(a, b1, c51);
+    Ap += MR; Bp += NR_SUF;
+  }
+  if (m == MR && n == NR_SUF) {
+#define ST(r, x0, x1) { V##u *p0 = (V##u *)(C + r * ldc), *p1 = (V##u *)(C + r * ldc + VW); \
+    if (acc) { *p0 += x0; *p1 += x1; } else { *p0 = x0; *p1 = x1; } }
+    ST(0, c00, c01) ST(1, c10, c11) ST(2, c20, c21) ST(3, c30, c31) ST(4, c40, c41) ST(5, c50, c51)
+#undef ST
+  } else {
+    T t[MR][NR_SUF] __attribute__((aligned(64)));
+#define ST(r, x0, x1) { *(V *)&t[r][0] = x0; *(V *)&t[r][VW] = x1; }
+    ST(0, c00, c01) ST(1, c10, c11) ST(2, c20, c21) ST(3, c30, c31) ST(4, c40, c41) ST(5, c50, c51)
+#undef ST
+    for (int64_t r = 0; r < m; r++)
+      for (int64_t c = 0; c < n; c++)
+        C[r * ldc + c] = acc ? C[r * ldc + c] + t[r][c] : t[r][c];
+  }
+}
+
+static __thread T *tl_a_SUF, *tl_b_SUF;
+static __thread size_t tl_na_SUF, tl_nb_SUF;
+
+static T *scratch_SUF(T **p, size_t *have, size_t n) {
+  if (*have < n) {
+    free(*p);
+    *p = (T *)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    *have = *p ? n : 0;
+  }
+  return *p;
+}
+
+/* C[M, N] = A[M, K] @ B[K, N] on this thread; its block (i, j) is block (i0 + i, j0 + j) of
+   the whole product, which is what the epilogue is told. */
+static void gemm_serial_SUF(int64_t M, int64_t N, int64_t K, const T *A, int64_t rsa, int64_t csa,
+                            const T *B, int64_t rsb, int64_t csb, T *C, int64_t ldc,
+                            dtm_epilogue_fn epi, const void *ctx, int64_t bt, int64_t i0, int64_t j0) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int64_t i = 0; i < M; i++) memset(C + i * ldc, 0, (size_t)N * sizeof(T));
+    if (epi) epi(ctx, bt, i0, i0 + M, j0, j0 + N);
+    return;
+  }
+  int64_t ncap = dtm_min(NC_SUF, (N + NR_SUF - 1) / NR_SUF * NR_SUF), kcap = dtm_min(KC, K);
+  T *Bp = scratch_SUF(&tl_b_SUF, &tl_nb_SUF, (size_t)kcap * ncap);
+  T *Ap = scratch_SUF(&tl_a_SUF, &tl_na_SUF, (size_t)kcap * (MC + MR));
+  if (!Ap || !Bp) abort();
+  for (int64_t jc = 0; jc < N; jc += NC_SUF) {
+    int64_t nc = dtm_min(NC_SUF, N - jc);
+    for (int64_t pc = 0; pc < K; pc += KC) {
+      int64_t kc = dtm_min(KC, K - pc);
+      int last = pc + kc >= K;
+      pack_b_SUF(B + pc * rsb + jc * csb, rsb, csb, kc, nc, Bp);
+      for (int64_t ic = 0; ic < M; ic += MC) {
+        int64_t mc = dtm_min(MC, M - ic);
+        pack_a_SUF(A + ic * rsa + pc * csa, rsa, csa, mc, kc, Ap);
+        for (int64_t jr = 0; jr < nc; jr += NR_SUF)
+          for (int64_t ir = 0; ir < mc; ir += MR)
+            micro_SUF(kc, Ap + ir * kc, Bp + jr * kc, C + (ic + ir) * ldc + jc + jr, ldc, pc > 0,
+                      dtm_min(MR, mc - ir), dtm_min(NR_SUF, nc - jr));
+        if (last && epi) epi(ctx, bt, i0 + ic, i0 + ic + mc, j0 + jc, j0 + jc + nc);
+      }
+    }
+  }
+}
+
+/* C[0, j0:j1] = A[0, :] @ B[:, j0:j1]: a matrix-vector product, without packing. */
+static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb, int64_t csb, T *C,
+                     int64_t j0, int64_t j1, dtm_epilogue_fn epi, const void *ctx, int64_t bt) {
+  if (csb == 1) {  /* rows of B are contiguous: C += a_k * B[k, :], a block of C at a time */
+    for (int64_t jb = j0; jb < j1; jb += 512) {
+      int64_t je = dtm_min(j1, jb + 512);
+      T *restrict c = C;
+      for (int64_t j = jb; j < je; j++) c[j] = 0;
+      int64_t k = 0;
+      for (; k + 4 <= K; k += 4) {  /* four rows per pass over the block of C */
+        const T a0 = A[k * csa], a1 = A[(k + 1) * csa], a2 = A[(k + 2) * csa], a3 = A[(k + 3) * csa];
+        const T *restrict b0 = B + k * rsb, *restrict b1 = b0 + rsb, *restrict b2 = b1 + rsb,
+                *restrict b3 = b2 + rsb;
+        for (int64_t j = jb; j < je; j++) c[j] += a0 * b0[j] + a1 * b1[j] + a2 * b2[j] + a3 * b3[j];
+      }
+      for (; k < K; k++) {
+        const T a = A[k * csa], *restrict b = B + k * rsb;
+        for (int64_t j = jb; j < je; j++) c[j] += a * b[j];
+      }
+    }
+  } else if (rsb == 1 && csa == 1) {  /* columns of B are contiguous: four dot products at a time */
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+      const T *b0 = B + j * csb, *b1 = b0 + csb, *b2 = b1 + csb, *b3 = b2 + csb;
+      V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+      int64_t k = 0;
+      for (; k + VW <= K; k += VW) {
+        V a = *(const V##u *)(A + k);
+        s0 += a * *(const V##u *)(b0 + k);
+        s1 += a * *(const V##u *)(b1 + k);
+        s2 += a * *(const V##u *)(b2 + k);
+        s3 += a * *(const V##u *)(b3 + k);
+      }
+      T r0 = 0, r1 = 0, r2 = 0, r3 = 0;
+      for (int i = 0; i < VW; i++) { r0 += s0[i]; r1 += s1[i]; r2 += s2[i]; r3 += s3[i]; }
+      for (; k < K; k++) { r0 += A[k] * b0[k]; r1 += A[k] * b1[k]; r2 += A[k] * b2[k]; r3 += A[k] * b3[k]; }
+      C[j] = r0; C[j + 1] = r1; C[j + 2] = r2; C[j + 3] = r3;
+    }
+    for (; j < j1; j++) {
+      const T *b = B + j * csb;
+      T acc = 0;
+      for (int64_t k = 0; k < K; k++) acc += A[k] * b[k];
+      C[j] = acc;
+    }
+  } else {
+    for (int64_t j = j0; j < j1; j++) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; k++) acc += A[k * csa] * B[k * rsb + j * csb];
+      C[j] = acc;
+    }
+  }
+  if (epi) epi(ctx, bt, 0, 1, j0, j1);
+}
+
+void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, int64_t K,
+                     const T *A, int64_t rsa, int64_t csa, const T *B, int64_t rsb, int64_t csb,
+                     T *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx) {
+  double work = (double)M * (double)N * (double)(K > 0 ? K : 1);
+  int threads = omp_get_max_threads();
+  if (M == 1 && N > 0) {  /* matrix-vector products (decoding one token) */
+    if (nbatch > 1) {
+#pragma omp parallel for schedule(dynamic) if(work * nbatch >= 2e5)
+      for (int64_t bt = 0; bt < nbatch; bt++)
+        gemv_SUF(K, A + offs[3 * bt], csa, B + offs[3 * bt + 1], rsb, csb, C + offs[3 * bt + 2], 0, N,
+                 epi, ctx, bt);
+      return;
+    }
+    int nt = work < 1e5 ? 1 : threads;
+#pragma omp parallel num_threads(nt)
+    {
+      int t = omp_get_thread_num(), n = omp_get_num_threads();
+      int64_t per = ((N + n - 1) / n + 15) / 16 * 16;
+      int64_t j0 = dtm_min(N, t * per), j1 = dtm_min(N, j0 + per);
+      if (j0 < j1) gemv_SUF(K, A + offs[0], csa, B + offs[1], rsb, csb, C + offs[2], j0, j1, epi, ctx, 0);
+    }
+    return;
+  }
+  if (nbatch > 1 && (work < 4e6 || nbatch >= 4 * threads)) {  /* one product per thread */
+#pragma omp parallel for schedule(dynamic) if(work * nbatch >= 2e5)
+    for (int64_t bt = 0; bt < nbatch; bt++)
+      gemm_serial_SUF(M, N, K, A + offs[3 * bt], rsa, csa, B + offs[3 * bt + 1], rsb, csb,
+                      C + offs[3 * bt + 2], ldc, epi, ctx, bt, 0, 0);
+    return;
+  }
+  for (int64_t bt = 0; bt < nbatch; bt++) {  /* each product split into one band per thread */
+    const T *a = A + offs[3 * bt], *b = B + offs[3 * bt + 1];
+    T *c = C + offs[3 * bt + 2];
+    int nt = work < 2e5 ? 1 : threads;
+#pragma omp parallel num_threads(nt)
+    {
+      int t = omp_get_thread_num(), n = omp_get_num_threads();
+      if (M >= N) {
+        int64_t per = ((M + n - 1) / n + MR - 1) / MR * MR;
+        int64_t m0 = dtm_min(M, t * per), m1 = dtm_min(M, m0 + per);
+        gemm_serial_SUF(m1 - m0, N, K, a + m0 * rsa, rsa, csa, b, rsb, csb, c + m0 * ldc, ldc,
+                        epi, ctx, bt, m0, 0);
+      } else {
+        int64_t per = ((N + n - 1) / n + NR_SUF - 1) / NR_SUF * NR_SUF;
+        int64_t n0 = dtm_min(N, t * per), n1 = dtm_min(N, n0 + per);
+        gemm_serial_SUF(M, n1 - n0, K, a, rsa, csa, b + n0 * csb, rsb, csb, c + n0, ldc,
+                        epi, ctx, bt, 0, n0);
+      }
+    }
+  }
+}
+"""
+
+
+def _instance(suffix: str, ctype: str, vec: str, width: int, nc: int) -> str:
+    text = _TEMPLATE.replace("V##u", vec + "u").replace("NC_SUF", str(nc))
+    text = text.replace("SUF", suffix).replace("VW", str(width))
+    return re.sub(r"\bV\b", vec, re.sub(r"\bT\b", ctype, text))
+
+
+SOURCE = r"""/* DTM runtime library: tiled matrix products. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+""" + HEADER + r"""
+
+int dtm_rt_version(void) { return """ + str(VERSION) + r"""; }
+
+static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+#define MR 6
+#define KC 256
+#define MC 96
+
+/* The microkernel's broadcast and multiply-add: AVX2 + FMA intrinsics where the machine has
+   them, else GCC vector extensions (-ffp-contract=fast turns a * b + c into an FMA). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define DTM_AVX2 1
+#include <immintrin.h>
+#define BC_f32(p) _mm256_broadcast_ss(p)
+#define FMA_f32(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define BC_f64(p) _mm256_broadcast_sd(p)
+#define FMA_f64(a, b, c) _mm256_fmadd_pd(a, b, c)
+#else
+#define DTM_AVX2 0
+#endif
+""" + _instance("f32", "float", "dtm_v8f", 8, 2048) + _instance("f64", "double", "dtm_v4d", 4, 1024)

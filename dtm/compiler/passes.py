@@ -1,0 +1,89 @@
+"""The cpu lowering as a flat, named list of passes: each takes the previous one's output.
+
+    decompose     Func -> Func          composites into primitives (spec 3.9)
+    simplify      Func -> Func          identities, constant folding, CSE, dead code
+    fuse          Func -> Schedule      which values are stored, which kernel computes each
+    lower_loops   Schedule -> Program   a loop-IR kernel per group, buffers, fallback steps
+    plan_memory   Program -> Program    temporaries share memory; in-place kernels
+    render_c      Program -> Program    the C source of every kernel
+
+    program = compile_func(module, "main")       # runs them all
+    DTM_DEBUG=passes python ...                  # prints each pass's name and output
+
+The IR-to-IR passes' results are verified (dtm.ir.verify) before the next pass runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+from ..ir.module import Func, Module
+from ..ir.printer import format as format_module
+from ..ir.verifier import verify
+from .decompose import decompose
+from .irutil import with_func
+from .lower import lower_loops
+from .memory import plan_memory
+from .program import Program
+from .render_c import render_kernel, render_unit
+from .schedule import Schedule, fuse
+from .simplify import simplify
+
+
+def render_c(program: Program) -> Program:
+    for i, step in enumerate(program.kernels):
+        step.cfunc = render_kernel(step.kernel, f"dtm_k{i}")
+        step.source = render_unit([step.cfunc])
+    return program
+
+
+PASSES: list[tuple[str, Callable[[Any], Any]]] = [
+    ("decompose", decompose),
+    ("simplify", simplify),
+    ("fuse", fuse),
+    ("lower_loops", lower_loops),
+    ("plan_memory", plan_memory),
+    ("render_c", render_c),
+]
+
+
+def dump(x: Any, module: Module | None = None) -> str:
+    """A pass's output as text: IR for functions, a readable listing otherwise."""
+    if isinstance(x, Func):
+        return format_module(with_func(module, x) if module is not None else _alone(x))
+    if isinstance(x, Program):
+        parts = [str(x)]
+        for step in x.kernels:
+            parts.append(str(step.kernel) if not step.source else f"// {step.name}\n{step.source}")
+        return "\n\n".join(parts)
+    if isinstance(x, Schedule):
+        return str(x)
+    return str(x)
+
+
+def _alone(f: Func) -> Module:
+    m = Module()
+    m.funcs[f.name] = f
+    return m
+
+
+def debug_flags() -> set[str]:
+    return {s.strip() for s in os.environ.get("DTM_DEBUG", "").split(",") if s.strip()}
+
+
+def compile_func(module: Module, func: str, upto: str | None = None, out=None) -> Any:
+    """Run the passes on function `func` of `module` (through pass `upto`, default all)."""
+    x: Any = module.funcs[func]
+    show = "passes" in debug_flags()
+    out = out or sys.stderr
+    for name, fn in PASSES:
+        x = fn(x)
+        if isinstance(x, Func):
+            verify(with_func(module, x))
+        if show:
+            print(f"=== pass {name} ===\n{dump(x, module)}", file=out)
+        if name == upto:
+            break
+    return x

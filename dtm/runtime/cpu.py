@@ -1,0 +1,321 @@
+"""The `cpu` backend: DTM IR compiled into fused C kernels (dtm.compiler), run on numpy buffers.
+
+    from dtm.runtime.backend import get_backend
+    outs = get_backend("cpu").run(module, "main", [x, w])
+
+A function is compiled once per module (the plan is cached in memory by the module object,
+and by its hash for an equal module built again) and kernels once per source (on disk, see
+dtm.compiler.build). A plan serves every shape of a symbolic function: the symbols are bound
+from the input shapes at each run and handed to the kernels as arguments.
+
+Each run allocates the temporaries' memory slots and the returned arrays, then runs the
+steps in order: compiled kernels through ctypes (the GIL is released while they run) and
+fallback kernels through the reference implementation (dtm.ref.ops.IMPLS) for the ops the
+compiler does not lower. Inputs are used as given (an `assign` writes into the caller's
+array, as with the reference); no returned array shares memory with an input.
+
+DTM_DEBUG=1 prints each kernel's name and time as it runs; DTM_DEBUG=2 also prints the C
+source of each kernel when the plan is built; DTM_DEBUG=passes prints every pass's output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+from ..compiler import build as B
+from ..compiler.passes import compile_func
+from ..compiler.program import Buffer, FallbackStep, KernelStep, Program
+from ..errors import DTMError, ErrorCode as E
+from ..ir.module import Module
+from ..ir.symbolic import SymDim
+from ..ir.types import TensorType
+from ..ref import quant
+from ..ref.context import RefContext
+from ..ref.interpreter import bind_symbols, check_array, evaluate, resolve_attrs, resolve_type
+from ..ref.ops import IMPLS
+
+_EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
+_EMPTY_PTR = _EMPTY.ctypes.data
+STATS = {"plans": 0}
+
+
+def _debug_level() -> int:
+    text = os.environ.get("DTM_DEBUG")
+    if not text:
+        return 0
+    flags = {s.strip() for s in text.split(",")}
+    return 2 if "2" in flags else 1 if "1" in flags else 0
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0] if a.size else _EMPTY_PTR
+
+
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    return x if x.flags.c_contiguous else np.array(x, order="C")  # keeps 0-d arrays 0-d
+
+
+class _Kernel:
+    """A loaded kernel step: its function, and where each argument comes from."""
+
+    __slots__ = ("step", "fn", "args", "dims", "name", "index")
+
+    def __init__(self, index: int, step: KernelStep, symbols: list[str], fn, buf_index: dict):
+        self.index = index
+        self.step = step
+        self.name = step.name
+        self.fn = fn
+        self.args = [buf_index[id(b)] for b in step.args]
+        self.dims = [symbols.index(d) for d in step.kernel.dims]
+
+
+class _Frame:
+    """The memory of one thread's runs at one set of symbol values: the slots, a view per
+    temporary, and per kernel its pointer and dim arrays with the temporaries filled in.
+    Runs on one thread reuse it; temporaries never leave a run (results are fresh arrays)."""
+
+    __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill")
+
+    def __init__(self, plan: "Plan", bindings: dict, key):
+        prog = plan.program
+        self.key = key
+        self.slots = [np.empty(max(int(evaluate(n, bindings)), 64), np.uint8) for n in prog.slots]
+        self.base: list = [None] * len(plan.buffers)
+        for i, b in enumerate(plan.buffers):
+            if b.kind == "const":
+                self.base[i] = _contiguous(b.data)
+            elif b.kind == "temp":
+                self.base[i] = plan.allocate(b, bindings, self.slots)
+        values = [bindings.get(s, 0) for s in plan.symbols]
+        self.ptrs, self.dims, self.fill = [], [], []
+        for k in plan.kernels:
+            ptrs = (ctypes.c_void_p * max(len(k.args), 1))()
+            fill = []
+            for n, bi in enumerate(k.args):
+                a = self.base[bi]
+                if a is not None:
+                    ptrs[n] = _ptr(a)
+                else:
+                    fill.append((n, bi))
+            self.ptrs.append(ptrs)
+            self.fill.append(fill)
+            self.dims.append((ctypes.c_int64 * max(len(k.dims), 1))(*[values[j] for j in k.dims]))
+
+
+class Plan:
+    """A compiled function: its program, the loaded kernels, and the run loop."""
+
+    def __init__(self, module: Module, func: str, program: Program):
+        self.module = module
+        self.func = module.funcs[func]
+        self.program = program
+        self.symbols = program.symbols
+        self.buffers = list(program.buffers)
+        buf_index = {id(b): i for i, b in enumerate(self.buffers)}
+        steps = program.kernels
+        if _debug_level() >= 2:
+            for step in steps:
+                print(f"--- kernel {step.name}\n{step.kernel}\n{step.source}", file=sys.stderr)
+        fns = B.load_functions([s.cfunc for s in steps], [s.name for s in steps])
+        self.kernels = [_Kernel(i, st, self.symbols, fn, buf_index) for i, (st, fn) in enumerate(zip(steps, fns))]
+        by_step = {id(k.step): k for k in self.kernels}
+        self.steps = [by_step.get(id(s), s) for s in program.steps]
+        self.frees = [[buf_index[id(b)] for b in f] for f in program.frees] if program.frees else \
+            [[] for _ in program.steps]
+        self.fb_args = {id(s): ([buf_index[id(b)] for b in s.inputs], [buf_index[id(b)] for b in s.outputs])
+                        for s in program.fallbacks}
+        self.params = [(buf_index[id(b)], b.index) for b in self.buffers if b.kind == "param"]
+        self.returns = [(buf_index[id(b)], b.kind) for b in program.returns]
+        self.symbolic = bool(self.symbols)
+        self.static_types = [(p.type.shape, _np_dtype(p.type)) if p.type.is_static else None
+                             for p in self.func.params]
+        self.checks = [op for op in self.func.ops if op.name == "slice"
+                       and any(isinstance(d, SymDim) for d in (*op.attrs["start"], *op.attrs["stop"]))]
+        self._tls = threading.local()
+
+    @property
+    def kernel_count(self) -> int:
+        """Kernels a run launches: compiled ones and fallbacks."""
+        return len(self.program.steps)
+
+    # -- inputs --
+    def _bind(self, inputs: list) -> dict:
+        f = self.func
+        if len(inputs) != len(f.params):
+            raise DTMError(E.OPERAND_COUNT, f"@{f.name} takes {len(f.params)} input(s), found {len(inputs)}")
+        for i, (p, x, t) in enumerate(zip(f.params, inputs, self.static_types)):
+            if t is None or x.shape != t[0] or x.dtype != t[1]:
+                check_array(x, p.type, f"@{f.name} input {i} (%{p.name})", shape=False)
+                if t is not None:
+                    check_array(x, p.type, f"@{f.name} input {i} (%{p.name})")
+        if not self.symbolic:
+            return {}
+        bindings = bind_symbols(f, inputs)
+        for i, (p, x) in enumerate(zip(f.params, inputs)):
+            check_array(x, resolve_type(p.type, bindings), f"@{f.name} input {i} (%{p.name})")
+        for op in self.checks:
+            _check_slice(op, bindings)
+        return bindings
+
+    def _frame(self, bindings: dict) -> _Frame:
+        key = tuple(bindings.get(s, 0) for s in self.symbols)
+        frame = getattr(self._tls, "frame", None)
+        if frame is None or frame.key != key:
+            frame = self._tls.frame = _Frame(self, bindings, key)
+        return frame
+
+    # -- running --
+    def run(self, inputs: Sequence[np.ndarray], ctx: RefContext | None = None) -> list[np.ndarray]:
+        inputs = [x if type(x) is np.ndarray else np.asarray(x) for x in inputs]
+        bindings = self._bind(inputs)
+        frame = self._frame(bindings)
+        vals = list(frame.base)
+        originals: dict[int, np.ndarray] = {}
+        for bi, pi in self.params:
+            x = inputs[pi]
+            originals[bi] = x
+            vals[bi] = _contiguous(x)
+        debug = _debug_level()
+        for i, step in enumerate(self.steps):
+            t0 = time.perf_counter() if debug else 0.0
+            if type(step) is _Kernel:
+                ptrs = frame.ptrs[step.index]
+                for n, bi in frame.fill[step.index]:
+                    a = vals[bi]
+                    if a is None:
+                        a = vals[bi] = self.allocate(self.buffers[bi], bindings, None)
+                    ptrs[n] = _ptr(a)
+                step.fn(ptrs, frame.dims[step.index])
+            else:
+                ctx = self._fallback(step, vals, originals, bindings, ctx)
+            if debug:
+                print(f"[dtm cpu] {step.name}: {(time.perf_counter() - t0) * 1e3:.3f} ms", file=sys.stderr)
+            for bi in self.frees[i]:
+                if self.buffers[bi].kind == "fallback":
+                    vals[bi] = None
+        results = []
+        for bi, kind in self.returns:
+            x = vals[bi] if kind != "param" else originals[bi]
+            if kind in ("param", "const") or (kind == "fallback" and self._shares(x, inputs, frame)):
+                x = x.copy()
+            results.append(x)
+        return results
+
+    @staticmethod
+    def _shares(x: np.ndarray, inputs: list, frame: _Frame) -> bool:
+        return any(np.may_share_memory(x, a) for a in inputs) or any(np.may_share_memory(x, s) for s in frame.slots)
+
+    def allocate(self, b: Buffer, bindings: dict, slots: list | None) -> np.ndarray:
+        t = resolve_type(b.type, bindings) if bindings else b.type
+        dtype = _np_dtype(t)
+        shape = tuple(int(d) for d in t.shape)
+        n = math.prod(shape)
+        if b.slot is not None and slots is not None:
+            return slots[b.slot][: n * dtype.itemsize].view(dtype).reshape(shape)
+        if n == 0:
+            return np.empty(1, dtype)[:0].reshape(shape)
+        return np.empty(shape, dtype)
+
+    def _fallback(self, step: FallbackStep, vals: list, originals: dict, bindings: dict,
+                  ctx: RefContext | None) -> RefContext:
+        if ctx is None:
+            ctx = RefContext()
+        if ctx.module is None:
+            ctx.module = self.module
+        if not ctx.meshes:
+            ctx.meshes = dict(self.module.meshes)
+        op = step.op
+        ins, outs_i = self.fb_args[id(step)]
+        args = [originals.get(bi, vals[bi]) for bi in ins]  # assign writes into the caller's own array
+        out_types = tuple(resolve_type(r.type, bindings) for r in op.results) if bindings else \
+            tuple(r.type for r in op.results)
+        attrs = resolve_attrs(op.attrs, bindings) if bindings else op.attrs
+        try:
+            with np.errstate(all="ignore"):
+                outs = IMPLS[op.name](ctx, attrs, *args, out_types=out_types)
+        except DTMError as e:
+            raise DTMError(e.code, f"@{self.func.name} op {op.name} ({step.name}): {e.message}") from e
+        for bi, x in zip(outs_i, outs):
+            x = np.asarray(x)
+            if any(np.may_share_memory(x, a) for a in args):
+                x = x.copy()  # a view of an operand: the operand's memory may be reused or assigned
+            vals[bi] = _contiguous(x)
+        return ctx
+
+
+def _np_dtype(t: TensorType) -> np.dtype:
+    return quant.storage_dtype(t.dtype)
+
+
+def _check_slice(op, bindings: dict) -> None:
+    shape = resolve_type(op.operands[0].type, bindings).shape
+    a = resolve_attrs(op.attrs, bindings)
+    for i, (lo, hi, d) in enumerate(zip(a["start"], a["stop"], shape)):
+        if not 0 <= lo <= hi <= d:
+            raise DTMError(E.ATTRIBUTE_VALUE, f"slice: dim {i} of size {d} needs 0 <= start <= stop <= {d}, "
+                           f"found {lo}:{hi}")
+
+
+class CpuBackend:
+    """Plans by module: the last modules seen (by object) and the last MAX_PLANS functions
+    (by module hash), least recently used dropped first."""
+
+    name = "cpu"
+    MAX_MODULES = 256
+    MAX_PLANS = 512
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_id: OrderedDict[int, tuple[Module, str]] = OrderedDict()
+        self._plans: OrderedDict[tuple[str, str], Plan] = OrderedDict()
+        self._building: dict[tuple[str, str], threading.Lock] = {}
+
+    def _key(self, module: Module) -> str:
+        entry = self._by_id.get(id(module))
+        if entry is None or entry[0] is not module:
+            entry = self._by_id[id(module)] = (module, module.hash())
+            while len(self._by_id) > self.MAX_MODULES:
+                self._by_id.popitem(last=False)
+        else:
+            self._by_id.move_to_end(id(module))
+        return entry[1]
+
+    def plan(self, module: Module, func: str) -> Plan:
+        """The compiled plan of `func` (compiled on first use, then cached)."""
+        if func not in module.funcs:
+            raise DTMError(E.UNDEFINED_FUNC, f"run: module has no function @{func} (it has: "
+                           f"{', '.join('@' + n for n in module.funcs) or 'none'})")
+        with self._lock:
+            key = (self._key(module), func)
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+            building = self._building.setdefault(key, threading.Lock())
+        with building:  # one thread compiles a function; others wait for it, not for every compile
+            with self._lock:
+                plan = self._plans.get(key)
+            if plan is None:
+                plan = Plan(module, func, compile_func(module, func))
+                with self._lock:
+                    self._plans[key] = plan
+                    while len(self._plans) > self.MAX_PLANS:
+                        self._plans.popitem(last=False)
+                    self._building.pop(key, None)
+                    STATS["plans"] += 1
+        return plan
+
+    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return self.plan(module, func).run(inputs)
+
+
+__all__ = ["CpuBackend", "Plan", "STATS", "TensorType"]

@@ -1,0 +1,120 @@
+"""The build and the kernel cache: a second build is a cache hit (no compiler call), builds
+racing in two processes both succeed, compile failures and a missing compiler are DTMErrors
+that say where and what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+from dtm.compiler import build as B
+from dtm.errors import DTMError, ErrorCode as E
+
+SRC = """#include <stdint.h>
+/* %s */
+void dtm_kernel(void *const *bufs, const int64_t *dims) {
+  double *out = (double *)bufs[0];
+  out[0] = (double)dims[0] * 2.5;
+}
+"""
+
+
+def _call(fn, n: int) -> float:
+    import ctypes
+
+    out = (ctypes.c_double * 1)()
+    bufs = (ctypes.c_void_p * 1)(ctypes.addressof(out))
+    dims = (ctypes.c_int64 * 1)(n)
+    fn(bufs, dims)
+    return out[0]
+
+
+def test_second_build_hits_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    src = SRC % uuid.uuid4().hex
+    before = B.STATS["compiles"]
+    so = B.build(src, "k")
+    assert B.STATS["compiles"] == before + 1
+    assert so.parent == tmp_path and so.exists() and so.with_suffix(".c").read_text() == src
+
+    def no_compiler(*a, **kw):
+        raise AssertionError("the compiler ran on a cache hit")
+
+    monkeypatch.setattr(B.subprocess, "run", no_compiler)
+    hits = B.STATS["hits"]
+    assert B.build(src, "k") == so
+    assert B.STATS["hits"] == hits + 1
+    assert _call(B.load_kernel(src, "k"), 4) == 10.0
+
+
+def test_flags_and_source_are_part_of_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    src = SRC % uuid.uuid4().hex
+    a = B.build(src, "k")
+    b = B.build(src, "k", flags=B.KERNEL_FLAGS + ("-DDTM_TEST_FLAG",))
+    c = B.build(src + "\n", "k")
+    assert len({a, b, c}) == 3
+
+
+def test_concurrent_builds_in_two_processes(tmp_path):
+    src = SRC % uuid.uuid4().hex
+    script = textwrap.dedent(f"""
+        import sys
+        from dtm.compiler import build as B
+        fn = B.load_kernel({src!r}, "race")
+        import ctypes
+        out = (ctypes.c_double * 1)()
+        fn((ctypes.c_void_p * 1)(ctypes.addressof(out)), (ctypes.c_int64 * 1)(2))
+        assert out[0] == 5.0, out[0]
+        print("ok", B.STATS["compiles"] + B.STATS["hits"])
+    """)
+    env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out.startswith("ok 1")
+    sos = list(tmp_path.glob("*.so"))
+    assert len(sos) == 1 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_compile_error_names_the_source_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    src = "void dtm_kernel(void) { this is not C; }\n"
+    with pytest.raises(DTMError) as e:
+        B.build(src, "k_bad")
+    assert e.value.code is E.BUILD_FAILED
+    path = next(tmp_path.glob("*.c"))
+    assert str(path) in e.value.message and "k_bad" in e.value.message
+    assert "error" in e.value.message  # the compiler's own message
+    assert path.read_text() == src
+    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(DTMError) as e:
+        B.build(SRC % uuid.uuid4().hex, "k")
+    assert e.value.code is E.BUILD_FAILED
+    assert "no-such-cc" in e.value.message and "install gcc" in e.value.message and "CC" in e.value.message
+
+
+def test_missing_compiler_through_the_backend(tmp_path, monkeypatch):
+    import numpy as np
+
+    from dtm.ir import parse
+    from dtm.runtime.cpu import CpuBackend
+
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+    m = parse("dtm 1.0\n\nfunc @f(%x: f32[3]) -> (f32[3]) {\n  %y = exp %x : f32[3]\n  return %y\n}\n")
+    with pytest.raises(DTMError) as e:
+        CpuBackend().run(m, "f", [np.zeros(3, np.float32)])
+    assert e.value.code is E.BUILD_FAILED and "install gcc" in e.value.message

@@ -1,0 +1,190 @@
+"""What the cpu backend fuses: kernel counts for the patterns the compiler promises, each also
+checked against the reference, plus programs that stress the index arithmetic of fusion
+(views into views, reductions over inner and outer axes, broadcasting)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dtm
+import dtm.debug
+from dtm import functional as F
+from dtm.ir import parse, verify
+from dtm.compiler.irutil import with_func
+from dtm.compiler.passes import compile_func
+from dtm.ref import run as ref_run
+from dtm.runtime.backend import get_backend
+
+CPU = get_backend("cpu")
+rng = np.random.default_rng(11)
+
+
+def T(*shape, scale=1.0):
+    return dtm.tensor((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def same(fn, *args, tol=1e-5):
+    """fn on the cpu backend agrees with fn on ref (both through dtm.jit)."""
+    want = dtm.jit(fn, backend="ref")(*args)
+    got = dtm.jit(fn, backend="cpu")(*args)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=tol, atol=tol)
+
+
+def count(fn, *args) -> int:
+    same(fn, *args)
+    return dtm.debug.count_kernels(fn, *args)
+
+
+def test_softmax_over_the_last_axis_is_one_kernel():
+    assert count(lambda x: F.softmax(x, -1), T(4, 33)) == 1
+    assert count(lambda x: F.log_softmax(x, -1), T(2, 3, 17)) == 1
+
+
+def test_layer_norm_is_one_kernel():
+    w, b = T(48), T(48)
+    assert count(lambda x: F.layer_norm(x, 48, w, b), T(2, 5, 48)) == 1
+    assert count(lambda x: F.layer_norm(x, 48), T(7, 48)) == 1
+
+
+def test_gelu_of_linear_is_one_kernel():
+    w, b = T(40, 24), T(24)
+    assert count(lambda x: F.gelu(x @ w + b), T(6, 40)) == 1
+    assert count(lambda x: F.gelu(x @ w + b, approximate="tanh"), T(3, 6, 40)) == 1
+    wt = T(24, 40)
+    assert count(lambda x, r: F.linear(x, wt, b) + r, T(6, 40), T(6, 24)) == 1  # residual, transposed weight
+
+
+def test_elementwise_chain_is_one_kernel():
+    y = T(5, 1)
+    assert count(lambda x: F.tanh(F.exp(x) * 2.0 + y).sigmoid() - x.permute(1, 0).transpose(0, 1), T(5, 7)) == 1
+
+
+def test_causal_attention_is_at_most_three_kernels():
+    q, k, v = T(2, 4, 9, 16), T(2, 4, 9, 16), T(2, 4, 9, 16)
+    n = count(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    assert n <= 3
+
+
+def test_mlp_block_kernels():
+    """A transformer MLP: layer_norm, gelu(x @ w1 + b1), x @ w2 + b2 + residual: 3 kernels."""
+    w1, b1, w2, b2, g, bb = T(32, 64, scale=0.2), T(64), T(64, 32, scale=0.2), T(32), T(32), T(32)
+
+    def mlp(x):
+        h = F.layer_norm(x, 32, g, bb)
+        return x + F.gelu(h @ w1 + b1) @ w2 + b2
+
+    assert count(mlp, T(2, 6, 32)) == 3
+
+
+def test_reductions_over_outer_and_middle_axes():
+    same(lambda x: x.sum(0) * 2.0, T(7, 5))
+    same(lambda x: x - x.mean(1, keepdim=True), T(3, 6, 4))
+    same(lambda x: (x.amax(dim=(0, 2)), x.argmax(1)), T(3, 6, 4))
+    same(lambda x: F.softmax(x, 0) + F.softmax(x, 1), T(4, 6))
+
+
+def test_views_into_views():
+    same(lambda x: x.reshape(4, 6).transpose(0, 1).reshape(3, 8)[1:, ::2].flip(0) * 1.5, T(2, 12))
+    same(lambda x: F.cat([x, x.flip(1) * 2.0], dim=1).reshape(-1)[3:40], T(4, 5))
+    same(lambda x: F.pad(x.transpose(0, 1), (1, 2, 0, 1), value=-3.0).sum(1), T(3, 4))
+    same(lambda x: x.expand(3, 4, 5) + x.transpose(1, 2).reshape(4, 5), T(4, 5)[None].reshape(1, 4, 5))
+
+
+def test_matmul_operands_are_views_and_epilogues_see_broadcasts():
+    a, b = T(3, 8, 5), T(5, 7)
+    same(lambda a, b: (a.transpose(1, 2)[:, ::2] @ a[0, :, :3] + 1.0).relu(), a, b)
+    same(lambda a, b: F.softmax(a @ b, -1), a, b)
+    same(lambda a, b: (a @ b) * (a @ b).sum(-1, keepdim=True), a, b)
+
+
+def test_decompose_and_simplify_results_verify():
+    m = parse("""dtm 1.0
+
+func @f(%x: f32[B, 16], %w: f32[16], %b: f32[16], %q: f32[B, 2, 5, 8]) -> (f32[B, 16], f32[B, 16], f32[B, 2, 5, 8]) {
+  %a = softmax %x {axis = 1} : f32[B, 16]
+  %n = layer_norm %x, %w, %b : f32[B, 16]
+  %one = full {value = 1.0} : f32[]
+  %n1 = mul %n, %one : f32[B, 16]
+  %o = scaled_dot_product_attention %q, %q, %q {causal = true} : f32[B, 2, 5, 8]
+  return %a, %n1, %o
+}
+""")
+    for upto in ("decompose", "simplify"):
+        f = compile_func(m, "f", upto=upto)
+        verify(with_func(m, f))
+        assert not any(op.name in ("softmax", "layer_norm", "scaled_dot_product_attention") for op in f.ops)
+    assert not any(op.name == "mul" and op.results[0].name == "n1" for op in compile_func(m, "f", upto="simplify").ops)
+
+
+def test_symbolic_programs_agree_with_ref():
+    m = parse("""dtm 1.0
+
+func @f(%x: f32[B, T, 8], %w: f32[8, 4], %k: f32[B, T, 4]) -> (f32[B, T, 4], f32[B*T, 4], f32[T - 1, 4], f32[B, T, 4]) {
+  %y = matmul %x, %w : f32[B, T, 4]
+  %r = reshape %y {shape = [B*T, 4]} : f32[B*T, 4]
+  %s = slice %r {start = [1, 0], stop = [T, 4], step = [1, 1]} : f32[T - 1, 4]
+  %sm = softmax %y {axis = 2} : f32[B, T, 4]
+  %z = add %sm, %k : f32[B, T, 4]
+  return %y, %r, %s, %z
+}
+""")
+    plan = CPU.plan(m, "f")
+    for b, t in ((2, 5), (1, 3), (3, 1)):
+        ins = [rng.standard_normal(s).astype(np.float32) for s in ((b, t, 8), (8, 4), (b, t, 4))]
+        for got, want in zip(CPU.run(m, "f", ins), ref_run(m, "f", ins)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert CPU.plan(m, "f") is plan
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_kv_cache_style_update(n):
+    """assign of a concat into a parameter (a KV cache), reading it before."""
+    m = parse("""dtm 1.0
+
+func @f(%cache: f32[4, 3], %new: f32[1, 3]) -> (f32[4, 3]) {
+  %s = slice %cache {start = [1, 0], stop = [4, 3], step = [1, 1]} : f32[3, 3]
+  %c = concat %s, %new {axis = 0} : f32[4, 3]
+  %t = mul %cache, %cache : f32[4, 3]
+  assign %cache, %c
+  return %t
+}
+""")
+    c0 = rng.standard_normal((4, 3)).astype(np.float32)
+    new = rng.standard_normal((1, 3)).astype(np.float32)
+    a, b = c0.copy(), c0.copy()
+    for _ in range(n):
+        (t1,) = ref_run(m, "f", [a, new])
+        (t2,) = CPU.run(m, "f", [b, new])
+        np.testing.assert_array_equal(t1, t2)
+        np.testing.assert_array_equal(a, b)
+
+
+SHARED = parse("""dtm 1.0
+
+func @f(%x: f32[6, 10]) -> (f32[6, 10], f32[6, 1], f32[6], f32[6, 10], f32[10, 6]) {
+  %m = reduce_max %x {axes = [1], keepdims = true} : f32[6, 1]
+  %d = sub %x, %m : f32[6, 10]
+  %e = exp %d : f32[6, 10]
+  %s = reduce_sum %e {axes = [1], keepdims = true} : f32[6, 1]
+  %y = div %e, %s : f32[6, 10]
+  %s2 = reduce_sum %e {axes = [1]} : f32[6]
+  %c = reduce_sum %x {axes = [0], keepdims = true} : f32[1, 10]
+  %z = mul %y, %c : f32[6, 10]
+  %t = permute %y {perm = [1, 0]} : f32[10, 6]
+  %u = mul %t, %t : f32[10, 6]
+  return %y, %m, %s2, %z, %u
+}
+""")
+
+
+def test_row_kernels_share_reductions_and_store_row_values():
+    prog = compile_func(SHARED, "f")
+    x = rng.standard_normal((6, 10)).astype(np.float32)
+    for got, want in zip(CPU.run(SHARED, "f", [x]), ref_run(SHARED, "f", [x])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # y, m and s2 come from one row kernel; the column sum and the transposed product are others
+    row = [s for s in prog.kernels if s.group.kind == "reduce" and s.group.axes == (1,)]
+    assert len(row) == 1 and len(row[0].outputs) >= 3, str(prog)

@@ -1,0 +1,182 @@
+"""The cpu executor: plans are compiled once and replayed, one plan serves every shape of a
+symbolic function, memory is reused (in place where safe), and the debug switches print
+what they promise. Also the passes' own pieces: the pass list, loop-IR printing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dtm
+import dtm.debug
+from dtm import functional as F
+from dtm.compiler import build as B
+from dtm.compiler import loopir as L
+from dtm.compiler.passes import PASSES, compile_func
+from dtm.ir import parse
+from dtm.ref import run as ref_run
+from dtm.runtime import cpu as cpu_mod
+from dtm.runtime.backend import BACKENDS, get_backend
+
+CPU = get_backend("cpu")
+rng = np.random.default_rng(5)
+
+
+def test_cpu_is_registered_and_ref_stays_the_default(monkeypatch):
+    monkeypatch.delenv("DTM_BACKEND", raising=False)
+    assert "cpu" in BACKENDS and get_backend().name == "ref" and get_backend("cpu").name == "cpu"
+
+
+def test_pass_list():
+    assert [name for name, _ in PASSES] == ["decompose", "simplify", "fuse", "lower_loops", "plan_memory", "render_c"]
+
+
+def test_jit_replays_its_plan_without_recompiling():
+    w = dtm.tensor(rng.standard_normal((8, 8)).astype(np.float32))
+    f = dtm.jit(lambda x: F.softmax(x @ w, -1) * 2.0, backend="cpu")
+    x = dtm.tensor(rng.standard_normal((3, 8)).astype(np.float32))
+    first = f(x).numpy()
+    plans, compiles, hits = cpu_mod.STATS["plans"], B.STATS["compiles"], B.STATS["hits"]
+    for _ in range(3):
+        np.testing.assert_array_equal(f(x).numpy(), first)
+    assert (cpu_mod.STATS["plans"], B.STATS["compiles"], B.STATS["hits"]) == (plans, compiles, hits)
+    want = dtm.jit(lambda x: F.softmax(x @ w, -1) * 2.0, backend="ref")(x).numpy()
+    np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-6)
+
+
+SYM = parse("""dtm 1.0
+
+func @f(%x: f32[B, T], %b: f32[T]) -> (f32[B, T], f32[B], f32[T, B]) {
+  %y = add %x, %b : f32[B, T]
+  %e = exp %y : f32[B, T]
+  %s = reduce_sum %e {axes = [1]} : f32[B]
+  %t = permute %e {perm = [1, 0]} : f32[T, B]
+  return %e, %s, %t
+}
+""")
+
+
+def test_one_plan_serves_every_shape_of_a_symbolic_function():
+    backend = cpu_mod.CpuBackend()
+    plans = cpu_mod.STATS["plans"]
+    for b, t in ((2, 3), (5, 1), (1, 7), (0, 4), (3, 0)):
+        x = rng.standard_normal((b, t)).astype(np.float32)
+        bias = rng.standard_normal(t).astype(np.float32)
+        for got, want in zip(backend.run(SYM, "f", [x, bias]), ref_run(SYM, "f", [x, bias])):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert cpu_mod.STATS["plans"] == plans + 1
+
+
+def test_inputs_are_checked_like_the_reference():
+    from dtm.errors import DTMError, ErrorCode as E
+
+    with pytest.raises(DTMError) as e:
+        CPU.run(SYM, "f", [np.zeros((2, 3), np.float32), np.zeros(4, np.float32)])
+    assert e.value.code is E.SHAPE_MISMATCH
+    with pytest.raises(DTMError) as e:
+        CPU.run(SYM, "f", [np.zeros((2, 3), np.float64), np.zeros(3, np.float32)])
+    assert e.value.code is E.DTYPE_MISMATCH
+
+
+def test_results_never_alias_inputs_and_non_contiguous_inputs_work():
+    m = parse("dtm 1.0\n\nfunc @f(%x: f32[3, 4]) -> (f32[3, 4], f32[3, 4]) {\n"
+              "  %y = neg %x : f32[3, 4]\n  return %x, %y\n}\n")
+    x = rng.standard_normal((4, 3)).astype(np.float32).T  # not C-contiguous
+    a, y = CPU.run(m, "f", [x])
+    assert not np.may_share_memory(a, x)
+    np.testing.assert_array_equal(a, x)
+    np.testing.assert_array_equal(y, -x)
+
+
+def test_temporaries_share_memory_and_kernels_work_in_place():
+    m = parse("""dtm 1.0
+
+func @f(%x: f32[16, 16], %w: f32[16, 16]) -> (f32[16, 16]) {
+  %a = matmul %x, %w : f32[16, 16]
+  %b = matmul %a, %w : f32[16, 16]
+  %c = matmul %b, %w : f32[16, 16]
+  %d = matmul %c, %w : f32[16, 16]
+  %s0 = softmax %d {axis = 0} : f32[16, 16]
+  %s1 = softmax %s0 {axis = 1} : f32[16, 16]
+  %e = matmul %s1, %w : f32[16, 16]
+  return %e
+}
+""")
+    prog = compile_func(m, "f")
+    temps = [b for b in prog.buffers if b.kind == "temp"]
+    assert len(prog.slots) < len(temps)
+    assert any(b.alias is not None for b in temps), str(prog)
+    ins = [rng.standard_normal((16, 16)).astype(np.float32) * 0.3 for _ in range(2)]
+    np.testing.assert_allclose(CPU.run(m, "f", ins)[0], ref_run(m, "f", ins)[0], rtol=1e-4, atol=1e-6)
+
+
+def test_debug_prints_kernels_and_times(monkeypatch, capsys):
+    monkeypatch.setenv("DTM_DEBUG", "2")
+    m = parse("dtm 1.0\n\nfunc @f(%x: f32[5]) -> (f32[5]) {\n  %y = tanh %x : f32[5]\n"
+              "  %z = mul %y, %y : f32[5]\n  return %z\n}\n")
+    cpu_mod.CpuBackend().run(m, "f", [np.ones(5, np.float32)])
+    err = capsys.readouterr().err
+    assert "k0_tanh_mul" in err and " ms" in err and "void dtm_k0(" in err and "tanhf(" in err
+
+
+def test_debug_passes_prints_every_pass(monkeypatch, capsys):
+    monkeypatch.setenv("DTM_DEBUG", "passes")
+    m = parse("dtm 1.0\n\nfunc @f(%x: f32[5]) -> (f32[5]) {\n  %y = silu %x : f32[5]\n  return %y\n}\n")
+    compile_func(m, "f")
+    err = capsys.readouterr().err
+    for name, _ in PASSES:
+        assert f"=== pass {name} ===" in err
+    assert "sigmoid" in err and "kernel k0" in err and "schedule of @f" in err
+
+
+def test_debug_helpers():
+    x = dtm.tensor(np.ones((2, 3), np.float32))
+    assert dtm.debug.count_kernels(lambda x: (x * 2).exp(), x) == 1
+    assert dtm.debug.kernels(lambda x: x.sum(1), x) == ["k0_reduce_sum"]
+    text = dtm.debug.explain(lambda x: F.softmax(x, -1), x)
+    assert "=== pass render_c ===" in text and "reduce_max" in text
+
+
+def test_loop_ir_prints():
+    k = L.Kernel("k", [L.Param("out0", dtm.float32, True, (4,)), L.Param("in0", dtm.float32, False, (4,))], [],
+                 [L.Loop("i0", L.Const(0, L.INDEX), L.Const(4, L.INDEX),
+                         [L.Store("out0", L.Sym("i0"), L.Op("exp", (L.Load("in0", L.Sym("i0"), dtm.float32),),
+                                                             dtm.float32))])])
+    text = str(k)
+    assert "kernel k(out out0: f32[4], in in0: f32[4])" in text
+    assert "for i0 in 0..4:" in text and "out0[i0] = exp(in0[i0])" in text
+
+
+def test_index_arithmetic_folds():
+    i = L.Sym("i")
+    assert L.iadd(L.imul(i, 1), 0) == i
+    assert L.imul(L.Const(3, L.INDEX), L.Const(4, L.INDEX)) == L.Const(12, L.INDEX)
+    assert L.imod(i, 1) == L.Const(0, L.INDEX)
+    assert L.idiv(i, 1) == i
+    assert str(L.flat_index((L.Sym("a"), L.Sym("b")), (3, 5))) == "(b + (a * 5))"
+
+
+def test_threads_can_share_a_plan():
+    import threading
+
+    m = SYM
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    bias = rng.standard_normal(128).astype(np.float32)
+    want = ref_run(m, "f", [x, bias])
+    errors = []
+
+    def work():
+        try:
+            for _ in range(5):
+                for g, w in zip(CPU.run(m, "f", [x, bias]), want):
+                    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
