@@ -493,12 +493,14 @@ def zero_if_one(d: Dim, i: L.Expr) -> L.Expr:
 
 
 def select_index(cond: L.Expr, i: L.Expr) -> L.Expr:
-    """i where cond holds, else 0 (an index always inside a non-empty buffer)."""
+    """i where cond (0 or 1) holds, else 0: an index always inside a non-empty buffer. Written
+    as i * cond, not a conditional: GCC 12 with -march=znver3 -O3 miscompiles loads whose
+    address is a conditional expression (if-converted into masked loads)."""
     if isinstance(cond, Const):
         return i if cond.value else Const(0, INDEX)
     if isinstance(i, Const) and i.value == 0:
         return i
-    return L.Op("select", (cond, i, Const(0, INDEX)), INDEX)
+    return L.imul(i, cond)
 
 
 def broadcast_index(ix: tuple, src: tuple, dst: tuple) -> tuple:

@@ -42,6 +42,7 @@ REDUCES = ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "a
 SOURCES = ("full", "iota")
 
 FULL, ROW, OTHER = "full", "row", "other"
+MERGE_TRIES = 4  # merge candidates tried per kernel (the nearest related ones)
 
 
 def op_kind(op: Op) -> str:
@@ -390,10 +391,13 @@ class _Scheduler:
         to run between the two. A row kernel absorbs the reductions and elementwise kernels
         over its rows: softmax's max returned beside it, or a value derived from its result."""
         out = list(groups)
+        deps = self.deps(out)
+        by_id = {id(x): x for x in out}
         i = 0
         while i < len(out):
             grp = out[i]
             merged = None
+            tries = 0
             if grp.kind in ("elementwise", "reduce"):
                 for j in range(i - 1, -1, -1):
                     other = out[j]
@@ -403,14 +407,25 @@ class _Scheduler:
                         continue
                     if not self._related(other, grp):
                         continue
+                    tries += 1
+                    if tries > MERGE_TRIES:
+                        break
                     cand = self._merged(other, grp)
-                    if cand is not None and not self._indirect(other, grp, out):
+                    if cand is not None and not self._indirect(other, grp, deps, by_id):
                         merged = (j, cand)
                         break
             if merged is None:
                 i += 1
                 continue
             j, cand = merged
+            gone = {id(out[j]), id(grp)}
+            new = (deps.pop(id(out[j])) | deps.pop(id(grp))) - gone
+            for d in deps.values():
+                if d & gone:
+                    d -= gone
+                    d.add(id(cand))
+            deps[id(cand)] = new
+            by_id[id(cand)] = cand
             out[j] = cand
             out.pop(i)
         return out
@@ -431,11 +446,9 @@ class _Scheduler:
         grp.first = min(a.first, b.first)
         return grp
 
-    def _indirect(self, a: Group, b: Group, groups: list[Group]) -> bool:
+    @staticmethod
+    def _indirect(a: Group, b: Group, deps: dict, by_id: dict) -> bool:
         """Whether a path through some third kernel joins a and b (merging would make a cycle)."""
-        deps = self.deps(groups)
-        by_id = {id(x): x for x in groups}
-
         def reaches(src: Group, dst: Group) -> bool:  # does dst (transitively) come after src?
             stack = [d for d in deps[id(dst)] if d != id(src)]
             seen: set = set()
@@ -446,7 +459,7 @@ class _Scheduler:
                 if x in seen:
                     continue
                 seen.add(x)
-                stack.extend(deps[id(by_id[x])])
+                stack.extend(deps[x])
             return False
 
         return reaches(a, b) or reaches(b, a)
