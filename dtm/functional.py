@@ -18,7 +18,7 @@ from .errors import ErrorCode
 from .ir.dtypes import numpy_dtype
 from .ir.types import TensorType
 from .tensor import (DEFAULT_FLOAT, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
-                     result_type)
+                     normalize_dim, result_type)
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -53,21 +53,13 @@ def as_tensor(x: Any, dtype=None) -> Tensor:
     return tensor(x, dtype=dtype)
 
 
-def _axis(d: int, rank: int) -> int:
-    r = builtins.max(rank, 1)
-    if not -r <= d < r:
-        raise error(ErrorCode.ATTRIBUTE_VALUE, f"dim {d} is out of range for a tensor of rank {rank} "
-                    f"(expected {-r} <= dim < {r})")
-    return d % r
-
-
 def _axes(dim, rank: int) -> tuple[int, ...]:
     """Normalised reduction axes. A rank-0 tensor accepts dim 0 or -1, as in torch, and
     has no axis to reduce."""
     if dim is None:
         return tuple(range(rank))
     dims = [dim] if isinstance(dim, int) else list(dim)
-    axes = {_axis(d, rank) for d in dims}
+    axes = {normalize_dim(d, rank) for d in dims}
     return tuple(sorted(axes)) if rank else ()
 
 
@@ -427,9 +419,9 @@ def _arg(op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
     """argmax / argmin; a rank-0 tensor (which torch accepts with dim 0 or -1) has index 0."""
     if dim is None or x.ndim == 0:
         if dim is not None:
-            _axis(dim, 0)
+            normalize_dim(dim, 0)
         return apply(op, reshape(x, (-1,)), axis=0, keepdims=False)
-    return apply(op, x, axis=_axis(dim, x.ndim), keepdims=keepdim)
+    return apply(op, x, axis=normalize_dim(dim, x.ndim), keepdims=keepdim)
 
 
 def argmax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
@@ -468,13 +460,13 @@ view = reshape
 
 
 def permute(x: Tensor, *dims) -> Tensor:
-    dims = tuple(_axis(d, x.ndim) for d in _sizes(dims))
+    dims = tuple(normalize_dim(d, x.ndim) for d in _sizes(dims))
     return x if dims == tuple(range(x.ndim)) else apply("permute", x, perm=dims)
 
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     perm = list(range(x.ndim))
-    a, b = _axis(dim0, x.ndim), _axis(dim1, x.ndim)
+    a, b = normalize_dim(dim0, x.ndim), normalize_dim(dim1, x.ndim)
     perm[a], perm[b] = perm[b], perm[a]
     return permute(x, perm)
 
@@ -499,14 +491,14 @@ def squeeze(x: Tensor, dim=None) -> Tensor:
 
 
 def unsqueeze(x: Tensor, dim: int) -> Tensor:
-    d = _axis(dim, x.ndim + 1)
+    d = normalize_dim(dim, x.ndim + 1)
     return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
 
 
 def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     if x.ndim == 0:
         return reshape(x, (1,))
-    s, e = _axis(start_dim, x.ndim), _axis(end_dim, x.ndim)
+    s, e = normalize_dim(start_dim, x.ndim), normalize_dim(end_dim, x.ndim)
     n = 1
     for d in x.shape[s:e + 1]:
         n *= d
@@ -521,7 +513,7 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     tensors = [cast(t, d) for t in tensors]
     if len(tensors) == 1:
         return tensors[0]
-    return apply("concat", *tensors, axis=_axis(dim, tensors[0].ndim))
+    return apply("concat", *tensors, axis=normalize_dim(dim, tensors[0].ndim))
 
 
 concat = cat
@@ -531,12 +523,12 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     tensors = list(tensors)
     if not tensors:
         raise error(ErrorCode.OPERAND_COUNT, "stack() needs at least one tensor")
-    d = _axis(dim, tensors[0].ndim + 1)
+    d = normalize_dim(dim, tensors[0].ndim + 1)
     return cat([unsqueeze(t, d) for t in tensors], d)
 
 
 def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
-    d = _axis(dim, x.ndim)
+    d = normalize_dim(dim, x.ndim)
     return _slice(x, d, start, start + length, 1)
 
 
@@ -551,7 +543,7 @@ def _slice(x: Tensor, axis: int, start: int, stop: int, step: int) -> Tensor:
 
 
 def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
-    d = _axis(dim, x.ndim)
+    d = normalize_dim(dim, x.ndim)
     n = x.shape[d]
     if isinstance(split_size_or_sections, int):
         size = split_size_or_sections
@@ -572,7 +564,7 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
     if chunks <= 0:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"chunk: chunks must be positive, found {chunks}")
-    n = x.shape[_axis(dim, x.ndim)]
+    n = x.shape[normalize_dim(dim, x.ndim)]
     return split(x, -(-n // chunks) if n else 1, dim)
 
 
@@ -620,7 +612,7 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
 
     Written as one IR gather on the flattened tensor: the flat position of each picked
     element is index * stride(dim) plus the position of the other coordinates."""
-    d = _axis(dim, x.ndim)
+    d = normalize_dim(dim, x.ndim)
     index = as_tensor(index)
     if not index.dtype.is_int:
         raise error(ErrorCode.DTYPE_MISMATCH, f"gather: index must be an integer tensor, found {index.dtype}")
@@ -640,7 +632,7 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
-    return take(x, index, _axis(dim, x.ndim))
+    return take(x, index, normalize_dim(dim, x.ndim))
 
 
 def tril(x: Tensor, diagonal: int = 0) -> Tensor:
@@ -691,12 +683,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     x = cast(_float(x), as_dtype(dtype)) if dtype is not None else _float(x)
-    return apply("softmax", x, axis=_axis(dim, x.ndim))
+    return apply("softmax", x, axis=normalize_dim(dim, x.ndim))
 
 
 def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     x = cast(_float(x), as_dtype(dtype)) if dtype is not None else _float(x)
-    return apply("log_softmax", x, axis=_axis(dim, x.ndim))
+    return apply("log_softmax", x, axis=normalize_dim(dim, x.ndim))
 
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -923,4 +915,5 @@ for _name, _fn in _METHODS.items():
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "builtins", "namedtuple", "np", "Any", "Sequence", "ErrorCode", "TensorType", "Tensor",
     "apply", "as_dtype", "bool_", "error", "float32", "int64", "is_grad_enabled", "result_type", "numpy_dtype",
+    "normalize_dim",
     "DEFAULT_FLOAT", "MinMax")]

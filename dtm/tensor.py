@@ -241,7 +241,7 @@ class Tensor:
         return self.type.shape
 
     def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[_axis(dim, self.ndim)]
+        return self.shape if dim is None else self.shape[normalize_dim(dim, self.ndim)]
 
     @property
     def ndim(self) -> int:
@@ -337,10 +337,13 @@ class Tensor:
 
 # --- recording ops ------------------------------------------------------------------------
 
-def _axis(d: int, rank: int) -> int:
-    if not -max(rank, 1) <= d < max(rank, 1):
-        raise error(ErrorCode.ATTRIBUTE_VALUE, f"dim {d} is out of range for a tensor of rank {rank}")
-    return d % rank if rank else 0
+def normalize_dim(d: int, rank: int) -> int:
+    """A torch-style dim (negative counts from the end; a 0-d tensor takes 0 or -1) as 0..rank-1."""
+    r = max(rank, 1)
+    if not -r <= d < r:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"dim {d} is out of range for a tensor of rank {rank} "
+                    f"(expected {-r} <= dim < {r})")
+    return d % r
 
 
 def apply(op: str, *inputs: Tensor, type: TensorType | None = None, **attrs: Any) -> Tensor:
