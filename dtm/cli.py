@@ -5,6 +5,9 @@
     dtm ir hash FILE         print the module hash (hex sha256 of the canonical encoding)
     dtm ir ops               print the op registry
     dtm conformance ir       run the IR conformance vectors
+    dtm conformance protocol run the wire protocol conformance vectors
+    dtm launch -n N script.py   run N local ranks (DTM_* environment, output prefixed by rank)
+    dtm coordinator --world-size N   run a coordinator on its own
 
 FILE may be `-` for standard input. Every failure exits non-zero with the error on stderr.
 """
@@ -127,6 +130,15 @@ def conformance_group() -> None:
     """Run the language-agnostic conformance vectors."""
 
 
+def _report_vectors(results) -> None:
+    """Failures on stderr, "N passed, M failed" on stdout; exit 1 on a failure or no vectors."""
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        click.echo(f"FAIL {r.kind} {r.name}: {r.detail}", err=True)
+    click.echo(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    sys.exit(1 if failed or not results else 0)
+
+
 @conformance_group.command("ir")
 @click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
               help="vector directory (default: the repository's conformance/ir)")
@@ -136,11 +148,93 @@ def conformance_ir(root: str | None) -> None:
     from .ir.conformance import run_ir_vectors
 
     results = run_ir_vectors(pathlib.Path(root) if root else None)
-    failed = [r for r in results if not r.ok]
-    for r in failed:
-        click.echo(f"FAIL {r.kind} {r.name}: {r.detail}", err=True)
-    click.echo(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    sys.exit(1 if failed or not results else 0)
+    _report_vectors(results)
+
+
+@conformance_group.command("protocol")
+@click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="vector directory (default: the repository's conformance/protocol)")
+def conformance_protocol(root: str | None) -> None:
+    """Run the wire protocol vectors: valid byte streams against their decoded frames and
+    back, invalid ones against their error code, and the handshake's HMAC answers."""
+    from .protocol.conformance import run_protocol_vectors
+
+    results = run_protocol_vectors(pathlib.Path(root) if root else None)
+    _report_vectors(results)
+
+
+def _axes_option(text: str | None):
+    from .cluster.env import parse_axes
+    from .errors import DTMError
+
+    try:
+        return parse_axes(text or "", "--axes")
+    except DTMError as e:
+        raise click.BadParameter(e.message) from None
+
+
+@main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-n", "--nprocs", type=click.IntRange(min=1), required=True, help="number of ranks to start")
+@click.option("--coordinator", metavar="HOST:PORT", default=None,
+              help="a running coordinator (`dtm coordinator`; DTM_TOKEN must be its token); by default dtm launch "
+                   "runs one itself")
+@click.option("--axes", default=None, metavar="NAME=SIZE,...", help="mesh axes, e.g. dp=2,tp=2")
+@click.option("--grace", type=float, default=5.0, show_default=True,
+              help="seconds between SIGTERM and SIGKILL when ranks are ended")
+@click.option("--join-timeout", type=float, default=60.0, show_default=True,
+              help="seconds for every rank to call dtm.init() (with the launcher's own coordinator)")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
+               command: tuple[str, ...]) -> None:
+    """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
+    ranks; their output is forwarded with a `[rank k]` prefix, and when one rank fails the
+    others are ended and dtm launch exits non-zero naming it."""
+    import logging
+
+    from .cluster.launch import launch
+    from .errors import DTMError
+
+    logging.basicConfig(level=logging.WARNING, format="dtm launch: %(message)s")
+    try:
+        status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
+                        join_timeout=join_timeout)
+    except DTMError as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(status)
+
+
+@main.command("coordinator")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen at")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, help="port to listen at (0: any free port)")
+@click.option("--world-size", type=click.IntRange(min=1), required=True, help="number of ranks in the mesh")
+@click.option("--axes", default=None, metavar="NAME=SIZE,...", help="mesh axes, e.g. dp=2,tp=2")
+@click.option("--join-timeout", type=float, default=60.0, show_default=True,
+              help="seconds for every rank to join")
+def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, join_timeout: float) -> None:
+    """Run a coordinator for WORLD_SIZE ranks until the mesh has formed and every rank has
+    left (exit 0) or one was lost or the mesh did not form (exit 1). Ranks reach it with
+    DTM_COORDINATOR=HOST:PORT and DTM_COORDINATOR_EXTERNAL=1; the cluster token is DTM_TOKEN,
+    and DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS set the failure detection."""
+    import logging
+
+    from .cluster.coordinator import Coordinator
+    from .cluster.env import heartbeat_env
+    from .errors import DTMError
+
+    logging.basicConfig(level=logging.INFO, format="dtm %(message)s")
+    token = os.environ.get("DTM_TOKEN", "")
+    if not token:
+        click.echo("dtm coordinator: DTM_TOKEN is empty: any process that reaches the port may join", err=True)
+    try:
+        heartbeat_ms, timeout_ms = heartbeat_env()
+        coord = Coordinator(world_size, token, host=host, port=port, axes=_axes_option(axes),
+                            heartbeat_ms=heartbeat_ms, timeout_ms=timeout_ms, join_timeout=join_timeout)
+    except DTMError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"dtm coordinator listening at {coord.address[0]}:{coord.address[1]} for {world_size} rank(s)")
+    sys.stdout.flush()
+    coord.serve()
+    sys.exit(1 if coord.error or coord.lost else 0)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ class ErrorCode(str, enum.Enum):
     INVALID_MESH = "E0505"
     INVALID_GROUP = "E0506"
     INVALID_PLACEMENT = "E0507"
+    MESH_MISMATCH = "E0508"
+    MESH_TOO_LARGE = "E0509"
     # E06xx: versions
     UNSUPPORTED_VERSION = "E0601"
     OP_NEWER_THAN_TARGET = "E0602"
@@ -77,6 +79,24 @@ class ErrorCode(str, enum.Enum):
     STORE_KEY_MISSING = "E0804"
     READ_ONLY_INPUT = "E0805"
     BUILD_FAILED = "E0806"
+    # E09xx: the wire protocol
+    BAD_MAGIC = "E0901"
+    UNSUPPORTED_PROTOCOL_VERSION = "E0902"
+    UNKNOWN_MESSAGE = "E0903"
+    FRAME_TOO_LARGE = "E0904"
+    TRUNCATED_FRAME = "E0905"
+    CHECKSUM_MISMATCH = "E0906"
+    STALE_EPOCH = "E0907"
+    OUT_OF_SEQUENCE = "E0908"
+    AUTH_FAILED = "E0909"
+    BAD_PAYLOAD = "E0910"
+    UNEXPECTED_MESSAGE = "E0911"
+    # E10xx: membership and collectives between processes
+    PEER_LOST = "E1001"
+    COLLECTIVE_ABORTED = "E1002"
+    RECEIVE_BUFFER_FULL = "E1003"
+    JOIN_REFUSED = "E1004"
+    NOT_INITIALIZED = "E1005"
 
     def __str__(self) -> str:
         return self.value

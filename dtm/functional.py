@@ -9,6 +9,7 @@ Every function records lazily through `apply`; nothing here computes.
 from __future__ import annotations
 
 import builtins
+import math
 from collections import namedtuple
 from typing import Any, Sequence
 
@@ -542,6 +543,21 @@ def _slice(x: Tensor, axis: int, start: int, stop: int, step: int) -> Tensor:
     return apply("slice", x, start=tuple(starts), stop=tuple(stops), step=tuple(steps))
 
 
+def dynamic_slice(x: Tensor, start, dim: int, size: int) -> Tensor:
+    """`size` elements of `x` along `dim` from a run-time `start` (an int or a 0-d integer
+    tensor), clamped into range as jax.lax.dynamic_slice does. The start is data, not
+    shape: a jitted function replays one plan for every start."""
+    d = normalize_dim(dim, x.ndim)
+    return apply("dynamic_slice", x, as_tensor(start, int64), axis=d, size=size)
+
+
+def dynamic_update_slice(x: Tensor, update: Tensor, start, dim: int) -> Tensor:
+    """`x` with `update` written along `dim` at a run-time `start` (clamped into range);
+    the KV cache of a decoder writes each step's keys this way."""
+    d = normalize_dim(dim, x.ndim)
+    return apply("dynamic_update_slice", x, as_tensor(update, x.dtype), as_tensor(start, int64), axis=d)
+
+
 def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
     d = normalize_dim(dim, x.ndim)
     n = x.shape[d]
@@ -710,10 +726,23 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None) -> Tensor:
-    if attn_mask is not None or dropout_p:
-        raise error(ErrorCode.ATTRIBUTE_VALUE, "scaled_dot_product_attention: attn_mask and dropout_p are not supported; "
-                    "use is_causal=True or compose softmax(q @ k^T) yourself")
-    return apply("scaled_dot_product_attention", q, k, v, causal=is_causal, scale=scale)
+    if dropout_p:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "scaled_dot_product_attention: dropout_p is not supported; "
+                    "apply dropout to the result or compose softmax(q @ k^T) yourself")
+    if attn_mask is None:
+        return apply("scaled_dot_product_attention", q, k, v, causal=is_causal, scale=scale)
+    if is_causal:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "scaled_dot_product_attention: give attn_mask or is_causal=True, not both")
+    # torch's semantics: a bool mask says which keys each query may attend to; a float
+    # mask is added to the scores.
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = mul(matmul(q, transpose(k, -2, -1)), scale)
+    attn_mask = as_tensor(attn_mask)
+    if attn_mask.dtype is bool_:
+        scores = masked_fill(scores, logical_not(attn_mask), float("-inf"))
+    else:
+        scores = add(scores, attn_mask)
+    return matmul(softmax(scores, dim=-1), v)
 
 
 # --- indexing -----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_kv_cache_decoding_equals_full_recompute(tmp_path):
     full = model(ids).numpy()[:, -1]
     from dtm.models.gpt2 import KVCache
 
-    cache = KVCache(model.config.n_layer)
+    cache = KVCache(model.config, batch=1, max_len=10)  # longer than used: the mask hides the rest
     model(ids[:, :5], cache)  # prefill, then one token at a time
     for t in range(5, 8):
         last = model(ids[:, t:t + 1], cache).numpy()[:, -1]
@@ -112,3 +112,46 @@ def test_save_pretrained_is_read_by_transformers(tmp_path):
     with torch.no_grad():
         want = hf(torch.from_numpy(ids)).logits.numpy()
     assert rel_err(model(ids).numpy(), want) < 1e-4
+
+
+def test_decoding_replays_the_compiled_steps(tmp_path, monkeypatch):
+    """The KV cache has a fixed size and the position is data: after the first generation
+    compiled the prompt step and the one-token step, a longer one compiles nothing."""
+    monkeypatch.setenv("DTM_BACKEND", "cpu")
+    from dtm.runtime.cpu import STATS
+
+    hf = hf_checkpoint(tmp_path, seed=4, **SMALL)
+    model = GPT2.from_pretrained(str(tmp_path))
+    prompt = np.array([[7, 3, 9, 1, 4, 2]], dtype=np.int64)
+    model.generate(prompt, max_new_tokens=3)
+    plans = STATS["plans"]
+    got = model.generate(prompt, max_new_tokens=20)
+    assert STATS["plans"] == plans
+    with torch.no_grad():
+        want = hf.generate(torch.from_numpy(prompt), max_new_tokens=20, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones_like(torch.from_numpy(prompt))).numpy()
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+SECOND_PROCESS = """
+import json, numpy as np, dtm
+from dtm.compiler import build
+from dtm.models.gpt2 import GPT2, GPT2Config
+dtm.manual_seed(0)
+model = GPT2(GPT2Config(vocab_size=101, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+out = model.generate(np.array([[5, 6, 7]]), max_new_tokens=4).numpy()
+print(json.dumps({"compiles": build.STATS["compiles"], "tokens": out.tolist()}))
+"""
+
+
+def test_a_second_process_builds_no_kernel(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path), DTM_BACKEND="cpu")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", SECOND_PROCESS], env=env, capture_output=True,
+                                      text=True, timeout=300, check=True).stdout) for _ in range(2)]
+    assert runs[0]["compiles"] > 0 and runs[1]["compiles"] == 0
+    assert runs[0]["tokens"] == runs[1]["tokens"]

@@ -125,7 +125,7 @@ def test_irerror_str_and_type():
 
 def test_error_codes_are_stable_strings():
     for c in ErrorCode:
-        assert re.fullmatch(r"E0[1-9]\d\d", c.value)
+        assert re.fullmatch(r"E(0[1-9]|[1-9]\d)\d\d", c.value)  # area (01-99), then the number
         assert str(c) == c.value
     assert len({c.value for c in ErrorCode}) == len(list(ErrorCode))
 

@@ -10,6 +10,12 @@
     program = compile_func(module, "main")       # runs them all
     DTM_DEBUG=passes python ...                  # prints each pass's name and output
 
+A global-view function with shardings is first split into one function per rank; each
+rank's function then goes through the list above (dtm.compiler.spmd):
+
+    propagate_shardings  (Module, name) -> Func        every value gets a sharding
+    partition            (Module, name, rank) -> Func  the rank's local view, collectives explicit
+
 The IR-to-IR passes' results are verified (dtm.ir.verify) before the next pass runs.
 """
 
@@ -30,6 +36,7 @@ from .program import Program
 from .render_c import render_kernel, render_unit
 from .schedule import Schedule, fuse
 from .simplify import simplify
+from .spmd import partition, propagate_shardings  # noqa: F401 - the SPMD passes, run before PASSES
 
 
 def render_c(program: Program) -> Program:

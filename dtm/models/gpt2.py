@@ -19,7 +19,7 @@ from .. import functional as F
 from .. import nn
 from ..errors import DTMError, ErrorCode
 from ..nn import functional as NF
-from ..tensor import Tensor, manual_seed, no_grad, rand, randn, realize, tensor
+from ..tensor import Tensor, arange, jit, manual_seed, no_grad, rand, randn, tensor, zeros
 
 
 # Weights HF keeps in Conv1D layout, [in, out]: transposed to and from Linear's [out, in].
@@ -45,15 +45,37 @@ class GPT2Config:
 
 
 class KVCache:
-    """Keys and values seen so far, per layer: [B, n_head, T_past, head_dim]."""
+    """Keys and values of every layer in fixed-size buffers [B, n_head, max_len, head_dim].
 
-    def __init__(self, n_layer: int):
-        self.k: list[Tensor | None] = [None] * n_layer
-        self.v: list[Tensor | None] = [None] * n_layer
+    A forward pass writes its T new positions at `pos` (dynamic_update_slice) and each query
+    attends to the positions up to its own, so every decode step has the same shapes: the
+    position is data, not shape, and a jitted step replays one compiled plan for the whole
+    generation. `pos` is a Python int in eager code and a 0-d int64 tensor when traced."""
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
+    def __init__(self, config: "GPT2Config", batch: int, max_len: int, pos: "int | Tensor" = 0,
+                 kv: "list[Tensor] | None" = None):
+        shape = (batch, config.n_head, max_len, config.n_embd // config.n_head)
+        kv = kv if kv is not None else [zeros(*shape) for _ in range(2 * config.n_layer)]
+        self.k, self.v = list(kv[:config.n_layer]), list(kv[config.n_layer:])
+        self.max_len = max_len
+        self.pos = pos
+        self.allowed: Tensor | None = None  # [T, max_len] bool: query i may see key j
+
+    def begin(self, T: int) -> Tensor:
+        """Start a forward pass of T tokens: the mask of the keys each query may attend to,
+        and the position of its first token as a 0-d int64 tensor."""
+        if isinstance(self.pos, int) and self.pos + T > self.max_len:
+            raise DTMError(ErrorCode.SHAPE_MISMATCH, f"KVCache: {self.pos + T} positions exceed its "
+                           f"max_len = {self.max_len}")
+        pos = self.pos if isinstance(self.pos, Tensor) else tensor(np.int64(self.pos))
+        query_pos = F.add(pos, arange(T, dtype="i64"))
+        self.allowed = F.le(arange(self.max_len, dtype="i64").unsqueeze(0), query_pos.unsqueeze(1))
+        return pos
+
+    def write(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[layer] = F.dynamic_update_slice(self.k[layer], k, pos, dim=2)
+        self.v[layer] = F.dynamic_update_slice(self.v[layer], v, pos, dim=2)
+        return self.k[layer], self.v[layer]
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,18 +86,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, pos: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = F.split(self.c_attn(x), C, dim=2)
         # [B, T, C] -> [B, n_head, T, head_dim]
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            if cache.k[layer] is not None:
-                k = F.cat([cache.k[layer], k], dim=2)
-                v = F.cat([cache.v[layer], v], dim=2)
-            cache.k[layer], cache.v[layer] = k, v
-        # A single new token may attend to every cached position; a prompt attends causally.
-        y = NF.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        if cache is None:
+            y = NF.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            k, v = cache.write(layer, k, v, pos)
+            y = NF.scaled_dot_product_attention(q, k, v, attn_mask=cache.allowed)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -100,8 +120,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, pos: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -109,11 +129,12 @@ class GPT2(nn.Module):
     def __init__(self, config: GPT2Config, init: bool = True):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        with nn.no_init():  # every weight is set below or by the caller (from_pretrained)
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+            self.drop = nn.Dropout(config.dropout)
+            self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+            self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         if init:
             self._init_weights()
 
@@ -132,14 +153,20 @@ class GPT2(nn.Module):
         """ids: int64 [B, T] -> logits [B, T, vocab_size]."""
         ids = ids if isinstance(ids, Tensor) else tensor(np.asarray(ids, dtype=np.int64))
         B, T = ids.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.n_positions:
+        start = cache.pos if cache is not None else 0
+        if isinstance(start, int) and start + T > self.config.n_positions:
             raise DTMError(ErrorCode.SHAPE_MISMATCH, f"GPT2: {start + T} positions exceed n_positions = "
                            f"{self.config.n_positions}")
-        pos = tensor(np.arange(start, start + T, dtype=np.int64))
-        x = self.drop(self.wte(ids) + self.wpe(pos))
+        if cache is None:
+            pos, pos_emb = None, self.wpe(arange(T, dtype="i64"))
+        else:
+            pos = cache.begin(T)
+            pos_emb = F.dynamic_slice(self.wpe.weight, pos, dim=0, size=T)
+        x = self.drop(self.wte(ids) + pos_emb)
         for i, block in enumerate(self.h):
-            x = block(x, cache, i)
+            x = block(x, cache, i, pos)
+        if cache is not None:
+            cache.pos = cache.pos + T
         x = self.ln_f(x)
         return F.matmul(x, self.wte.weight.transpose(0, 1))  # lm_head shares wte's weights
 
@@ -151,14 +178,20 @@ class GPT2(nn.Module):
         ids = np.asarray(ids.numpy() if isinstance(ids, Tensor) else ids, dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None]
-        cache = KVCache(self.config.n_layer)
+        B, T = ids.shape
+        total = T + max_new_tokens
+        if total > self.config.n_positions:
+            raise DTMError(ErrorCode.SHAPE_MISMATCH, f"GPT2.generate: {T} prompt + {max_new_tokens} new tokens "
+                           f"exceed n_positions = {self.config.n_positions}")
+        # Cache lengths round up to a multiple of 64 so later calls reuse the compiled steps.
+        max_len = min(self.config.n_positions, -(-total // 64) * 64)
+        kv = [zeros(B, self.config.n_head, max_len, self.config.n_embd // self.config.n_head)
+              for _ in range(2 * self.config.n_layer)]
         out = [ids]
-        step_input = ids
+        step_input, pos = ids, 0
         for i in range(max_new_tokens):
-            logits = self(tensor(step_input), cache)[:, -1, :]
-            # One program computes the logits and the new cache; realizing the cache now keeps
-            # the next step from recomputing every earlier one.
-            realize(logits, *cache.k, *cache.v)
+            logits, *kv = self._step(tensor(step_input), tensor(np.int64(pos)), *kv)
+            pos += step_input.shape[1]
             nxt = self._pick(logits, temperature, top_k)
             out.append(nxt)
             step_input = nxt
@@ -167,6 +200,19 @@ class GPT2(nn.Module):
         if progress:
             print(file=sys.stderr)
         return tensor(np.concatenate(out, axis=1))
+
+    @property
+    def _step(self) -> jit:
+        """One decoding step, (ids [B, T], pos, *cache) -> (last logits, *new cache), jitted:
+        traced once per (T, cache length) and replayed for every later step."""
+        if self.__dict__.get("_step_jit") is None:
+            def step(ids: Tensor, pos: Tensor, *kv: Tensor):
+                cache = KVCache(self.config, ids.shape[0], kv[0].shape[2], pos, list(kv))
+                logits = self(ids, cache)[:, -1, :]
+                return (logits, *cache.k, *cache.v)
+
+            self.__dict__["_step_jit"] = jit(step)
+        return self.__dict__["_step_jit"]
 
     @staticmethod
     def _pick(logits: Tensor, temperature: float, top_k: int | None) -> np.ndarray:

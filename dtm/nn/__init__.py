@@ -2,8 +2,8 @@
 
 from . import functional
 from .modules import (GELU, CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleList, Parameter,
-                      ReLU, Sequential, Tanh)
+                      ReLU, Sequential, Tanh, no_init)
 from .weights import load_safetensors, save_safetensors
 
 __all__ = ["functional", "Module", "Parameter", "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU",
-           "Tanh", "Sequential", "ModuleList", "CrossEntropyLoss", "save_safetensors", "load_safetensors"]
+           "Tanh", "Sequential", "ModuleList", "CrossEntropyLoss", "no_init", "save_safetensors", "load_safetensors"]

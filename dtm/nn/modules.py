@@ -146,8 +146,28 @@ class Module:
         return "\n".join(lines) + (")" if len(lines) == 1 else "\n)")
 
 
+class no_init:  # noqa: N801 - a context manager, named like no_grad
+    """Inside this context modules allocate their parameters as zeros instead of drawing
+    random initial values: for models whose weights are set right after (a checkpoint
+    load, their own initialisation), as HF's no_init_weights and torch's skip_init do.
+    Drawing GPT-2's 124M initial values only to overwrite them costs seconds."""
+
+    depth = 0
+
+    def __enter__(self):
+        no_init.depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        no_init.depth -= 1
+
+
 def _uniform(shape, bound: float) -> Tensor:
-    return rand(*shape) * (2 * bound) - bound
+    return zeros(*shape) if no_init.depth else rand(*shape) * (2 * bound) - bound
+
+
+def _normal(shape) -> Tensor:
+    return zeros(*shape) if no_init.depth else randn(*shape)
 
 
 class Linear(Module):
@@ -171,7 +191,7 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = Parameter(randn(num_embeddings, embedding_dim))
+        self.weight = Parameter(_normal((num_embeddings, embedding_dim)))
 
     def forward(self, ids: Tensor) -> Tensor:
         return embedding(ids, self.weight)

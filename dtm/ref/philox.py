@@ -43,36 +43,51 @@ def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[int, int], rounds: in
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
-def _words(key: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """x0, x1 (as uint64) for elements 0..n-1."""
-    i = np.arange(n, dtype=np.uint64)
+_CHUNK = 1 << 20  # elements drawn at once: bounds the u64 temporaries (a 38M-element embedding needs no 3 GB)
+
+
+def _words(key: np.ndarray, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """x0, x1 (as uint64) for elements start..start+n-1."""
+    i = np.arange(start, start + n, dtype=np.uint64)
     zero = np.zeros(n, np.uint64)
     x0, x1, _, _ = philox4x32((i & _MASK32, i >> np.uint64(32), zero, zero), (int(key[0]), int(key[1])))
     return x0.astype(np.uint64), x1.astype(np.uint64)
 
 
-def uniform(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _draw(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, values) -> np.ndarray:
+    """An array of `shape` whose element i is values(x0, x1) of Philox's words for index i,
+    computed a chunk at a time."""
     n = int(np.prod(shape, dtype=np.int64))
-    x0, x1 = _words(key, n)
+    out = np.empty(n, dtype)
+    for lo in range(0, n, _CHUNK):
+        hi = min(n, lo + _CHUNK)
+        out[lo:hi] = values(*_words(key, lo, hi - lo)).astype(dtype)
+    return out.reshape(shape)
+
+
+def uniform(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     if np.dtype(dtype) == np.float64:
-        bits = ((x0 << np.uint64(21)) ^ (x1 >> np.uint64(11))) & np.uint64(2**53 - 1)
-        u = bits.astype(np.float64) * 2.0**-53
+        def values(x0, x1):
+            return (((x0 << np.uint64(21)) ^ (x1 >> np.uint64(11))) & np.uint64(2**53 - 1)).astype(np.float64) * 2.0**-53
     else:
         # Keep only as many bits as the dtype's significand holds, so the value is exact in
         # the dtype and never rounds up to 1.0: uniform stays in [0, 1) for every dtype.
         p = _SIGNIFICAND_BITS[np.dtype(dtype).name]
-        u = (x0 >> np.uint64(32 - p)).astype(np.float64) * 2.0**-p
-    return u.reshape(shape).astype(dtype)
+
+        def values(x0, x1):
+            return (x0 >> np.uint64(32 - p)).astype(np.float64) * 2.0**-p
+    return _draw(key, shape, dtype, values)
 
 
 # Significand bits (with the implicit one) of the float dtypes narrower than f64.
 _SIGNIFICAND_BITS = {"float32": 24, "float16": 11, "bfloat16": 8, "float8_e4m3fn": 4, "float8_e5m2": 3}
 
 
-def normal(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    n = int(np.prod(shape, dtype=np.int64))
-    x0, x1 = _words(key, n)
+def _box_muller(x0: np.ndarray, x1: np.ndarray) -> np.ndarray:
     u1 = ((x0 >> np.uint64(8)) + np.uint64(1)).astype(np.float64) * 2.0**-24   # in (0, 1]: log is finite
     u2 = (x1 >> np.uint64(8)).astype(np.float64) * 2.0**-24
-    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-    return z.reshape(shape).astype(dtype)
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def normal(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return _draw(key, shape, dtype, _box_muller)

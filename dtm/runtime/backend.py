@@ -1,7 +1,7 @@
 """Backends run an IR function on numpy buffers: `get_backend(name).run(module, func, inputs)`.
 
 `ref` is the numpy reference interpreter (dtm/ref), the oracle; `cpu` compiles the function
-into fused C kernels (dtm/runtime/cpu.py). The name comes from the argument, else `DTM_BACKEND`, else `ref`.
+into fused C kernels (dtm/runtime/cpu.py). The name comes from the argument, else `DTM_BACKEND`, else `cpu`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ BACKENDS: dict[str, Backend] = {"ref": RefBackend(), "cpu": CpuBackend()}
 
 
 def get_backend(name: str | None = None) -> Backend:
-    name = name or os.environ.get("DTM_BACKEND") or "ref"
+    name = name or os.environ.get("DTM_BACKEND") or "cpu"
     backend = BACKENDS.get(name)
     if backend is None:
         raise DTMError(ErrorCode.UNKNOWN_BACKEND, f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")

@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""Write the wire protocol conformance vectors (spec 9.1.12) from the frames declared below:
+
+- valid/NAME.json: a byte stream and, for each frame, the header and message it was built
+  from (not what decoding gives: the runner checks that decoding agrees);
+- invalid/NAME.json: a byte stream with one fault, built by hand below; the code it must
+  raise is declared next to it and written to manifest.json, then checked against the
+  implementation, which never decides it;
+- handshake.json: HMAC answers, negotiations, a whole handshake, and refused handshakes;
+- manifest.json: every vector with what it shows, and CRC32C check values.
+
+Run it after changing the vectors or the codec, and review `git diff conformance/protocol`:
+a changed byte is a change of the wire format every other implementation must follow.
+
+    .venv/bin/python conformance/protocol/tools/make_vectors.py          # write
+    .venv/bin/python conformance/protocol/tools/make_vectors.py --check  # write nothing; exit 1 on drift
+
+Exit status: 0 when the files are (now) what this script writes and every vector passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import re
+import struct
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # conformance/protocol
+sys.path.insert(0, str(ROOT.parents[1]))  # the repository, so `dtm` imports without installing
+
+from dtm.ir.version import SPEC_VERSION  # noqa: E402
+from dtm.protocol import (FLAG_LAST, FLAG_RELAYED, PROTOCOL_VERSION, Cancel, Cap, CollectiveStart, Data,  # noqa: E402
+                          Error, Handshake, Heartbeat, Hello, JoinMesh, Leave, Member, MeshView, MsgType, P2PSend,
+                          encode_frame, encode_message, hmac_answer, level_caps)
+from dtm.protocol.conformance import header_to_json, run_protocol_vectors, summary  # noqa: E402
+from dtm.protocol.frame import FrameDecoder  # noqa: E402
+
+
+def fixed_bytes(label: str, n: int = 32) -> bytes:
+    """Deterministic stand-ins for random challenges, so the vectors never change by chance."""
+    return hashlib.sha256(label.encode()).digest()[:n]
+
+
+TOKEN = b"vector-cluster-token"
+C_CONNECT, C_ACCEPT = fixed_bytes("dtm vectors: connecting challenge"), fixed_bytes("dtm vectors: accepting challenge")
+L1_CAPS = int(level_caps(1))
+
+HELLO_C = Hello(((1, 0),), 1, L1_CAPS, 1 << 30, -1, "127.0.0.1:4242", C_CONNECT)
+HELLO_A = Hello(((1, 0),), 1, L1_CAPS, 1 << 26, 0, "coordinator", C_ACCEPT,
+                hmac_answer(TOKEN, C_CONNECT, responder_challenge=C_ACCEPT, role="accept"))
+VIEW = MeshView(7, 500, 10000, tuple(Member("127.0.0.1", 29500 + r, "node-a" if r < 2 else "node-b")
+                                     for r in range(4)), (("dp", 2), ("tp", 2)))
+ALL_REDUCE = CollectiveStart(17, "all_reduce", "sum", "f32", (1024, 768), (0, 1, 2, 3), -1, "train.py:42")
+BF16_BYTES = struct.pack("<4H", 0x3F80, 0xC000, 0x7F80, 0x0000)  # bf16 1.0, -2.0, inf, 0.0
+
+
+def frame(msg, *, epoch=0, stream=0, seq=0, flags=0, version=PROTOCOL_VERSION) -> dict:
+    """A frame as the vectors hold it: its bytes and the JSON it was built from."""
+    data = encode_message(msg, epoch=epoch, stream=stream, seq=seq, flags=flags, version=version)
+    header = FrameDecoder().feed(data)[0][0]  # length and crc as the encoder wrote them
+    return {"bytes": data, "json": {"header": header_to_json(header), "message_type": type(msg).__name__,
+                                    "message": msg.to_json()}}
+
+
+def raw(msg_type: int, payload: bytes, *, epoch=0, stream=0, seq=0, flags=0, version=PROTOCOL_VERSION) -> bytes:
+    """A frame around any payload, with a correct CRC (for payload faults)."""
+    return encode_frame(msg_type, payload, epoch=epoch, stream=stream, seq=seq, flags=flags, version=version)
+
+
+def patch(data: bytes, offset: int, new: bytes) -> bytes:
+    return data[:offset] + new + data[offset + len(new):]
+
+
+def flip(data: bytes, offset: int) -> bytes:
+    return patch(data, offset, bytes([data[offset] ^ 0x01]))
+
+
+# --- valid streams: name -> (what it shows, frames, decoder) -----------------------------------------
+
+def _hello_newer_minor() -> dict:
+    hello = Hello(((1, 7),), 1, L1_CAPS, 1 << 30, -1, "from the future", C_CONNECT)
+    extra = bytes.fromhex("0100000000000000")  # a field 1.7 appended to Hello; 1.0 ignores it
+    data = raw(MsgType.HELLO, hello.encode() + extra, version=(1, 7))
+    header = FrameDecoder().feed(data)[0][0]
+    return {"bytes": data, "json": {"header": header_to_json(header), "message_type": "Hello",
+                                    "message": hello.to_json(), "trailing": extra.hex()}}
+
+
+VALID = {
+    "hello_connect": ("the connecting peer's first Hello: no answer", [frame(HELLO_C)], {}),
+    "hello_accept": ("the accepting peer's Hello, answering the connecting peer's challenge", [frame(HELLO_A)], {}),
+    "hello_newer_minor": ("a Hello of protocol 1.7 with a field 1.0 does not know at its end: ignored",
+                          [_hello_newer_minor()], {}),
+    "hello_all_caps": ("a level-3 Hello with every capability bit and an unknown bit 63 (ignored)",
+                       [frame(Hello(((1, 0),), 3, int(level_caps(3)) | 1 << 63, 1 << 16, 5, "", C_ACCEPT))], {}),
+    "join_mesh": ("a rank asks to join as any rank of 4",
+                  [frame(JoinMesh(-1, 4, "127.0.0.1", 29501, "node-a", 31337))], {}),
+    "mesh_view": ("a 2x2 mesh (dp, tp) over two nodes, epoch 7, in a frame of epoch 7",
+                  [frame(VIEW, epoch=7, seq=3)], {"expected_epoch": 6, "next_seq": {"0": 3}}),
+    "mesh_view_flat": ("one rank, no axes", [frame(MeshView(1, 1, 1, (Member("::1", 1, ""),), ()), epoch=1)], {}),
+    "heartbeat": ("a heartbeat with CPU, memory and bytes moved",
+                  [frame(Heartbeat(3, 187.5, 512 << 20, 1 << 33, 12345, 99, "all_reduce #17 at train.py:42"),
+                         epoch=7, seq=12)], {"expected_epoch": 7, "next_seq": {"0": 12}}),
+    "leave": ("the worked example of spec 9.1.11", [frame(Leave(2, "done"), epoch=3, seq=5)], {"next_seq": {"0": 5}}),
+    "leave_unicode": ("strings are UTF-8: a reason in Greek and an emoji",
+                      [frame(Leave(0, "τέλος 🏁"), epoch=1)], {}),
+    "collective_start": ("an all_reduce(sum) of f32[1024, 768] over 4 ranks", [frame(ALL_REDUCE, epoch=7, stream=2)],
+                         {"expected_epoch": 7}),
+    "collective_start_broadcast": ("a broadcast from root 1 of a rank-0 bf16 tensor",
+                                   [frame(CollectiveStart(0, "broadcast", "", "bf16", (), (1, 3), 1, "model.py:7"),
+                                          epoch=2, stream=4)], {}),
+    "data": ("the last chunk of a collective: 4 bf16 values", [frame(Data(17, 3, 1, 24, BF16_BYTES), epoch=7,
+                                                                     stream=2, flags=FLAG_LAST)], {}),
+    "data_relayed": ("the same chunk as `data`, forwarded by a relay: RELAYED set, another seq, the same crc",
+                     [frame(Data(17, 3, 1, 24, BF16_BYTES), epoch=7, stream=2, flags=FLAG_LAST | FLAG_RELAYED)], {}),
+    "data_empty": ("a chunk of zero bytes (a tensor with a zero dim)", [frame(Data(0, 0, 0, 0, b""), stream=1,
+                                                                              flags=FLAG_LAST)], {}),
+    "p2p_send": ("a point-to-point send of i32[3] split over two Data frames on stream 9",
+                 [frame(P2PSend(0, -7, "i32", (3,), "pipe.py:11"), epoch=1, stream=9),
+                  frame(Data(0, 0, 0, 0, struct.pack("<2i", 1, -1)), epoch=1, stream=9, seq=1),
+                  frame(Data(0, 1, 0, 8, struct.pack("<i", 2 ** 31 - 1)), epoch=1, stream=9, seq=2,
+                        flags=FLAG_LAST)], {}),
+    "error": ("an Error naming a code and the reporting rank",
+              [frame(Error("E0803", "rank 1 called all_gather #3 at b.py:9; rank 0 called all_reduce #3 at a.py:5", 0),
+                     epoch=2)], {}),
+    "cancel": ("cancel collective 17", [frame(Cancel(17, "user interrupt"), epoch=7, stream=2)], {}),
+    "streams_interleaved": ("frames of two streams interleaved: each stream counts its own seq",
+                            [frame(HELLO_C, seq=0), frame(Leave(1, "a"), stream=3, seq=0, epoch=1),
+                             frame(Cancel(1, ""), seq=1, epoch=1), frame(Leave(1, "b"), stream=3, seq=1, epoch=1)],
+                            {}),
+    "newer_epoch": ("a frame of a newer epoch than the receiver's is accepted", [frame(Leave(1, ""), epoch=9)],
+                    {"expected_epoch": 8}),
+    "exempt_from_epoch": ("Hello, JoinMesh and Error of epoch 0 reach a receiver at epoch 5",
+                          [frame(HELLO_C), frame(JoinMesh(1, 2, "h", 1, "n", 1), seq=1),
+                           frame(Error("E0909", "bad token"), seq=2)], {"expected_epoch": 5}),
+    "empty_stream": ("no bytes: no frames, and no error", [], {}),
+}
+
+
+# --- invalid streams: name -> (what it shows, bytes, decoder, the code it must raise) -------------------
+
+LEAVE = frame(Leave(2, "done"), epoch=3, seq=5)["bytes"]
+HB = frame(Heartbeat(1, 0.0, 0, 0, 0, 0, ""), epoch=2)["bytes"]
+
+
+def _payload(msg) -> bytes:
+    return msg.encode()
+
+
+# the group count follows seq (8), op (2 + 10), reduce_op (2 + 3), dtype (2 + 3) and the shape (1 + 2 * 8)
+GROUP_COUNT_AT = 8 + 12 + 5 + 5 + 17
+
+
+INVALID = {
+    "bad_magic": ("magic DTMX instead of DTMW", patch(LEAVE, 3, b"X"), {}, "E0901"),
+    "http_request": ("someone speaks HTTP to a DTM port",
+                     b"GET / HTTP/1.1\r\nHost: 127.0.0.1:29500\r\nAccept: */*\r\n\r\n", {}, "E0901"),
+    "ir_module_magic": ("the canonical encoding of a module (magic DTMIR) instead of a frame",
+                        b"DTMIR\x01" + bytes(40), {}, "E0901"),
+    "newer_major": ("a frame of protocol 2.0", raw(MsgType.LEAVE, _payload(Leave(2, "done")), version=(2, 0)), {},
+                    "E0902"),
+    "older_major": ("a frame of protocol 0.9", raw(MsgType.LEAVE, _payload(Leave(2, "done")), version=(0, 9)), {},
+                    "E0902"),
+    "unknown_type_0": ("message type 0", raw(0, b""), {}, "E0903"),
+    "unknown_type_11": ("message type 11, one past Cancel", raw(11, b""), {}, "E0903"),
+    "unknown_type_255": ("message type 255", raw(255, b"\x00" * 4), {}, "E0903"),
+    "oversized_length": ("length 2^40, far above the default limit of 2^30; no payload follows",
+                         patch(LEAVE[:40], 16, struct.pack("<Q", 1 << 40)), {}, "E0904"),
+    "length_max_u64": ("length 2^64 - 1", patch(LEAVE[:40], 16, b"\xff" * 8), {}, "E0904"),
+    "over_announced_limit": ("a 65537-byte payload to a receiver that accepts 65536",
+                             raw(MsgType.LEAVE, struct.pack("<IH", 1, 65531) + b"x" * 65531), {"max_payload": 65536},
+                             "E0904"),
+    "truncated_header": ("the stream ends after 20 header bytes", LEAVE[:20], {}, "E0905"),
+    "truncated_payload": ("the stream ends 3 bytes before the payload's end", LEAVE[:-3], {}, "E0905"),
+    "truncated_second_frame": ("a whole frame, then 39 bytes of the next header",
+                               frame(Leave(2, "done"))["bytes"] + HB[:39], {}, "E0905"),
+    "crc_payload_byte": ("one payload bit flipped", flip(LEAVE, 45), {}, "E0906"),
+    "crc_epoch_byte": ("one bit of the epoch flipped (covered by the crc)", flip(LEAVE, 8), {}, "E0906"),
+    "crc_stream_byte": ("one bit of the stream flipped", flip(LEAVE, 24), {}, "E0906"),
+    "crc_last_flag": ("the end-to-end LAST flag set in transit", patch(LEAVE, 7, bytes([FLAG_LAST])), {}, "E0906"),
+    "crc_field": ("one bit of the crc itself flipped", flip(LEAVE, 28), {}, "E0906"),
+    "crc_version_minor": ("minor 1 where the frame was made with 0: the version is covered",
+                          patch(LEAVE, 5, b"\x01"), {}, "E0906"),
+    "stale_epoch": ("a heartbeat of epoch 2 reaches a receiver at epoch 3", HB, {"expected_epoch": 3}, "E0907"),
+    "stale_mesh_view": ("a MeshView of epoch 7 reaches a receiver at epoch 8", frame(VIEW, epoch=7)["bytes"],
+                        {"expected_epoch": 8}, "E0907"),
+    "first_seq_not_zero": ("the first frame of stream 0 has seq 5", LEAVE, {}, "E0908"),
+    "seq_gap": ("seq 0 then seq 2 on stream 0", frame(Leave(1, ""))["bytes"] + frame(Leave(1, ""), seq=2)["bytes"],
+                {}, "E0908"),
+    "seq_repeated": ("seq 0 twice on stream 4", frame(Cancel(1, ""), stream=4)["bytes"] * 2, {}, "E0908"),
+    "payload_truncated": ("a Leave whose string runs past the payload's end",
+                          raw(MsgType.LEAVE, struct.pack("<IH", 2, 10) + b"done"), {}, "E0910"),
+    "payload_trailing_bytes": ("a Leave of protocol 1.0 with a byte after its last field",
+                               raw(MsgType.LEAVE, _payload(Leave(2, "done")) + b"\x00"), {}, "E0910"),
+    "hello_trailing_same_minor": ("a Hello of protocol 1.0 with bytes after its last field: only newer minors "
+                                  "may add fields", raw(MsgType.HELLO, _payload(HELLO_C) + b"\x00\x00"), {}, "E0910"),
+    "payload_invalid_utf8": ("a Leave reason holding the byte ff",
+                             raw(MsgType.LEAVE, struct.pack("<IH", 2, 3) + b"a\xffb"), {}, "E0910"),
+    "hello_level_without_its_caps": ("a Hello of level L1 whose caps lack CAP_P2P",
+                                     raw(MsgType.HELLO, patch(_payload(HELLO_C), 4, struct.pack(
+                                         "<Q", L1_CAPS & ~int(Cap.P2P)))), {}, "E0910"),
+    "hello_answer_length": ("a Hello whose answer is 31 bytes",
+                            raw(MsgType.HELLO, _payload(HELLO_C)[:-1] + b"\x1f" + b"\x00" * 31), {}, "E0910"),
+    "collective_unknown_dtype": ("a CollectiveStart of dtype f33",
+                                 raw(MsgType.COLLECTIVE_START, _payload(ALL_REDUCE).replace(b"\x03\x00f32",
+                                                                                            b"\x03\x00f33")),
+                                 {}, "E0910"),
+    "collective_unknown_op": ("a CollectiveStart of op all_reduse",
+                              raw(MsgType.COLLECTIVE_START, _payload(ALL_REDUCE).replace(b"all_reduce",
+                                                                                         b"all_reduse")), {},
+                              "E0910"),
+    "collective_group_count_too_big": ("a group count of 2^32 - 1 in a 71-byte payload",
+                                       raw(MsgType.COLLECTIVE_START, patch(_payload(ALL_REDUCE), GROUP_COUNT_AT,
+                                                                           b"\xff" * 4)), {}, "E0910"),
+    "mesh_view_axes_product": ("axes 2x3 over 4 members",
+                               raw(MsgType.MESH_VIEW, _payload(VIEW)[:-4] + struct.pack("<I", 3), epoch=7), {},
+                               "E0910"),
+    "mesh_view_members_past_the_end": ("a member count of 1000 in a 61-byte payload, under the limit of 2^20 but "
+                                       "more than the bytes left can hold",
+                                       raw(MsgType.MESH_VIEW, patch(_payload(VIEW), 16, struct.pack("<I", 1000)),
+                                           epoch=7), {}, "E0910"),
+    "mesh_view_epoch_differs": ("a MeshView of epoch 7 in a frame of epoch 6", raw(MsgType.MESH_VIEW, _payload(VIEW),
+                                                                                   epoch=6), {}, "E0910"),
+    "data_nbytes_mismatch": ("a Data chunk header saying 9 bytes before 8",
+                             raw(MsgType.DATA, patch(_payload(Data(1, 0, 0, 0, BF16_BYTES)), 24,
+                                                     struct.pack("<Q", 9))), {}, "E0910"),
+    "heartbeat_nan_cpu": ("a Heartbeat whose cpu_percent is NaN",
+                          raw(MsgType.HEARTBEAT, patch(_payload(Heartbeat(1, 0.0, 0, 0, 0, 0, "")), 4,
+                                                       struct.pack("<d", float("nan")))), {}, "E0910"),
+    "error_bad_code": ("an Error whose code is X0001", raw(MsgType.ERROR, _payload(Error("E0001", "")).replace(
+        b"E0001", b"X0001")), {}, "E0910"),
+}
+
+
+# --- the handshake ---------------------------------------------------------------------------------------
+
+def _params(h: Hello) -> dict:
+    j = h.to_json()
+    del j["answer"]
+    return j
+
+
+def _handshake_doc() -> dict:
+    other_token = b"another-token"
+    hs_c = Handshake("connect", TOKEN, level=1, caps=L1_CAPS, rank=-1, name="127.0.0.1:4242", max_payload=1 << 30,
+                     challenge=C_CONNECT)
+    hs_a = Handshake("accept", TOKEN, level=1, caps=L1_CAPS, rank=0, name="coordinator", max_payload=1 << 26,
+                     challenge=C_ACCEPT)
+    to_a, to_c = FrameDecoder(check_seq=True), FrameDecoder(check_seq=True)
+    f1 = hs_c.start()[0]
+    f2 = hs_a.receive(*to_a.feed(f1)[0])[0]
+    f3 = hs_c.receive(*to_c.feed(f2)[0])[0]
+    hs_a.receive(*to_a.feed(f3)[0])
+    assert hs_a.done and hs_c.done
+    wrong = hmac_answer(other_token, C_ACCEPT, responder_challenge=C_CONNECT, role="connect")
+    hello_c_wrong = Hello(HELLO_C.versions, HELLO_C.level, HELLO_C.caps, HELLO_C.max_payload, HELLO_C.rank,
+                          HELLO_C.name, C_CONNECT, wrong)
+    hello_c_answered_early = Hello(HELLO_C.versions, HELLO_C.level, HELLO_C.caps, HELLO_C.max_payload, HELLO_C.rank,
+                                   HELLO_C.name, C_CONNECT, bytes(32))
+    accepting = {"role": "accept", "token": TOKEN.hex(), "params": _params(hs_a.hello)}
+    right = hmac_answer(TOKEN, C_CONNECT, responder_challenge=C_ACCEPT, role="accept")
+    return {
+        "hmac": [
+            {"name": "accept", "token": TOKEN.hex(), "challenge": C_CONNECT.hex(),
+             "responder_challenge": C_ACCEPT.hex(), "role": "accept", "answer": right.hex()},
+            {"name": "connect", "token": TOKEN.hex(), "challenge": C_ACCEPT.hex(),
+             "responder_challenge": C_CONNECT.hex(), "role": "connect",
+             "answer": hmac_answer(TOKEN, C_ACCEPT, responder_challenge=C_CONNECT, role="connect").hex()},
+            {"name": "empty_token", "token": "", "challenge": C_CONNECT.hex(), "responder_challenge": C_ACCEPT.hex(),
+             "role": "accept", "answer": hmac_answer(b"", C_CONNECT, responder_challenge=C_ACCEPT,
+                                                     role="accept").hex()},
+            {"name": "wrong_token", "token": other_token.hex(), "challenge": C_CONNECT.hex(),
+             "responder_challenge": C_ACCEPT.hex(), "role": "accept", "answer": right.hex(), "code": "E0909"},
+            {"name": "reflected_role", "token": TOKEN.hex(), "challenge": C_CONNECT.hex(),
+             "responder_challenge": C_ACCEPT.hex(), "role": "connect", "answer": right.hex(), "code": "E0909"},
+        ],
+        "negotiate": [
+            {"name": "same", "ours": [[1, 0]], "theirs": [[1, 0]], "result": [1, 0]},
+            {"name": "older_minor_wins", "ours": [[1, 0]], "theirs": [[1, 3]], "result": [1, 0]},
+            {"name": "highest_major", "ours": [[1, 4], [2, 1]], "theirs": [[2, 3], [1, 2]], "result": [2, 1]},
+            {"name": "only_common_major", "ours": [[1, 2], [3, 0]], "theirs": [[1, 5], [2, 0]], "result": [1, 2]},
+            {"name": "none_in_common", "ours": [[1, 0]], "theirs": [[2, 0], [3, 1]], "code": "E0902"},
+        ],
+        "transcripts": [
+            {"name": "three_hellos", "token": TOKEN.hex(), "connect": _params(hs_c.hello),
+             "accept": _params(hs_a.hello), "version": [1, 0], "frames": [fmt(f) for f in (f1, f2, f3)]},
+        ],
+        "refusals": [
+            {**accepting, "name": "wrong_token",
+             "receive": [fmt(f1), fmt(encode_message(hello_c_wrong, epoch=0, stream=0, seq=1))], "code": "E0909"},
+            {**accepting, "name": "no_answer",
+             "receive": [fmt(f1), fmt(encode_message(HELLO_C, epoch=0, stream=0, seq=1))], "code": "E0909"},
+            {**accepting, "name": "answer_before_challenge",
+             "receive": [fmt(encode_message(hello_c_answered_early, epoch=0, stream=0, seq=0))], "code": "E0911"},
+            {**accepting, "name": "data_before_hello",
+             "receive": [fmt(encode_message(Heartbeat(1, 0.0, 0, 0, 0, 0, ""), epoch=0, stream=0, seq=0))],
+             "code": "E0911"},
+            {**accepting, "name": "no_common_version", "params": {**_params(hs_a.hello), "versions": [[2, 0]]},
+             "receive": [fmt(f1)], "code": "E0902"},
+            {"role": "connect", "token": TOKEN.hex(), "params": _params(hs_c.hello), "name": "accepting_peer_refuses",
+             "receive": [fmt(encode_message(Error("E0902", "no protocol version in common"), epoch=0, stream=0,
+                                            seq=0))], "code": "E0902"},
+        ],
+    }
+
+
+def fmt(data: bytes) -> str:
+    """Hex with a space between header fields and before the payload, for people reading it."""
+    if len(data) < 40:
+        return data.hex()
+    cuts = [0, 4, 5, 6, 7, 8, 16, 24, 28, 32, 40, len(data)]
+    return " ".join(data[a:b].hex() for a, b in zip(cuts, cuts[1:]) if b > a)
+
+
+def build() -> dict[str, str]:
+    """Every file this script writes: relative path -> text."""
+    files: dict[str, str] = {}
+    manifest = {"spec_version": ".".join(map(str, SPEC_VERSION)),
+                "protocol_version": ".".join(map(str, PROTOCOL_VERSION)),
+                "crc32c": [{"name": "check_123456789", "hex": b"123456789".hex(), "crc": "e3069283"},
+                           {"name": "empty", "hex": "", "crc": "00000000"},
+                           {"name": "32_zero_bytes", "hex": "00" * 32, "crc": "8a9136aa"},
+                           {"name": "32_ff_bytes", "hex": "ff" * 32, "crc": "62a8ab43"},
+                           {"name": "0_to_31", "hex": bytes(range(32)).hex(), "crc": "46dd794e"}],
+                "valid": {}, "invalid": {}}
+    for name, (about, frames, decoder) in VALID.items():
+        files[f"valid/{name}.json"] = _json({"hex": [fmt(f["bytes"]) for f in frames], "decoder": decoder,
+                                             "frames": [f["json"] for f in frames]})
+        manifest["valid"][name] = {"about": about, "frames": len(frames)}
+    for name, (about, data, decoder, code) in INVALID.items():
+        files[f"invalid/{name}.json"] = _json({"hex": [fmt(data)] if data[:4] == b"DTMW" else [data.hex()],
+                                               "decoder": decoder})
+        manifest["invalid"][name] = {"about": about, "code": code}
+    files["handshake.json"] = _json(_handshake_doc())
+    files["manifest.json"] = _json(manifest)
+    return files
+
+
+def _json(obj) -> str:
+    """Indented JSON, with lists of numbers (versions, shapes, groups) kept on one line."""
+    text = json.dumps(obj, indent=1, ensure_ascii=False)
+    return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(","))
+                  + "]", text) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if anything would change")
+    ap.add_argument("--root", type=pathlib.Path, default=ROOT, help="the conformance/protocol folder")
+    args = ap.parse_args(argv)
+    files = build()
+    drift = [p for p, text in files.items()
+             if not (args.root / p).exists() or (args.root / p).read_text(encoding="utf-8") != text]
+    stale = [str(p.relative_to(args.root)) for kind in ("valid", "invalid") for p in (args.root / kind).glob("*.json")
+             if str(p.relative_to(args.root)) not in files]
+    if not args.check:
+        for p in drift:
+            (args.root / p).parent.mkdir(parents=True, exist_ok=True)
+            (args.root / p).write_text(files[p], encoding="utf-8")
+        for p in stale:
+            (args.root / p).unlink()
+    for p in drift + stale:
+        print(("differs: " if args.check else "wrote: " if p in files else "removed: ") + p)
+    results = run_protocol_vectors(args.root) if not args.check else []
+    if results:
+        print(summary(results))
+    return 1 if (args.check and (drift or stale)) or any(not r.ok for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The wire protocol vectors (conformance/protocol) pass, reach every E09xx code and message
+type, are what their generator writes, and catch a broken copy; the spec's worked example
+and header table agree with the codec; `dtm conformance protocol` runs them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import re
+import shutil
+import struct
+
+import pytest
+from click.testing import CliRunner
+
+from dtm.cli import main
+from dtm.errors import ErrorCode
+from dtm.protocol import HEADER_SIZE, FrameDecoder, Leave, MsgType, decode_message
+from dtm.protocol.conformance import DEFAULT_ROOT, load_manifest, run_protocol_vectors, summary
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SPEC = (ROOT / "docs" / "spec" / "dtm-spec.md").read_text(encoding="utf-8")
+
+
+def _section(title: str) -> str:
+    start = SPEC.index(title)
+    end = re.search(r"^#{2,4} ", SPEC[start + len(title):], re.M)
+    return SPEC[start:start + len(title) + (end.start() if end else len(SPEC))]
+
+
+def test_every_vector_passes():
+    results = run_protocol_vectors()
+    assert all(r.ok for r in results), summary(results)
+    kinds = {k: sum(r.kind == k for r in results) for k in ("crc32c", "valid", "invalid", "handshake")}
+    assert kinds["valid"] >= 20 and kinds["invalid"] >= 35 and kinds["handshake"] >= 15 and kinds["crc32c"] >= 5
+
+
+def test_vectors_reach_every_protocol_code_and_message_type():
+    manifest = load_manifest()
+    handshake = json.loads((DEFAULT_ROOT / "handshake.json").read_text(encoding="utf-8"))
+    reached = {v["code"] for v in manifest["invalid"].values()}
+    reached |= {c["code"] for part in handshake.values() for c in part if "code" in c}
+    assert {c.value for c in ErrorCode if c.value.startswith("E09")} <= reached
+    types = set()
+    for name in manifest["valid"]:
+        vector = json.loads((DEFAULT_ROOT / "valid" / f"{name}.json").read_text(encoding="utf-8"))
+        types |= {f["header"]["type"] for f in vector["frames"]}
+    assert types == {int(t) for t in MsgType}
+
+
+def test_the_files_are_what_the_generator_writes():
+    spec = importlib.util.spec_from_file_location("make_vectors", DEFAULT_ROOT / "tools" / "make_vectors.py")
+    make_vectors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_vectors)
+    assert make_vectors.main(["--check"]) == 0
+
+
+@pytest.fixture
+def copy(tmp_path):
+    shutil.copytree(DEFAULT_ROOT, tmp_path / "protocol", ignore=shutil.ignore_patterns("tools"))
+    return tmp_path / "protocol"
+
+
+def _edit(path: pathlib.Path, change) -> None:
+    obj = json.loads(path.read_text(encoding="utf-8"))
+    change(obj)
+    path.write_text(json.dumps(obj), encoding="utf-8")
+
+
+def _flip_last(hex_text: str) -> str:
+    return hex_text[:-1] + ("1" if hex_text[-1] != "1" else "2")
+
+
+@pytest.mark.parametrize("breakage, failing", [
+    (lambda r: _edit(r / "valid" / "leave.json", lambda v: v["frames"][0]["message"].update(reason="gone")), "leave"),
+    (lambda r: _edit(r / "valid" / "data.json", lambda v: v.update(hex=[_flip_last(v["hex"][0])])), "data"),
+    (lambda r: _edit(r / "valid" / "heartbeat.json", lambda v: v["frames"][0]["header"].update(crc=1)), "heartbeat"),
+    (lambda r: _edit(r / "manifest.json", lambda m: m["invalid"]["bad_magic"].update(code="E0902")), "bad_magic"),
+    (lambda r: _edit(r / "valid" / "mesh_view.json", lambda v: v["decoder"].update(expected_epoch=8)), "mesh_view"),
+    (lambda r: (r / "invalid" / "crc_field.json").unlink(), "crc_field"),
+    (lambda r: (r / "valid" / "stray.json").write_text("{}"), "stray"),
+    (lambda r: _edit(r / "handshake.json", lambda h: h["hmac"][0].update(answer="00" * 32)), "hmac accept"),
+    (lambda r: _edit(r / "handshake.json", lambda h: h["transcripts"][0]["accept"].update(rank=5)),
+     "transcript three_hellos"),
+    (lambda r: _edit(r / "manifest.json", lambda m: m["crc32c"][0].update(crc="e3069284")), "check_123456789"),
+])
+def test_a_broken_copy_fails(copy, breakage, failing):
+    assert all(r.ok for r in run_protocol_vectors(copy))
+    breakage(copy)
+    bad = [r.name for r in run_protocol_vectors(copy) if not r.ok]
+    assert bad == [failing]
+
+
+def test_spec_worked_example_is_the_leave_vector():
+    worked = _section("#### 9.1.11 Worked example")
+    block = re.search(r"```hex\n(.*?)```", worked, re.S).group(1)
+    data = bytes.fromhex(block.replace("\n", " "))
+    vector = json.loads((DEFAULT_ROOT / "valid" / "leave.json").read_text(encoding="utf-8"))
+    assert data == bytes.fromhex("".join("".join(s.split()) for s in vector["hex"]))
+    assert f"The frame is {len(data)} bytes" in worked
+    [(h, p)] = FrameDecoder().feed(data)
+    assert decode_message(h, p) == Leave(2, "done") and (h.epoch, h.stream, h.seq) == (3, 0, 5)
+    assert f"`0x{h.crc:08X}`" in worked
+    table = re.findall(r"^\| `([0-9a-f ]+)` \| .+ \|$", worked, re.M)
+    assert bytes.fromhex(" ".join(table)) == data, "the byte table does not add up to the frame"
+
+
+def test_spec_header_table_matches_the_codec():
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| `(\w+)` \|", _section("#### 9.1.2 Frame header"), re.M)
+    layout = [(int(o), int(n), name) for o, n, name in rows]
+    assert [o for o, _, _ in layout] == [sum(n for _, n, _ in layout[:i]) for i in range(len(layout))]
+    assert sum(n for _, n, _ in layout) == HEADER_SIZE
+    from dtm.protocol import encode_frame
+    frame = encode_frame(MsgType.CANCEL, b"xyz", epoch=0x1122334455667788, stream=0xA1B2C3D4, seq=0x99AABBCCDDEEFF00,
+                         flags=0x11)
+    h = FrameDecoder().feed(frame)[0][0]
+    want = {"magic": b"DTMW", "major": h.version[0], "minor": h.version[1], "type": 10, "flags": 0x11,
+            "epoch": h.epoch, "length": 3, "stream": h.stream, "crc": h.crc, "seq": h.seq}
+    sizes = {1: "<B", 4: "<I", 8: "<Q"}
+    for offset, size, name in layout:
+        got = frame[offset:offset + size] if name == "magic" else struct.unpack_from(sizes[size], frame, offset)[0]
+        assert got == want[name], name
+
+
+def test_cli_runs_the_vectors(copy):
+    ok = CliRunner().invoke(main, ["conformance", "protocol"])
+    assert ok.exit_code == 0
+    passed, failed = ok.output.strip().splitlines()[-1].split(", ")
+    assert failed == "0 failed" and int(passed.split()[0]) == len(run_protocol_vectors())
+    (copy / "invalid" / "bad_magic.json").unlink()
+    broken = CliRunner().invoke(main, ["conformance", "protocol", "--root", str(copy)])
+    assert broken.exit_code == 1 and "bad_magic" in broken.output and "1 failed" in broken.output
