@@ -1,0 +1,214 @@
+"""all_reduce between processes on this host: DTM over TCP, DTM over shared memory, and
+torch.distributed's gloo, measured in the same run.
+
+For each rank count, each backend gets its own processes, and the backends take turns size
+by size; every iteration starts after a barrier, its time is the slowest rank's, and the
+figure is the median over iterations.
+Definitions are nccl-tests': algbw = bytes / time, busbw = algbw * 2(n-1)/n. The 8-byte
+row is the latency figure. All traffic stays on the loopback interface: the benchmark runs
+itself in a network namespace of its own (`unshare -n`) when it may, else gloo is bound to
+`lo` with GLOO_SOCKET_IFNAME. Every backend reduces in place (gloo's semantics; DTM with
+`out=x`).
+
+Goals (issue 6): TCP >= 1.0x gloo busbw from 1 MiB up; shared memory >= 2x gloo; 8-byte
+latency no worse than gloo.
+
+    python benchmarks/collectives.py                       # 4K .. 256M, 2 and 4 ranks
+    python benchmarks/collectives.py --sizes 8 1M 16M --ranks 2 --iters 5   # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BACKENDS = ("gloo", "tcp", "shm")
+DEFAULT_SIZES = ["8", "4K", "64K", "1M", "16M", "64M", "256M"]
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
+
+
+def show_size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+def iterations(nbytes: int, cap: int) -> int:
+    """Fewer iterations for large sizes: about a second's worth, at least 3."""
+    return max(3, min(cap, (256 << 20) // max(nbytes, 1) * 3))
+
+
+# --- workers ----------------------------------------------------------------------------------------
+# Each backend's ranks stay up for the whole run and measure one size when told to, so the
+# backends take turns size by size and see the same machine load.
+
+def dtm_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
+    from dtm.comm import Communicator
+    from dtm.comm.shm import connect_local
+    from dtm.comm.tcp import connect_mesh, listen
+    listener = listen()
+    q_port.put((rank, listener.getsockname()[1]))
+    addresses = q_addrs.get(timeout=120)
+    if kind == "shm":
+        transport = connect_local(rank, n, addresses, b"bench", listener=listener, timeout=600,
+                                  slot_bytes=opts["slot"])
+    else:
+        transport = connect_mesh(rank, n, addresses, b"bench", listener=listener, timeout=600)
+    comm = Communicator(transport, chunk_bytes=opts["chunk"])
+    check = comm.all_reduce(np.full(1000, rank + 1, np.float32))
+    assert (check == n * (n + 1) / 2).all(), "all_reduce gave a wrong sum"
+    serve(rank, q_cmd, q_out, lambda x: comm.all_reduce(x, out=x), comm.barrier, np.zeros)
+    comm.close()
+
+
+def gloo_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    port = 0
+    if rank == 0:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    q_port.put((rank, port))
+    addresses = q_addrs.get(timeout=120)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{addresses[0][1]}", rank=rank, world_size=n)
+    check = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(check)
+    assert bool((check == n * (n + 1) / 2).all()), "all_reduce gave a wrong sum"
+    serve(rank, q_cmd, q_out, dist.all_reduce, dist.barrier, lambda k, dtype: torch.zeros(k))
+    dist.destroy_process_group()
+
+
+def serve(rank, q_cmd, q_out, all_reduce, barrier, zeros) -> None:
+    """Measure sizes on command until told to stop: after a barrier, time each all_reduce."""
+    while True:
+        cmd = q_cmd.get(timeout=3600)
+        if cmd is None:
+            return
+        size, iters = cmd
+        x = zeros(max(1, size // 4), dtype=np.float32)
+        all_reduce(x)
+        times = []
+        for _ in range(iters):
+            barrier()
+            t = time.perf_counter()
+            all_reduce(x)
+            times.append(time.perf_counter() - t)
+        del x
+        q_out.put((rank, times))
+
+
+class Group:
+    """One backend's n ranks."""
+
+    def __init__(self, backend: str, n: int, opts: dict):
+        ctx = mp.get_context("spawn")
+        self.n = n
+        q_port, self.q_out = ctx.Queue(), ctx.Queue()
+        q_addrs = [ctx.Queue() for _ in range(n)]
+        self.q_cmd = [ctx.Queue() for _ in range(n)]
+        target = gloo_worker if backend == "gloo" else dtm_worker
+        self.procs = [ctx.Process(target=target, args=(backend, r, n, q_port, q_addrs[r], self.q_cmd[r], self.q_out,
+                                                       opts), daemon=True) for r in range(n)]
+        for p in self.procs:
+            p.start()
+        ports = dict(q_port.get(timeout=120) for _ in range(n))
+        for q in q_addrs:
+            q.put([("127.0.0.1", ports[r]) for r in range(n)])
+
+    def measure(self, size: int, iters: int) -> float:
+        """Median over iterations of the slowest rank's time."""
+        for q in self.q_cmd:
+            q.put((size, iters))
+        per_rank = dict(self.q_out.get(timeout=1800) for _ in range(self.n))
+        return statistics.median(max(per_rank[r][i] for r in range(self.n)) for i in range(iters))
+
+    def stop(self) -> None:
+        for q in self.q_cmd:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+def report(n: int, sizes: list[int], times: dict[str, dict[int, float]]) -> None:
+    factor = 2 * (n - 1) / n
+    backends = [b for b in BACKENDS if b in times]
+    head = f"{'size':>6}"
+    for b in backends:
+        head += f" | {b + ' time':>12} {'algbw':>7} {'busbw':>7}" + ("" if b == "gloo" else f" {'x gloo':>6}")
+    print(f"\nall_reduce f32, {n} ranks (time: median of the slowest rank; bandwidth in GB/s)")
+    print(head)
+    for s in sizes:
+        row = f"{show_size(s):>6}"
+        for b in backends:
+            t = times[b][s]
+            alg = s / t / 1e9
+            row += f" | {t * 1e6:>10.0f}us {alg:>7.3f} {alg * factor:>7.3f}"
+            if b != "gloo":
+                row += f" {times['gloo'][s] / t:>6.2f}" if "gloo" in times else f" {'-':>6}"
+        print(row, flush=True)
+
+
+def in_own_netns() -> bool:
+    """Re-run this script in a network namespace with only loopback, when allowed; True
+    when this process should go on measuring (inside, or where unshare is refused)."""
+    if os.environ.get("DTM_BENCH_NETNS") or not shutil.which("unshare"):
+        return True
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        print("unshare -n is not permitted here: gloo is bound to lo (GLOO_SOCKET_IFNAME=lo)")
+        return True
+    env = dict(os.environ, DTM_BENCH_NETNS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable, *sys.argv]
+    sys.exit(subprocess.run(cmd, env=env).returncode)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, with K/M/G suffixes")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--iters", type=int, default=30, help="iterations at small sizes (fewer for large ones)")
+    ap.add_argument("--chunk", type=parse_size, default=1 << 20, help="DTM's largest Data frame over TCP")
+    ap.add_argument("--slot", type=parse_size, default=1 << 20, help="DTM's shared-memory slot per rank")
+    args = ap.parse_args()
+    in_own_netns()
+    sizes = [parse_size(s) for s in args.sizes]
+    opts = {"chunk": args.chunk, "slot": args.slot}
+    print(f"host: {os.cpu_count()} cores; {'own network namespace' if os.environ.get('DTM_BENCH_NETNS') else 'host'}"
+          f" loopback; DTM chunk {show_size(args.chunk)}, shm slot {show_size(args.slot)}")
+    for n in args.ranks:
+        groups = {b: Group(b, n, opts) for b in args.backends}
+        try:
+            times = {b: {} for b in args.backends}
+            for s in sizes:
+                for b, g in groups.items():
+                    times[b][s] = g.measure(s, iterations(s, args.iters))
+            report(n, sizes, times)
+        finally:
+            for g in groups.values():
+                g.stop()
+
+
+if __name__ == "__main__":
+    main()

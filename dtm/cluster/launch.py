@@ -1,0 +1,161 @@
+"""`dtm launch -n N script.py [args...]`: N local ranks as subprocesses.
+
+The launcher runs the coordinator itself (a thread; so no rank is special and a free port
+is held, not guessed), or uses one given with `--coordinator` (then DTM_TOKEN must be the
+token it was started with). Each rank gets DTM_COORDINATOR, DTM_RANK, DTM_WORLD_SIZE,
+DTM_TOKEN (random per launch unless given) and DTM_COORDINATOR_EXTERNAL=1 in its
+environment, runs in its own session (so ending it ends its children too), and has its
+stdout and stderr forwarded line by line with a `[rank k] ` prefix.
+
+When a rank exits non-zero, the launcher ends the others (SIGTERM to their process groups,
+SIGKILL to what is left after `grace` seconds), says which rank failed first, and exits with
+that rank's status (128 + signal when it was killed). SIGINT or SIGTERM to the launcher ends
+every rank the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from ..errors import DTMError, ErrorCode as E
+from .coordinator import JOIN_TIMEOUT_S, Coordinator
+from .env import Axes, heartbeat_env, parse_address
+
+GRACE_S = 5.0
+POLL_S = 0.05
+
+
+def rank_command(argv: Sequence[str]) -> list[str]:
+    """`script.py args` runs under this Python; `-m module args` too; anything else as is."""
+    argv = list(argv)
+    if not argv:
+        raise DTMError(E.NOT_INITIALIZED, "dtm launch needs a script (or -m module, or a command) to run")
+    if argv[0].endswith(".py") or argv[0] == "-m":
+        return [sys.executable, *argv]
+    return argv
+
+
+def _status(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class _Forward(threading.Thread):
+    """Copies one pipe to `out`, line by line, each line prefixed."""
+
+    def __init__(self, pipe: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock):
+        super().__init__(daemon=True)
+        self.pipe, self.out, self.prefix, self.lock = pipe, out, prefix, lock
+
+    def run(self) -> None:
+        for raw in iter(self.pipe.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with self.lock:
+                self.out.write(f"{self.prefix}{line}\n")
+                self.out.flush()
+        self.pipe.close()
+
+
+def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, axes: Axes = (),
+           grace: float = GRACE_S, join_timeout: float = JOIN_TIMEOUT_S, stdout: IO[str] | None = None,
+           stderr: IO[str] | None = None) -> int:
+    """Run `argv` as `nprocs` ranks (see the module doc); returns the exit status. The
+    coordinator's heartbeat settings come from DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS."""
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    command = rank_command(argv)
+    coord = None
+    if coordinator is None:
+        token = os.environ.get("DTM_TOKEN") or secrets.token_hex(16)
+        heartbeat_ms, timeout_ms = heartbeat_env()
+        coord = Coordinator(nprocs, token, axes=axes, join_timeout=join_timeout, heartbeat_ms=heartbeat_ms,
+                            timeout_ms=timeout_ms).start()
+        host, port = coord.address
+    else:
+        host, port = parse_address(coordinator, "--coordinator")
+        token = os.environ.get("DTM_TOKEN", "")
+        if not token:
+            raise DTMError(E.NOT_INITIALIZED, "dtm launch --coordinator needs DTM_TOKEN: the token the coordinator "
+                                              "was started with")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    forwards: list[_Forward] = []
+    interrupted: list[int] = []
+    old_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old_handlers[sig] = signal.signal(sig, lambda s, _f: interrupted.append(s))
+    try:
+        # The ranks share this host's cores: kernel threads per rank so that together they
+        # fill the cores once (OpenMP threads spinning on a busy core stall every kernel).
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
+        for k in range(nprocs):
+            env = dict(os.environ, DTM_COORDINATOR=address, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs),
+                       DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
+                       OMP_NUM_THREADS=threads)
+            p = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+            procs.append(p)
+            for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
+                forwards.append(_Forward(pipe, out, f"[rank {k}] ", lock))
+                forwards[-1].start()
+        failed = _watch(procs, interrupted)
+    finally:
+        _end(procs, grace)
+        for f in forwards:
+            f.join(timeout=2.0)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        if coord is not None:
+            coord.stop()
+    if interrupted:
+        stderr.write(f"dtm launch: interrupted by {signal.Signals(interrupted[0]).name}; ended all {nprocs} ranks\n")
+        return 128 + interrupted[0]
+    if failed is None:
+        return 0
+    code = procs[failed].returncode
+    others = [k for k in range(nprocs) if k != failed]
+    stderr.write(f"dtm launch: rank {failed} failed first ({_status(code)}); ended the other ranks "
+                 f"{others}\n" if others else f"dtm launch: rank {failed} failed ({_status(code)})\n")
+    stderr.flush()
+    return code if code > 0 else 128 - code
+
+
+def _watch(procs: list[subprocess.Popen], interrupted: list[int]) -> int | None:
+    """Wait until every rank succeeded (None), one failed (its index), or a signal came."""
+    while not interrupted:
+        running = False
+        for k, p in enumerate(procs):
+            code = p.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                return k
+        if not running:
+            return None
+        time.sleep(POLL_S)
+    return None
+
+
+def _end(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to every live rank's process group, SIGKILL after `grace` s to what is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass

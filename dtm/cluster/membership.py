@@ -1,0 +1,316 @@
+"""A rank's side of membership (spec 9.6): join the mesh through the coordinator, then keep
+a heartbeat thread that reports this rank's figures and hears about lost peers.
+
+    m, listener = join(("127.0.0.1", 29500), token, rank=-1, world_size=4, timeout=60)
+    m.start(figures)           # heartbeats from now on
+    ... m.view, m.rank; m.on_lost = lambda rank, message: ...
+    m.leave("done")
+
+`join` connects (retrying while the coordinator is not up yet), proves the token, opens this
+rank's data listener on the address it reaches the coordinator from, sends JoinMesh with
+that address, and returns once the MeshView arrives; its rank is the index of its address in
+the view. Every wait is bounded by `timeout`; an Error from the coordinator (a refused join,
+a mesh that did not form in time, naming the missing ranks) is raised with its code.
+
+The heartbeat thread owns the control connection from `start` to `leave`. It sends a
+Heartbeat every `heartbeat_ms`, records the relayed heartbeats of every member (`peers`) and
+the coordinator's E1001 notices (`lost`, then `on_lost(rank, message)` on that thread, so
+the owner can wake whatever waits for the lost rank). A coordinator that is silent for
+`timeout_ms` while it runs inside a rank (its Hello names that rank) counts as that rank
+lost, and so does one that closes its connection before that rank said Leave; otherwise
+losing the coordinator only ends failure detection on this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from ..comm.tcp import listen
+from ..errors import DTMError, ErrorCode as E
+from ..protocol.errors import ProtocolError
+from ..protocol.frame import MAX_PAYLOAD
+from ..protocol.messages import Error, Heartbeat, JoinMesh, Leave, MeshView, Message
+from .conn import Control, remote_error
+from .heartbeat import Figures, FiguresFn, ProcessStats, detection_bound, heartbeat
+
+log = logging.getLogger("dtm.cluster")
+
+VIEW_GRACE_S = 2.0  # a rank waits this much longer than the coordinator's own formation timeout
+RETRY_S = 0.05
+
+
+def node_id() -> str:
+    """Equal on ranks of one host and one boot, so that they may share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
+
+
+def _dial(address: tuple[str, int], deadline: float, start: float) -> socket.socket:
+    """Connect to the coordinator, retrying until `deadline` (it may not listen yet)."""
+    why = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DTMError(E.TIMEOUT, f"joining the mesh: could not reach the coordinator at {address[0]}:"
+                                      f"{address[1]} in {time.monotonic() - start:.1f} s: {why}")
+        try:
+            sock = socket.create_connection(address, timeout=min(left, 5.0))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as e:
+            why = e.strerror or str(e)
+            time.sleep(min(RETRY_S, max(left, 0)))
+
+
+class _Reader:
+    """Blocking, deadline-bounded reads of messages from one control connection."""
+
+    def __init__(self, sock: socket.socket, control: Control, who: str):
+        self.sock, self.control, self.who = sock, control, who
+        self.queue: list[Message] = []
+
+    def next(self, deadline: float, start: float, during: str) -> Message | None:
+        """The next message, or None once the handshake is done and nothing is queued."""
+        while not self.queue:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DTMError(E.TIMEOUT, f"{during}: waited {time.monotonic() - start:.1f} s for {self.who}")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(1 << 16)
+            except socket.timeout:
+                continue
+            except OSError as e:
+                raise DTMError(E.PEER_LOST, f"{during}: {self.who}: {e.strerror or e}") from None
+            if not data:
+                raise DTMError(E.PEER_LOST, f"{during}: {self.who} closed the connection")
+            ready = self.control.ready
+            reply, messages = self.control.feed(data)
+            if reply:
+                self.sock.sendall(reply)
+            self.queue += messages
+            if not ready and self.control.ready and not self.queue:
+                return None
+        return self.queue.pop(0)
+
+
+def join(coordinator: tuple[str, int], token: bytes, *, rank: int = -1, world_size: int = 0, timeout: float,
+         host: str | None = None) -> tuple["Membership", socket.socket]:
+    """Join the mesh (see the module doc): the Membership, not yet started, and this rank's
+    listening socket for its peers' data connections."""
+    start = time.monotonic()
+    deadline = start + timeout
+    who = f"the coordinator at {coordinator[0]}:{coordinator[1]}"
+    sock = _dial(coordinator, deadline, start)
+    listener = None
+    control = Control("connect", token, rank=rank, name=f"{socket.gethostname()}:{os.getpid()}",
+                      max_payload=MAX_PAYLOAD, peer=who)
+    reader = _Reader(sock, control, who)
+    try:
+        sock.sendall(control.start())
+        while not control.ready:
+            msg = reader.next(deadline, start, "joining the mesh (handshake)")
+            if msg is not None:
+                raise DTMError(E.UNEXPECTED_MESSAGE, f"a {msg.TYPE.name} message during the handshake")
+        host = host or sock.getsockname()[0]
+        listener = listen(host, 0)
+        port = listener.getsockname()[1]
+        sock.sendall(control.encode(JoinMesh(rank, world_size, host, port, node_id(), os.getpid())))
+        # The coordinator's own formation timeout (naming the missing ranks) should arrive first.
+        msg = reader.next(deadline + VIEW_GRACE_S, start, f"joining the mesh as {host}:{port}, waiting for the view")
+        if isinstance(msg, Error):
+            raise remote_error(msg, who)
+        if not isinstance(msg, MeshView):
+            raise DTMError(E.UNEXPECTED_MESSAGE, f"{who} sent {msg.TYPE.name}; expected the MeshView")
+        addresses = [(m.host, m.port) for m in msg.members]
+        if (host, port) not in addresses:
+            raise DTMError(E.BAD_PAYLOAD, f"the MeshView from {who} does not list this rank's address {host}:{port}")
+        me = addresses.index((host, port))
+        if rank >= 0 and me != rank:
+            raise DTMError(E.BAD_PAYLOAD, f"asked for rank {rank}, the MeshView from {who} lists this rank as {me}")
+    except DTMError as err:
+        if isinstance(err, ProtocolError):
+            try:
+                sock.sendall(control.error_frame(err))
+            except OSError:
+                pass
+            err = err.at(who, "joining the mesh")
+        sock.close()
+        if listener is not None:
+            listener.close()
+        raise err from None
+    control.epoch = control.decoder.expected_epoch = msg.epoch
+    log.info("rank %d: joined the mesh of %d rank(s) (epoch %d)", me, len(msg.members), msg.epoch)
+    return Membership(sock, control, msg, me, who, reader.queue), listener
+
+
+class Membership:
+    """This rank in the mesh (see the module doc)."""
+
+    def __init__(self, sock: socket.socket, control: Control, view: MeshView, rank: int, coordinator: str,
+                 early: list[Message]):
+        self.view, self.rank, self.world_size = view, rank, len(view.members)
+        self.coordinator = coordinator
+        host_rank = control.hs.peer.rank
+        self.coordinator_rank = host_rank if 0 <= host_rank < self.world_size else -1
+        self.heartbeat_s, self.timeout_s = view.heartbeat_ms / 1000, view.timeout_ms / 1000
+        self.detection_bound = detection_bound(view.heartbeat_ms, view.timeout_ms)
+        self.peers: dict[int, Heartbeat] = {}     # the last relayed heartbeat of each member
+        self.lost: dict[int, str] = {}            # lost rank -> the notice, in the order they came
+        self.left: dict[int, str] = {}            # rank -> the reason it gave for leaving
+        self.coordinator_gone: str | None = None  # why failure detection ended
+        self.on_lost: Callable[[int, str], None] | None = None
+        self._sock, self._control = sock, control
+        self._early = early
+        self._cond = threading.Condition()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # --- the heartbeat thread -------------------------------------------------------------------
+
+    def start(self, figures: FiguresFn = Figures) -> None:
+        self._figures = figures
+        self._thread = threading.Thread(target=self._run, name=f"dtm-heartbeat-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        stats = ProcessStats()
+        heard = next_beat = time.monotonic()
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            for msg in self._early:
+                self._message(msg)
+            while not self._stopping:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._sock.settimeout(self.timeout_s)  # a coordinator that does not read is not waited for
+                    self._sock.sendall(self._control.encode(heartbeat(self.rank, stats, self._figures())))
+                    next_beat = now + self.heartbeat_s
+                if now - heard > self.timeout_s:
+                    return self._silent(now - heard)
+                wait = max(0.0, min(next_beat, heard + self.timeout_s) - time.monotonic())
+                ready = {fd for fd, _ in poller.poll(int(wait * 1000) + 1)}
+                if self._sock.fileno() in ready and not self._stopping:
+                    data = self._sock.recv(1 << 16)
+                    if not data:
+                        return self._closed()
+                    heard = time.monotonic()
+                    _, messages = self._control.feed(data)
+                    for msg in messages:
+                        self._message(msg)
+        except (OSError, DTMError) as e:
+            if not self._stopping:
+                self._gone(str(e))
+
+    def _message(self, msg: Message) -> None:
+        if isinstance(msg, Heartbeat):
+            if msg.rank < self.world_size:
+                self.peers[msg.rank] = msg
+        elif isinstance(msg, Leave):
+            with self._cond:
+                self.left[msg.rank] = msg.reason
+                self._cond.notify_all()
+        elif isinstance(msg, Error) and msg.code == E.PEER_LOST.value and 0 <= msg.rank < self.world_size:
+            self._record_lost(msg.rank, msg.message)
+        elif isinstance(msg, Error):
+            log.warning("rank %d: %s", self.rank, remote_error(msg, self.coordinator))
+        elif isinstance(msg, MeshView):
+            log.warning("rank %d: %s published epoch %d; this version does not resize a running mesh", self.rank,
+                        self.coordinator, msg.epoch)
+        else:
+            raise DTMError(E.UNEXPECTED_MESSAGE, f"{self.coordinator} sent {msg.TYPE.name} to a member")
+
+    def _record_lost(self, rank: int, message: str) -> None:
+        if rank == self.rank:
+            log.error("rank %d: the coordinator declared this rank lost: %s", self.rank, message)
+            return
+        with self._cond:
+            if rank in self.lost:
+                return
+            self.lost[rank] = message
+            self._cond.notify_all()
+        log.warning("rank %d: %s", self.rank, message)
+        if self.on_lost is not None:
+            self.on_lost(rank, message)
+
+    def _silent(self, silent: float) -> None:
+        why = f"nothing from {self.coordinator} for {silent:.1f} s (the limit is {self.timeout_s:g} s)"
+        self._host_lost(f"it runs the coordinator, which is silent: {why}")
+        self._gone(why)
+
+    def _closed(self) -> None:
+        # A rank that runs the coordinator and shuts down says Leave first (relayed to us).
+        self._host_lost("it runs the coordinator, whose connection closed without Leave: the process ended or was "
+                        "killed")
+        self._gone("it closed the connection")
+
+    def _host_lost(self, why: str) -> None:
+        r = self.coordinator_rank
+        if r >= 0 and r != self.rank and r not in self.left:
+            self._record_lost(r, f"rank {r} is lost: {why}; its last operation was {self.last_op(r)}")
+
+    def _gone(self, why: str) -> None:
+        with self._cond:
+            self.coordinator_gone = why
+            self._cond.notify_all()
+        if not self._stopping:
+            log.warning("rank %d: lost %s: %s; failure detection by heartbeats has ended on this rank", self.rank,
+                        self.coordinator, why)
+
+    # --- what the owner asks ---------------------------------------------------------------------
+
+    def wait_lost(self, timeout: float, prefer: int | None = None) -> tuple[int, str] | None:
+        """A lost rank and the notice about it: `prefer` if it is lost, else the first lost,
+        waiting up to `timeout` s for a notice while the coordinator is there to send one
+        (and `prefer` has not left on purpose)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self.lost and self.coordinator_gone is None and prefer not in self.left:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if not self.lost:
+                return None
+            rank = prefer if prefer in self.lost else next(iter(self.lost))
+            return rank, self.lost[rank]
+
+    def last_op(self, rank: int) -> str:
+        """What `rank`'s last heartbeat said it was doing."""
+        hb = self.peers.get(rank)
+        return hb.last_op if hb is not None and hb.last_op else "none reported"
+
+    def leave(self, reason: str = "shutdown") -> None:
+        """Stop the heartbeat thread, say Leave, close."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 1.0)
+        if self.coordinator_gone is None:
+            try:  # Leave, then read until the coordinator closes: unread bytes would make close() a reset
+                self._sock.settimeout(1.0)
+                self._sock.sendall(self._control.encode(Leave(self.rank, reason[:1000])))
+                self._sock.shutdown(socket.SHUT_WR)
+                while self._sock.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
+        self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()

@@ -1,0 +1,248 @@
+"""Collective algorithms over point-to-point messages: ring (bandwidth), recursive doubling
+and binomial trees (latency), direct exchange (two ranks, all_to_all, small gathers).
+
+Every function takes a `Link` (one collective call on one group: `n` members, this rank's
+group index `me`, `send`/`recv`/`wait` by group index) and flat, contiguous numpy buffers;
+the caller (collectives.py) turns tensors and dims into these buffers and chooses the
+algorithm. Sends and receives of one (peer, group) are matched in order, so each algorithm
+posts its receives in exactly the order the peer posts the matching sends.
+
+Reduction results are bitwise equal on every rank: each element's reduction is computed
+once (ring, tree) or by every rank from the same operands in the same order (recursive
+doubling, direct), and narrow floats stay in f32 until `reduction.finish` rounds them once.
+`tmp` arguments are the caller's scratch buffers, reused between calls (fresh pages cost
+more than the copies themselves on a small machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from . import reduction
+from .transport import Handle
+
+
+class Link(Protocol):
+    n: int
+    me: int
+
+    def send(self, to: int, buf: np.ndarray) -> Handle: ...
+    def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None) -> Handle: ...
+    def wait(self, handles: list[Handle]) -> None: ...
+
+
+def split(total: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) of `parts` near-equal consecutive pieces of range(total); the first
+    total % parts pieces are one longer."""
+    q, r = divmod(total, parts)
+    out, lo = [], 0
+    for p in range(parts):
+        hi = lo + q + (p < r)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def chunks(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into pieces of at most `step` elements; an empty range is one empty
+    piece, so every message exists (and carries its descriptor) even for 0 elements."""
+    if hi <= lo:
+        return [(lo, lo)]
+    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
+
+
+def send_all(link: Link, to: int, buf: np.ndarray, step: int) -> list[Handle]:
+    return [link.send(to, buf[a:b]) for a, b in chunks(0, len(buf), step)]
+
+
+def recv_all(link: Link, frm: int, buf: np.ndarray, step: int) -> list[Handle]:
+    return [link.recv(frm, buf[a:b]) for a, b in chunks(0, len(buf), step)]
+
+
+# --- all_reduce, reduce_scatter, all_gather: the pipelined ring -----------------------------
+
+def ring(link: Link, bounds: list[tuple[int, int]], step: int, *, work: np.ndarray | None = None,
+         op: str = "sum", out: np.ndarray, own: int, mode: str, tmp: list[np.ndarray] = ()) -> None:
+    """One pipelined ring pass over the n blocks `bounds` of the flat buffers.
+
+    mode "all_reduce": `work` holds this rank's operand in the work dtype; a reduce-scatter
+    leaves block (me + own) fully reduced here, `finish` writes it to `out`, and an
+    all-gather passes every finished block around into `out`. mode "reduce_scatter": the
+    same without the all-gather, `out` is block (me + own) alone. mode "all_gather": `out`
+    already holds block (me + own), the all-gather fills the rest.
+
+    Blocks are cut into chunks of `step` elements, and each chunk moves on as soon as it
+    arrives (and is reduced), so the reduction of one chunk overlaps the transfer of the
+    next. The reduce-scatter receives into the buffers of `tmp` (two or more, of `step`
+    elements of the work dtype), each re-posted as soon as its chunk is reduced. `work` may
+    be `out` itself (same dtype, all_reduce in place). At step t of the reduce-scatter rank i sends block i+own-t-1 and receives block
+    i+own-t-2 (mod n); of the all-gather it sends i+own-t and receives i+own-t-1.
+    """
+    n, i = link.n, link.me
+    right, left = (i + 1) % n, (i - 1) % n
+    blk = lambda b: bounds[b % n]  # noqa: E731
+    reduce_steps = n - 1 if mode in ("all_reduce", "reduce_scatter") else 0
+    gather_steps = n - 1 if mode in ("all_reduce", "all_gather") else 0
+    final_block = (i + own) % n
+    out_base = blk(final_block)[0] if mode == "reduce_scatter" else 0  # `out` holds only the own block
+
+    # The receives, in the order the left neighbour sends: step-major, then chunk order.
+    plan = [("rs", t, a, b) for t in range(reduce_steps) for a, b in chunks(*blk(i + own - t - 2), step)]
+    plan += [("ag", t, a, b) for t in range(gather_steps) for a, b in chunks(*blk(i + own - t - 1), step)]
+    handles: list[Handle] = []
+    free = list(tmp)
+    in_place = work is out
+    cursor = 0
+
+    def post() -> None:
+        nonlocal cursor
+        while cursor < len(plan):
+            kind, t, a, b = plan[cursor]
+            if kind == "rs":
+                if not free:
+                    return
+                tmp = free.pop()
+                handles.append(link.recv(left, tmp[:b - a], on_done=lambda t=t, a=a, b=b, tmp=tmp: reduced(t, a, b, tmp)))
+            else:
+                handles.append(link.recv(left, out[a:b], on_done=lambda t=t, a=a, b=b: gathered(t, a, b)))
+            cursor += 1
+
+    def reduced(t: int, a: int, b: int, tmp: np.ndarray) -> None:
+        reduction.combine(op, tmp[:b - a], work[a:b], out=work[a:b])
+        free.append(tmp)
+        if t < reduce_steps - 1:
+            handles.append(link.send(right, work[a:b]))
+        else:  # block (i + own) is complete on this rank: the only place it is finished
+            acc = work[a:b]
+            mine = acc if in_place else out[a - out_base:b - out_base]
+            reduction.finish(op, acc, n, mine)
+            if gather_steps:
+                handles.append(link.send(right, mine))
+        post()
+
+    def gathered(t: int, a: int, b: int) -> None:
+        if t < gather_steps - 1:
+            handles.append(link.send(right, out[a:b]))
+
+    first = blk(i + own - 1) if reduce_steps else blk(i + own)
+    src = work if reduce_steps else out
+    handles += [link.send(right, src[a:b]) for a, b in chunks(*first, step)]
+    post()
+    link.wait(handles)  # the callbacks append the later sends and receives to `handles`
+
+
+# --- latency algorithms ----------------------------------------------------------------------
+
+def recursive_doubling(link: Link, work: np.ndarray, op: str, step: int, tmp: np.ndarray) -> None:
+    """All-reduce in ceil(log2 n) exchanges of the whole buffer (with one extra exchange
+    in and out for the ranks past the largest power of two); every rank ends with the
+    same partial in `work`. Each pair combines (lower group rank's part) op (higher's)."""
+    n, i = link.n, link.me
+    p2 = 1 << (n.bit_length() - 1)
+    if i >= p2:  # fold into rank i - p2, then receive the result from it
+        link.wait(send_all(link, i - p2, work, step))
+        link.wait(recv_all(link, i - p2, work, step))
+        return
+    if i + p2 < n:
+        link.wait(recv_all(link, i + p2, tmp, step))
+        reduction.combine(op, work, tmp, out=work)
+    mask = 1
+    while mask < p2:
+        partner = i ^ mask
+        link.wait(send_all(link, partner, work, step) + recv_all(link, partner, tmp, step))
+        if partner < i:
+            reduction.combine(op, tmp, work, out=work)
+        else:
+            reduction.combine(op, work, tmp, out=work)
+        mask <<= 1
+    if i + p2 < n:
+        link.wait(send_all(link, i + p2, work, step))
+
+
+def tree_reduce(link: Link, work: np.ndarray, op: str, root: int, step: int, tmp: np.ndarray) -> bool:
+    """Binomial-tree reduce toward group rank `root`; True on the root, whose `work` then
+    holds the partial over all ranks (children combine after their parent's own part)."""
+    n = link.n
+    v = (link.me - root) % n  # rank relative to the root
+    mask = 1
+    while mask < n:
+        if v & mask:
+            link.wait(send_all(link, (v - mask + root) % n, work, step))
+            return False
+        if v + mask < n:
+            link.wait(recv_all(link, (v + mask + root) % n, tmp, step))
+            reduction.combine(op, work, tmp, out=work)
+        mask <<= 1
+    return True
+
+
+def tree_broadcast(link: Link, buf: np.ndarray, root: int, step: int) -> None:
+    """Binomial-tree broadcast from group rank `root` of `buf` (filled on every other rank)."""
+    n = link.n
+    v = (link.me - root) % n
+    mask = 1
+    while mask < n:  # receive from the parent: the rank that differs in v's lowest set bit
+        if v & mask:
+            link.wait(recv_all(link, (v - mask + root) % n, buf, step))
+            break
+        mask <<= 1
+    mask >>= 1
+    handles = []
+    while mask > 0:
+        if v + mask < n:
+            handles += send_all(link, (v + mask + root) % n, buf, step)
+        mask >>= 1
+    link.wait(handles)
+
+
+def chain_broadcast(link: Link, buf: np.ndarray, root: int, step: int) -> None:
+    """Pipelined broadcast along the chain root, root+1, ...: each chunk is forwarded as
+    soon as it arrives, so large buffers take about one transfer time, not log n."""
+    n = link.n
+    v = (link.me - root) % n
+    nxt = (link.me + 1) % n if v < n - 1 else None
+    handles: list[Handle] = []
+    if v == 0:
+        handles += send_all(link, nxt, buf, step)
+    else:
+        for a, b in chunks(0, len(buf), step):
+            forward = (lambda a=a, b=b: handles.append(link.send(nxt, buf[a:b]))) if nxt is not None else None
+            handles.append(link.recv((link.me - 1) % n, buf[a:b], on_done=forward))
+    link.wait(handles)
+
+
+def direct_all_gather(link: Link, out: np.ndarray, count: int, step: int) -> None:
+    """Every rank sends its block (already at block `me` of `out`) to every other rank."""
+    i = link.me
+    mine = out[i * count:(i + 1) * count]
+    handles = []
+    for d in range(1, link.n):  # staggered, so ranks do not all send to rank 0 first
+        to, frm = (i + d) % link.n, (i - d) % link.n
+        handles += send_all(link, to, mine, step)
+        handles += recv_all(link, frm, out[frm * count:(frm + 1) * count], step)
+    link.wait(handles)
+
+
+def direct_all_to_all(link: Link, src: np.ndarray, dst: np.ndarray, count: int, step: int) -> None:
+    """Block j of `src` goes to rank j; block j of `dst` comes from rank j."""
+    i = link.me
+    dst[i * count:(i + 1) * count] = src[i * count:(i + 1) * count]
+    handles = []
+    for d in range(1, link.n):
+        to, frm = (i + d) % link.n, (i - d) % link.n
+        handles += send_all(link, to, src[to * count:(to + 1) * count], step)
+        handles += recv_all(link, frm, dst[frm * count:(frm + 1) * count], step)
+    link.wait(handles)
+
+
+def dissemination_barrier(link: Link) -> None:
+    """ceil(log2 n) rounds of empty messages: round k, send to me + 2^k, receive from me - 2^k."""
+    n, i = link.n, link.me
+    empty = np.empty(0, np.uint8)
+    k = 1
+    while k < n:
+        link.wait([link.send((i + k) % n, empty), link.recv((i - k) % n, empty)])
+        k <<= 1

@@ -1,0 +1,587 @@
+"""Collectives and point-to-point transfers between ranks, over any `Transport`.
+
+    comm = Communicator(transport)
+    y = comm.all_reduce(x, op="sum", group=[0, 2])      # group: global ranks, in group order
+
+Every call takes numpy arrays of any dtype and size (0 elements included) and returns a new
+array; `group` is a list of global ranks in group-rank order (None: every rank), and `src`,
+`dst` are group ranks, as in spec 3.11 and 3.12.
+
+Desync detection is always on. Before its first Data frame to a peer, each collective sends
+a CollectiveStart (sequence number within the group, op, reduce op, dtype, shape, group,
+root, and the caller's file:line); the receiver compares it with its own call the moment it
+arrives. On a difference the detecting rank raises CollectiveMismatch naming both calls and
+sends an Error to every other member, which raise it too; so no rank hangs or reduces data
+of another collective. Every algorithm's messages connect all members of the group, so a
+difference anywhere is seen by someone. A rank that fails for any other reason mid
+collective also sends an Error, and the others raise CollectiveAborted quoting it.
+
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import DTMError, ErrorCode as E
+from ..ir.dtypes import DTYPES, from_numpy, numpy_dtype
+from ..protocol.errors import ProtocolError
+from ..protocol.frame import MsgType
+from ..protocol.messages import CollectiveStart, Error, P2PSend
+from . import algorithms as alg
+from . import reduction
+from .calls import call_site, encode_start, group_stream, mismatch_message, same_call, seq_of
+from .transport import CollectiveAborted, CollectiveMismatch, Handle, PeerLost, Transport
+
+P2P_STREAM = 1
+SMALL_BYTES = 64 << 10      # below this, latency algorithms (recursive doubling, trees, direct)
+CHUNK_BYTES = 1 << 20       # the largest Data frame of the bandwidth algorithms (see _chunk)
+MAX_RECV_BYTES = 8 << 30    # the largest tensor a peer may announce to `recv`
+_HISTORY = 8                # finished collectives per group whose descriptors late peers are checked against
+_MAX_PENDING = 4096         # descriptors of collectives this rank has not started yet
+
+@dataclass
+class _Group:
+    ranks: tuple[int, ...]
+    me: int
+    stream: int
+    next_seq: int = 0
+    calls: dict[int, bytes] = field(default_factory=dict)  # recent and current descriptors, by seq
+    pending: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)  # seq -> (peer, descriptor)
+
+
+class _Link:
+    """One collective call on one group, as the algorithms see it: send and receive by
+    group index; the CollectiveStart goes before the first Data frame to each peer."""
+
+    def __init__(self, comm: "Communicator", g: _Group, seq: int, start: bytes, what: str):
+        self.tp, self.ranks, self.stream, self.seq, self.what = comm.transport, g.ranks, g.stream, seq, what
+        self.n, self.me, self.start = len(g.ranks), g.me, start
+        self._start = [start]
+        self._started = [False] * self.n
+        self._sent = [0] * self.n
+        self._received = [0] * self.n
+
+    def send(self, to: int, buf: np.ndarray) -> Handle:
+        peer = self.ranks[to]
+        if not self._started[to]:
+            self.tp.send(peer, self.stream, MsgType.COLLECTIVE_START, self._start)
+            self._started[to] = True
+        chunk = self._sent[to]
+        self._sent[to] = chunk + 1
+        return self.tp.send_data(peer, self.stream, buf, seq=self.seq, chunk=chunk)
+
+    def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None) -> Handle:
+        chunk = self._received[frm]
+        self._received[frm] = chunk + 1
+        return self.tp.recv(self.ranks[frm], self.stream, buf, seq=self.seq, chunk=chunk, on_done=on_done)
+
+    def wait(self, handles: list[Handle]) -> None:
+        self.tp.wait(handles, self.what)
+
+
+@dataclass
+class _P2PWait:
+    """A recv waiting for its sender's announcement (a handle `Transport.wait` can wait on)."""
+
+    peer: int
+    expect: tuple
+    out: np.ndarray | None
+    kind: str = "recv"
+    done: bool = False
+    result: np.ndarray | None = None
+    receives: list[Handle] = field(default_factory=list)
+
+
+class _FromPeer(Exception):
+    """Marks an error a peer reported, so it is not reported back to the group."""
+
+
+class Communicator:
+    """Collectives and point-to-point transfers over `transport` (see the module doc).
+    One thread uses a Communicator at a time."""
+
+    def __init__(self, transport: Transport, *, small_bytes: int = SMALL_BYTES, chunk_bytes: int = CHUNK_BYTES,
+                 max_recv_bytes: int = MAX_RECV_BYTES):
+        self.transport = transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.small_bytes, self.max_recv_bytes = small_bytes, max_recv_bytes
+        self.chunk_bytes = min(chunk_bytes, transport.max_data)
+        self._groups: dict[tuple[int, ...], _Group] = {}
+        self._by_stream: dict[int, _Group] = {}
+        self._early: dict[int, list[tuple[int, bytes]]] = {}  # descriptors for groups not formed here yet
+        self._p2p_seq_out: dict[int, int] = collections.defaultdict(int)
+        self._p2p_seq_in: dict[int, int] = collections.defaultdict(int)
+        self._p2p_inbox: dict[int, collections.deque[P2PSend]] = collections.defaultdict(collections.deque)
+        self._p2p_waiter: dict[int, _P2PWait] = {}
+        self._to_self: collections.deque[tuple[P2PSend, np.ndarray]] = collections.deque()
+        self._p2p_out: list[Handle] = []  # sends not yet out of this process
+        self._buffers: dict[tuple[int, np.dtype], np.ndarray] = {}
+        self.ops_done = 0
+        transport.on_control(self._on_control)
+
+    # --- groups -------------------------------------------------------------------------------
+
+    def _group(self, group: Sequence[int] | None, what: str) -> _Group:
+        ranks = tuple(range(self.world_size)) if group is None else tuple(int(r) for r in group)
+        g = self._groups.get(ranks)
+        if g is not None:
+            return g
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise DTMError(E.INVALID_GROUP, f"{what}: group {list(ranks)} must list distinct ranks of the world "
+                           f"(0 to {self.world_size - 1})")
+        if self.rank not in ranks:
+            raise DTMError(E.INVALID_GROUP, f"{what}: rank {self.rank} is not in group {list(ranks)}")
+        g = _Group(ranks, ranks.index(self.rank), group_stream(ranks))
+        self._groups[ranks] = g
+        self._by_stream[g.stream] = g
+        for peer, start in self._early.pop(g.stream, []):
+            self._check_start(g, peer, start)
+        return g
+
+    def _group_rank(self, g: _Group, r: int, name: str, what: str) -> int:
+        if not 0 <= r < len(g.ranks):
+            raise DTMError(E.INVALID_GROUP, f"{what}: {name} {r} is not a rank of the group (0 to {len(g.ranks) - 1})")
+        return r
+
+    # --- descriptors and errors from peers ---------------------------------------------------
+
+    def _on_control(self, peer: int, msg_type: MsgType, stream: int, payload: bytes) -> None:
+        if msg_type is MsgType.COLLECTIVE_START:
+            start = bytes(payload)
+            g = self._by_stream.get(stream)
+            if g is None:
+                self._remember(self._early.setdefault(stream, []), peer, start)
+            else:
+                self._check_start(g, peer, start)
+        elif msg_type is MsgType.P2P_SEND:
+            self._p2p_arrived(peer, P2PSend.decode(payload))
+        elif msg_type in (MsgType.ERROR, MsgType.CANCEL):
+            err = Error.decode(payload) if msg_type is MsgType.ERROR else None
+            code, text = (err.code, err.message) if err else ("E1002", "cancelled")
+            who = f"rank {err.rank if err and err.rank >= 0 else peer}"
+            exc: DTMError
+            if code == E.COLLECTIVE_MISMATCH.value:
+                exc = CollectiveMismatch(f"{who} reported: {text}")
+            elif code == E.PEER_LOST.value:  # the same fault, whoever saw it first
+                exc = PeerLost(None, "a collective", f"{who} reported: {text}")
+            else:
+                exc = CollectiveAborted(f"{who} failed with {code}: {text}")
+            raise exc from _FromPeer()
+        else:
+            raise ProtocolError(E.UNEXPECTED_MESSAGE, f"a {msg_type.name} frame on an established mesh connection",
+                                peer=f"rank {peer}")
+
+    def _remember(self, into: list, peer: int, start: bytes) -> None:
+        if len(into) >= _MAX_PENDING:
+            raise DTMError(E.RECEIVE_BUFFER_FULL, f"rank {peer} announced more than {_MAX_PENDING} collectives this "
+                           "rank has not started")
+        into.append((peer, start))
+
+    def _check_start(self, g: _Group, peer: int, theirs: bytes) -> None:
+        seq = seq_of(theirs)
+        if seq is None:
+            CollectiveStart.decode(theirs)  # raises BAD_PAYLOAD naming what is wrong
+        mine = g.calls.get(seq)
+        if mine is None:
+            if seq >= g.next_seq:
+                self._remember(g.pending.setdefault(seq, []), peer, theirs)
+            return  # older than the history kept: that collective completed on this rank
+        if not same_call(mine, theirs):
+            raise CollectiveMismatch(mismatch_message(g.ranks, seq, mine, self.rank, theirs, peer))
+
+    def _report(self, g: _Group, err: DTMError) -> None:
+        """Tell the group's other members why this rank abandons the collective."""
+        parts = Error.from_exception(err, self.rank).parts()
+        peers = [r for r in g.ranks if r != self.rank]
+        self.transport.notify(peers, g.stream, MsgType.ERROR, parts)
+
+    # --- running one collective ----------------------------------------------------------------
+
+    def _run(self, g: _Group, op: str, x: np.ndarray, body: Callable[[_Link], None], *, reduce_op: str = "",
+             root: int = -1, args: str = "") -> None:
+        seq = g.next_seq
+        start = encode_start(seq, op, reduce_op, _dtype_name(x.dtype), x.shape, g.ranks, root, call_site(), args)
+        g.next_seq += 1
+        g.calls[seq] = start
+        g.calls.pop(seq - _HISTORY, None)
+        what = f"{op} #{seq} on group {list(g.ranks)}"
+        try:
+            self.transport.check_usable(what)
+            for peer, theirs in g.pending.pop(seq, []):
+                self._check_start(g, peer, theirs)
+            if len(g.ranks) > 1:
+                body(_Link(self, g, seq, start, what))
+        except DTMError as e:
+            if not isinstance(e.__cause__, _FromPeer) and not isinstance(e, CollectiveAborted):
+                self._report(g, e)
+            self.transport.fail(e)
+            raise
+        self.ops_done += 1
+
+    def _chunk(self, dtype: np.dtype, nbytes: int, parts: int) -> int:
+        """Elements per Data frame when `nbytes` move as `parts` blocks: about a quarter of
+        a block, so several chunks pipeline, between 64 KiB (or chunk_bytes if smaller)
+        and chunk_bytes (fewer frames, less per-frame work)."""
+        least = min(64 << 10, self.chunk_bytes)
+        size = min(self.chunk_bytes, max(least, nbytes // max(1, parts) // 4))
+        return max(1, size // max(1, dtype.itemsize))
+
+    # --- the collectives ------------------------------------------------------------------------
+
+    def all_reduce(self, x: np.ndarray, op: str = "sum", group: Sequence[int] | None = None, *,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """Every member gets the elementwise reduction of all members' `x`, in a new array
+        or in `out` (which may be `x` itself: in place)."""
+        x = np.ascontiguousarray(x)
+        reduction.check_reducible(x.dtype, op, "all_reduce")
+        g = self._group(group, "all_reduce")
+        out = self._out(out, x, "all_reduce")
+        flat, n = out.reshape(-1), len(g.ranks)
+        work = self._work(x, flat)
+
+        def body(link: _Link) -> None:
+            if self._shared(g, "all_reduce", link, x.reshape(-1), flat, op=op):
+                return
+            step = self._chunk(work.dtype, work.nbytes, n)
+            if work.nbytes <= self.small_bytes or work.size < n:
+                alg.recursive_doubling(link, work, op, step, self._scratch(0, work.dtype, work.size))
+                reduction.finish(op, work, n, flat)
+            else:
+                alg.ring(link, alg.split(work.size, n), step, work=work, op=op, out=flat, own=1, mode="all_reduce",
+                         tmp=self._ring_tmp(work.dtype, step))
+
+        self._run(g, "all_reduce", x, body, reduce_op=op)
+        if n == 1:
+            reduction.finish(op, work, 1, flat)
+        return out
+
+    def reduce(self, x: np.ndarray, dst: int = 0, op: str = "sum",
+               group: Sequence[int] | None = None) -> np.ndarray | None:
+        """Group rank `dst` gets the reduction of all members' `x`; the others get None."""
+        x = np.ascontiguousarray(x)
+        reduction.check_reducible(x.dtype, op, "reduce")
+        g = self._group(group, "reduce")
+        dst = self._group_rank(g, dst, "dst", "reduce")
+        n = len(g.ranks)
+        out = np.empty(x.shape, x.dtype) if g.me == dst else None
+        work = self._work(x, None)
+
+        def body(link: _Link) -> None:
+            step = self._chunk(work.dtype, work.nbytes, n)
+            if work.nbytes <= self.small_bytes or work.size < n:
+                if alg.tree_reduce(link, work, op, dst, step, self._scratch(0, work.dtype, work.size)):
+                    reduction.finish(op, work, n, out.reshape(-1))
+                return
+            # Ring reduce-scatter (block i ends on rank i), then every block goes to dst.
+            bounds = alg.split(work.size, n)
+            lo, hi = bounds[g.me]
+            mine = np.empty(hi - lo, x.dtype)
+            alg.ring(link, bounds, step, work=work, op=op, out=mine, own=0, mode="reduce_scatter",
+                     tmp=self._ring_tmp(work.dtype, step))
+            if g.me != dst:
+                link.wait(alg.send_all(link, dst, mine, step))
+                return
+            flat = out.reshape(-1)
+            flat[lo:hi] = mine
+            link.wait([h for j, (a, b) in enumerate(bounds) if j != dst
+                       for h in alg.recv_all(link, j, flat[a:b], step)])
+
+        self._run(g, "reduce", x, body, reduce_op=op, root=g.ranks[dst])
+        if n == 1:
+            reduction.finish(op, work, 1, out.reshape(-1))
+        return out
+
+    def _out(self, out: np.ndarray | None, x: np.ndarray, what: str) -> np.ndarray:
+        if out is None:
+            return np.empty(x.shape, x.dtype)
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise DTMError(E.SHAPE_MISMATCH if out.dtype == x.dtype else E.DTYPE_MISMATCH,
+                           f"{what}: out is {out.dtype}{list(out.shape)}, the operand {x.dtype}{list(x.shape)}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise DTMError(E.READ_ONLY_INPUT, f"{what}: out must be a writable C-contiguous array")
+        return out
+
+    def _work(self, x: np.ndarray, flat_out: np.ndarray | None) -> np.ndarray:
+        """The buffer a reduction keeps its partials in, holding `x`: the output itself
+        when the dtypes agree, else f32 scratch (narrow floats)."""
+        wd = reduction.work_dtype(x.dtype)
+        if flat_out is not None and wd == x.dtype:
+            if not np.may_share_memory(flat_out, x):
+                np.copyto(flat_out, x.reshape(-1))
+            elif flat_out.ctypes.data != x.ctypes.data:
+                raise DTMError(E.ATTRIBUTE_VALUE, "out overlaps the operand without being it")
+            return flat_out
+        work = self._scratch(1, wd, x.size)
+        np.copyto(work, x.reshape(-1), casting="unsafe")
+        return work
+
+    def _scratch(self, slot: int, dtype: np.dtype, size: int) -> np.ndarray:
+        """A reused buffer of `size` elements (slot: which of several one call needs)."""
+        key = (slot, np.dtype(dtype))
+        buf = self._buffers.get(key)
+        if buf is None or buf.size < size:
+            buf = self._buffers[key] = np.empty(size, dtype)
+        return buf[:size]
+
+    def _ring_tmp(self, dtype: np.dtype, step: int) -> list[np.ndarray]:
+        return [self._scratch(2 + i, dtype, step) for i in range(2)]
+
+    def all_gather(self, x: np.ndarray, dim: int = 0, group: Sequence[int] | None = None) -> np.ndarray:
+        """Every member gets all members' `x` joined along `dim`, in group order."""
+        x = np.ascontiguousarray(x)
+        dim = self._dim(dim, x.ndim, "all_gather")
+        g = self._group(group, "all_gather")
+        n = len(g.ranks)
+        count = x.size
+        gathered = np.empty((n,) + x.shape, x.dtype)
+        flat = gathered.reshape(-1)
+        flat[g.me * count:(g.me + 1) * count] = x.reshape(-1)
+
+        def body(link: _Link) -> None:
+            if self._shared(g, "all_gather", link, x.reshape(-1), flat):
+                return
+            step = self._chunk(x.dtype, flat.nbytes, n)
+            if flat.nbytes <= self.small_bytes:
+                alg.direct_all_gather(link, flat, count, step)
+            else:
+                alg.ring(link, [(j * count, (j + 1) * count) for j in range(n)], step, out=flat, own=0,
+                         mode="all_gather")
+
+        self._run(g, "all_gather", x, body, args=f"dim={dim}")
+        return _join(gathered, dim)
+
+    def reduce_scatter(self, x: np.ndarray, op: str = "sum", dim: int = 0,
+                       group: Sequence[int] | None = None) -> np.ndarray:
+        """The reduction of all members' `x`, split along `dim` into n blocks; group rank
+        i gets block i."""
+        x = np.ascontiguousarray(x)
+        reduction.check_reducible(x.dtype, op, "reduce_scatter")
+        dim = self._dim(dim, x.ndim, "reduce_scatter")
+        g = self._group(group, "reduce_scatter")
+        n = len(g.ranks)
+        if x.shape[dim] % n:
+            raise DTMError(E.SHAPE_MISMATCH, f"reduce_scatter: dim {dim} of shape {list(x.shape)} is not divisible by "
+                           f"the group size {n}")
+        blocks = _blocks(x, dim, n)  # (n, block...) contiguous
+        block_shape = blocks.shape[1:]
+        work = self._work(blocks, None)
+        count = work.size // n
+        out = np.empty(block_shape, x.dtype)
+
+        def body(link: _Link) -> None:
+            if self._shared(g, "reduce_scatter", link, blocks.reshape(-1), out.reshape(-1), op=op):
+                return
+            step = self._chunk(work.dtype, work.nbytes, n)
+            alg.ring(link, [(j * count, (j + 1) * count) for j in range(n)], step, work=work, op=op,
+                     out=out.reshape(-1), own=0, mode="reduce_scatter", tmp=self._ring_tmp(work.dtype, step))
+
+        self._run(g, "reduce_scatter", x, body, reduce_op=op, args=f"dim={dim}")
+        if n == 1:
+            reduction.finish(op, work, 1, out.reshape(-1))
+        return out
+
+    def broadcast(self, x: np.ndarray, src: int = 0, group: Sequence[int] | None = None) -> np.ndarray:
+        """Every member gets group rank `src`'s `x` (the others pass an array of its type)."""
+        x = np.ascontiguousarray(x)
+        g = self._group(group, "broadcast")
+        src = self._group_rank(g, src, "src", "broadcast")
+        out = x.copy() if g.me == src else np.empty(x.shape, x.dtype)
+        flat = out.reshape(-1)
+
+        def body(link: _Link) -> None:
+            if self._shared(g, "broadcast", link, flat, flat, root=src):
+                return
+            step = self._chunk(x.dtype, x.nbytes, 1)
+            if x.nbytes <= self.small_bytes:
+                alg.tree_broadcast(link, flat, src, step)
+            else:
+                alg.chain_broadcast(link, flat, src, step)
+
+        self._run(g, "broadcast", x, body, root=g.ranks[src])
+        return out
+
+    def all_to_all(self, x: np.ndarray, split_dim: int = 0, concat_dim: int = 0,
+                   group: Sequence[int] | None = None) -> np.ndarray:
+        """Block j of `x` along `split_dim` goes to group rank j; the blocks received are
+        joined along `concat_dim` in the senders' group order."""
+        x = np.ascontiguousarray(x)
+        split_dim = self._dim(split_dim, x.ndim, "all_to_all")
+        concat_dim = self._dim(concat_dim, x.ndim, "all_to_all")
+        g = self._group(group, "all_to_all")
+        n = len(g.ranks)
+        if x.shape[split_dim] % n:
+            raise DTMError(E.SHAPE_MISMATCH, f"all_to_all: dim {split_dim} of shape {list(x.shape)} is not divisible "
+                           f"by the group size {n}")
+        blocks = _blocks(x, split_dim, n)
+        received = np.empty_like(blocks)
+        count = blocks.size // n
+
+        def body(link: _Link) -> None:
+            alg.direct_all_to_all(link, blocks.reshape(-1), received.reshape(-1), count,
+                                  self._chunk(x.dtype, blocks.nbytes, n))
+
+        self._run(g, "all_to_all", x, body, args=f"split_dim={split_dim}, concat_dim={concat_dim}")
+        if n == 1:
+            received[...] = blocks
+        return _join(received, concat_dim)
+
+    def barrier(self, group: Sequence[int] | None = None) -> None:
+        """Returns once every member has called it."""
+        g = self._group(group, "barrier")
+
+        def body(link: _Link) -> None:
+            if not self._shared(g, "barrier", link, None, None):
+                alg.dissemination_barrier(link)
+
+        self._run(g, "barrier", np.empty(0, np.uint8), body)
+
+    def _shared(self, g: _Group, kind: str, link: _Link, src, dst, **kw) -> bool:
+        """Run collective `kind` through the transport's shared-memory workspace when it
+        has one for this group (then True)."""
+        ws = getattr(self.transport, "workspace", None)
+        space = ws(g.ranks) if ws is not None else None
+        return space is not None and space.run(kind, link, src, dst, **kw)
+
+    @staticmethod
+    def _dim(dim: int, ndim: int, what: str) -> int:
+        if not -ndim <= dim < ndim:
+            raise DTMError(E.ATTRIBUTE_VALUE, f"{what}: dim {dim} is out of range for a tensor of rank {ndim}")
+        return dim % ndim
+
+    # --- point-to-point ------------------------------------------------------------------------
+
+    def send(self, x: np.ndarray, dst: int, group: Sequence[int] | None = None) -> None:
+        """Queue a copy of `x` for group rank `dst`; returns without waiting for its recv.
+        Transfers between two ranks arrive in the order they were sent."""
+        g = self._group(group, "send")
+        peer = g.ranks[self._group_rank(g, dst, "dst", "send")]
+        data = np.array(x, copy=True, order="C").reshape(-1)
+        if peer == self.rank:
+            self._to_self.append((P2PSend(0, 0, from_numpy(data.dtype).name, np.shape(x), call_site()), data))
+            return
+        seq = self._p2p_seq_out[peer]
+        self._p2p_seq_out[peer] = seq + 1
+        tp = self.transport
+        tp.check_usable("send")
+        tp.send(peer, P2P_STREAM, MsgType.P2P_SEND,
+                P2PSend(seq, 0, from_numpy(data.dtype).name, np.shape(x), call_site()).parts())
+        view = data.view(np.uint8)
+        for chunk, (a, b) in enumerate(alg.chunks(0, view.size, self.chunk_bytes)):
+            self._p2p_out.append(tp.send_data(peer, P2P_STREAM, view[a:b], seq=seq, chunk=chunk))
+        self._p2p_out = [h for h in self._p2p_out if not h.done]
+        tp.poll(f"send to rank {peer}")
+
+    def recv(self, src: int, group: Sequence[int] | None = None, *, out: np.ndarray | None = None,
+             dtype=None, shape: Sequence[int] | None = None) -> np.ndarray:
+        """The oldest tensor group rank `src` sent to this rank. `out` (a contiguous array)
+        or `dtype` and `shape` declare what is expected: another type is an error
+        (E0402, E0403)."""
+        g = self._group(group, "recv")
+        peer = g.ranks[self._group_rank(g, src, "src", "recv")]
+        if out is not None:
+            dtype, shape = out.dtype, out.shape
+        expect = (np.dtype(dtype) if dtype is not None else None, tuple(shape) if shape is not None else None)
+        what = f"recv from rank {peer}"
+        if peer == self.rank:
+            if not self._to_self:
+                raise DTMError(E.TIMEOUT, f"{what}: this rank sent nothing to itself")
+            meta, data = self._to_self.popleft()
+            result = _expect_type(meta, expect, what, self.max_recv_bytes, out)
+            result.reshape(-1)[...] = data
+            return result
+        waiter = _P2PWait(peer, expect, out)
+        self._p2p_waiter[peer] = waiter
+        try:
+            if self._p2p_inbox[peer]:
+                self._p2p_arrived(peer, None)
+            self.transport.wait([waiter], what)  # until the announcement: it posts the receives
+            self.transport.wait(waiter.receives, what)
+        finally:
+            self._p2p_waiter.pop(peer, None)
+        return waiter.result
+
+    def _p2p_arrived(self, peer: int, meta: P2PSend | None) -> None:
+        """A P2PSend announcement arrived (or one is queued): when a recv waits for it,
+        check it and post the receives of its Data frames now, so they land without a copy."""
+        if meta is not None:
+            want = self._p2p_seq_in[peer] + len(self._p2p_inbox[peer])
+            if meta.seq != want:
+                raise DTMError(E.OUT_OF_SEQUENCE, f"rank {peer} announced point-to-point transfer {meta.seq}, "
+                               f"expected {want}")
+            self._p2p_inbox[peer].append(meta)
+        waiter = self._p2p_waiter.get(peer)
+        if waiter is None or waiter.done:
+            return
+        meta = self._p2p_inbox[peer].popleft()
+        self._p2p_seq_in[peer] += 1
+        waiter.result = _expect_type(meta, waiter.expect, f"recv from rank {peer}", self.max_recv_bytes, waiter.out)
+        view = waiter.result.reshape(-1).view(np.uint8)
+        waiter.receives = [self.transport.recv(peer, P2P_STREAM, view[a:b], seq=meta.seq, chunk=c)
+                           for c, (a, b) in enumerate(alg.chunks(0, view.size, self.chunk_bytes))]
+        waiter.done = True
+
+    def close(self) -> None:
+        """Send what is still queued (bounded by the transport's timeout), then close."""
+        try:
+            if self._p2p_out and self.transport.failed is None:
+                self.transport.wait(self._p2p_out, "flushing sends before close")
+        finally:
+            self.transport.close()
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = from_numpy(dtype).name
+    return name
+
+
+def _expect_type(meta: P2PSend, expect: tuple, what: str, limit: int, out: np.ndarray | None) -> np.ndarray:
+    """The array a received tensor lands in, after checking it against the declared type."""
+    if meta.dtype not in DTYPES or DTYPES[meta.dtype].is_quant:
+        raise DTMError(E.DTYPE_MISMATCH, f"{what}: the sender announced dtype {meta.dtype}, which has no array form")
+    dtype = numpy_dtype(DTYPES[meta.dtype])
+    want_dtype, want_shape = expect
+    if want_dtype is not None and want_dtype != dtype:
+        raise DTMError(E.DTYPE_MISMATCH, f"{what}: expected {from_numpy(want_dtype).name}, the sender sent "
+                       f"{meta.dtype}{list(meta.shape)} (at {meta.where})")
+    if want_shape is not None and want_shape != meta.shape:
+        raise DTMError(E.SHAPE_MISMATCH, f"{what}: expected shape {list(want_shape)}, the sender sent "
+                       f"{meta.dtype}{list(meta.shape)} (at {meta.where})")
+    nbytes = math.prod(meta.shape) * dtype.itemsize
+    if nbytes > limit:
+        raise DTMError(E.RECEIVE_BUFFER_FULL, f"{what}: the sender announced {meta.dtype}{list(meta.shape)} "
+                       f"({nbytes} bytes); this rank accepts at most {limit} bytes")
+    if out is not None:
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise DTMError(E.READ_ONLY_INPUT, f"{what}: `out` must be a writable C-contiguous array")
+        return out
+    return np.empty(meta.shape, dtype)
+
+
+def _blocks(x: np.ndarray, dim: int, n: int) -> np.ndarray:
+    """x split along `dim` into n equal blocks, as one contiguous (n, *block_shape) array
+    (a view when dim is 0)."""
+    shape = x.shape
+    pre, size, post = math.prod(shape[:dim]), shape[dim] // n, math.prod(shape[dim + 1:])
+    block_shape = shape[:dim] + (size,) + shape[dim + 1:]
+    grouped = x.reshape(pre, n, size * post).transpose(1, 0, 2)
+    return np.ascontiguousarray(grouped).reshape((n,) + block_shape)
+
+
+def _join(blocks: np.ndarray, dim: int) -> np.ndarray:
+    """The n blocks of `blocks` ((n, *block_shape)) joined along `dim`."""
+    n, block_shape = blocks.shape[0], blocks.shape[1:]
+    if dim == 0:
+        return blocks.reshape((n * block_shape[0],) + block_shape[1:])
+    pre, size, post = math.prod(block_shape[:dim]), block_shape[dim], math.prod(block_shape[dim + 1:])
+    joined = blocks.reshape(n, pre, size * post).transpose(1, 0, 2)
+    return np.ascontiguousarray(joined).reshape(block_shape[:dim] + (n * size,) + block_shape[dim + 1:])

@@ -1,0 +1,386 @@
+"""The shared-memory transport: ranks on one host move collective data through a shared
+segment per group instead of sockets; the TCP connections stay for point-to-point
+transfers, for all_to_all and reduce, and to learn at once when a peer dies or fails.
+
+    transport = connect_local(rank, world_size, addresses, token, listener=listener)
+
+A group's segment holds, for each of two alternating buffers, one slot per member and a
+result slot, plus one line of counters per member and a futex word to sleep on. A round
+of all_reduce is: every member copies its chunk into its slot and counts `posted`; once
+all have, member i reduces slice i of the chunk over every slot, in group order, into the
+result slot and counts `reduced`; once all have, every member copies the result out and
+counts `consumed`. That is one copy in and one copy out per byte, against the several
+kernel copies of a socket, and the reduction is split across the members. Small chunks
+skip the second step: every member reduces the whole chunk itself (the same operands in
+the same order, so the same bits). The other buffer lets round k+1 start while slow
+members still read round k.
+
+Desync detection: the first round of each collective also publishes the member's
+descriptor (its CollectiveStart) in the segment, and every member compares all of them
+before it reads any data, so all raise CollectiveMismatch together.
+
+Waits sleep on the futex in slices of `SLICE_S` and read the sockets between slices, so a
+dead peer (PeerLost) or an Error from a peer ends the wait at once. Counters have one
+writer each and are read after the data they publish; that relies on x86-64's store
+order, so other CPUs use the socket algorithms. The group's first member creates the
+segment and unlinks its name as soon as every member has mapped it, so nothing is left
+in /dev/shm even when processes are killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import mmap
+import os
+import platform
+import time
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from ..errors import DTMError, ErrorCode as E
+from . import reduction
+from .algorithms import split
+from .calls import mismatch_message, same_call
+from .tcp import TcpTransport, connect_mesh
+from .transport import CollectiveMismatch, DEFAULT_TIMEOUT_S
+
+SLOT_BYTES = 1 << 20        # one member's share of a round
+SMALL_BYTES = 32 << 10      # rounds below this are reduced by every member in full
+SLICE_S = 0.05              # longest futex sleep between looks at the sockets
+DESC_BYTES = 68 << 10       # room for one member's descriptor, but for its group list (4 bytes a member)
+_MAGIC = 0x44544D53484D3031  # "DTMSHM01"
+POSTED, REDUCED, CONSUMED = 0, 1, 2
+_LINE = 64
+_SUPPORTED = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+class _Futex:
+    """Sleep until a 32-bit word in shared memory changes, and wake the sleepers (Linux
+    futex(2), non-private so it works across processes)."""
+
+    _SYS_FUTEX = 202  # x86-64
+    _WAIT, _WAKE = 0, 1
+
+    class _Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    _libc = ctypes.CDLL(None, use_errno=True) if _SUPPORTED else None
+
+    def __init__(self, word: np.ndarray):
+        self.word = word  # a uint32 array of one element, in the shared segment
+        self.addr = ctypes.c_void_p(word.ctypes.data)
+
+    def value(self) -> int:
+        return int(self.word[0])
+
+    def wait(self, seen: int, timeout: float) -> None:
+        ts = self._Timespec(int(timeout), int((timeout % 1) * 1e9))
+        self._libc.syscall(ctypes.c_long(self._SYS_FUTEX), self.addr, ctypes.c_int(self._WAIT), ctypes.c_uint(seen),
+                           ctypes.byref(ts), ctypes.c_void_p(0), ctypes.c_int(0))
+
+    def ring(self) -> None:
+        self.word[0] = (int(self.word[0]) + 1) & 0xFFFFFFFF
+        self._libc.syscall(ctypes.c_long(self._SYS_FUTEX), self.addr, ctypes.c_int(self._WAKE),
+                           ctypes.c_int(1 << 30), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_int(0))
+
+
+class Workspace:
+    """The shared segment of one group (see the module doc)."""
+
+    def __init__(self, transport: "ShmTransport", ranks: tuple[int, ...], name: str, slot_bytes: int):
+        self.transport, self.ranks, self.name = transport, ranks, name
+        self.n, self.me = len(ranks), ranks.index(transport.rank)
+        self.leader = self.me == 0
+        self.round = 0
+        n = self.n
+        head = 64
+        self.off_ctrl = head
+        self.off_bell = self.off_ctrl + n * _LINE
+        self.off_desc = self.off_bell + _LINE
+        self.desc_bytes = -(-(DESC_BYTES + 4 * n) // _LINE) * _LINE  # whatever fits a CollectiveStart payload
+        self.off_data = self.off_desc + 2 * n * self.desc_bytes
+        size = self.off_data + 2 * (n + 1) * slot_bytes
+        if self.leader:
+            self.shm = self._create(size)
+            buf = self.shm.buf
+        else:
+            self.shm = self._open(size)
+            buf = memoryview(self.shm)
+        self.buf = buf
+        header = np.ndarray((3,), np.int64, buf, 0)
+        if self.leader:
+            header[1:] = (n, slot_bytes)
+            header[0] = _MAGIC  # last: the others wait for it
+        else:
+            self._await(lambda: header[0] == _MAGIC, "the group's first member to set up shared memory")
+            if tuple(header[1:]) != (n, slot_bytes):
+                raise DTMError(E.INVALID_GROUP, f"shared memory {name}: laid out for {header[1]} members and "
+                               f"{header[2]}-byte slots, this rank expects {n} and {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.ctrl = np.ndarray((n, _LINE // 8), np.int64, buf, self.off_ctrl)
+        self.bell = _Futex(np.ndarray((1,), np.uint32, buf, self.off_bell))
+        self.unlinked = not self.leader
+
+    # --- the segment ------------------------------------------------------------------------
+
+    def _create(self, size: int) -> shared_memory.SharedMemory:
+        try:
+            return shared_memory.SharedMemory(self.name, create=True, size=size)
+        except FileExistsError:  # left by a process of an earlier run that was killed early
+            stale = shared_memory.SharedMemory(self.name)
+            stale.close()
+            stale.unlink()
+            return shared_memory.SharedMemory(self.name, create=True, size=size)
+
+    def _open(self, size: int) -> mmap.mmap:
+        """Map the first member's segment. Opened as a plain file of /dev/shm rather than a
+        SharedMemory, which would register the name with the resource tracker a second time."""
+        found: list[mmap.mmap] = []
+
+        def opened() -> bool:
+            try:
+                fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
+            except FileNotFoundError:
+                return False
+            try:
+                if os.fstat(fd).st_size < size:  # created, not sized yet
+                    return False
+                found.append(mmap.mmap(fd, size))
+                return True
+            finally:
+                os.close(fd)
+
+        self._await(opened, "the group's first member to create shared memory")
+        return found[0]
+
+    def _await(self, ready, what: str) -> None:
+        start = time.monotonic()
+        while not ready():
+            waited = time.monotonic() - start
+            if waited > self.transport.timeout:
+                raise DTMError(E.TIMEOUT, f"rank {self.transport.rank}: waited {waited:.1f} s for {what} "
+                               f"({self.name}, group {list(self.ranks)})")
+            self.transport.poll(f"setting up shared memory for group {list(self.ranks)}")
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self.unlink()
+        self.ctrl = self.bell = None  # drop the views into the segment before unmapping it
+        self.buf.release()
+        try:
+            self.shm.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with the process
+            pass
+
+    def unlink(self) -> None:
+        if not self.unlinked:
+            self.unlinked = True
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    # --- views ----------------------------------------------------------------------------------
+
+    def _slot(self, b: int, m: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """Member m's slot of buffer b (m == n: the result slot), as `count` elements."""
+        off = self.off_data + (b * (self.n + 1) + m) * self.slot_bytes
+        return np.ndarray((count,), dtype, self.buf, off)
+
+    def _desc(self, b: int, m: int) -> memoryview:
+        off = self.off_desc + (b * self.n + m) * self.desc_bytes
+        return self.buf[off:off + self.desc_bytes]
+
+    # --- rounds -----------------------------------------------------------------------------------
+
+    def _wait(self, col: int, target: int, what: str) -> None:
+        """Until every member's counter `col` reached `target`."""
+        ctrl = self.ctrl[:, col]
+        if ctrl.min() >= target:
+            return
+        start = last_poll = time.monotonic()
+        while True:
+            seen = self.bell.value()
+            if ctrl.min() >= target:
+                return
+            now = time.monotonic()
+            if now - start > self.transport.timeout:
+                behind = [self.ranks[m] for m in range(self.n) if ctrl[m] < target]
+                raise DTMError(E.TIMEOUT, f"{what} on rank {self.transport.rank}: waited {now - start:.1f} s in "
+                               f"shared memory for ranks {behind}")
+            if now - last_poll >= SLICE_S:
+                self.transport.poll(what)  # PeerLost, or an Error a peer sent
+                last_poll = now
+            self.bell.wait(seen, SLICE_S)
+
+    def _count(self, col: int) -> None:
+        self.ctrl[self.me, col] = self.round + 1
+        self.bell.ring()
+
+    def _begin(self, what: str) -> int:
+        """Start a round: its buffer is free once every member consumed the round before last."""
+        self._wait(CONSUMED, self.round - 1, what)
+        return self.round % 2
+
+    def _publish(self, b: int, start: bytes) -> None:
+        d = self._desc(b, self.me)
+        d[:4] = len(start).to_bytes(4, "little")
+        d[4:4 + len(start)] = start
+
+    def _check(self, b: int, start: bytes, seq: int) -> None:
+        """After every member posted the collective's first round: all descriptors equal."""
+        for m in range(self.n):
+            d = self._desc(b, m)
+            theirs = bytes(d[4:4 + int.from_bytes(d[:4], "little")])
+            if m != self.me and not same_call(start, theirs):
+                raise CollectiveMismatch(mismatch_message(self.ranks, seq, start, self.transport.rank, theirs,
+                                                          self.ranks[m]))
+
+    def _round(self, k: int, b: int, start: bytes, what: str) -> None:
+        """Post this member's data of round k and wait for everyone's (checking the
+        descriptors in round 0; then the segment's name is no longer needed)."""
+        if k == 0:
+            self._publish(b, start)
+        self._count(POSTED)
+        self._wait(POSTED, self.round + 1, what)
+        if k == 0:
+            self._check(b, start, self._seq)
+        self.unlink()
+
+    def _end(self) -> None:
+        self._count(CONSUMED)
+        self.round += 1
+
+    def _reduce(self, op: str, parts: Sequence[np.ndarray], out: np.ndarray, scratch: np.ndarray | None) -> None:
+        """out = parts[0] op parts[1] op ... in group order (in f32 scratch for narrow floats)."""
+        acc = out if scratch is None else scratch
+        if scratch is not None:
+            np.copyto(acc, parts[0], casting="unsafe")
+            reduction.combine(op, acc, parts[1], out=acc)
+        else:
+            reduction.combine(op, parts[0], parts[1], out=acc)
+        for p in parts[2:]:
+            reduction.combine(op, acc, p, out=acc)
+        reduction.finish(op, acc, self.n, out)
+
+    # --- the collectives ----------------------------------------------------------------------
+
+    def run(self, kind: str, link, src: np.ndarray | None, dst: np.ndarray | None, *, op: str = "sum",
+            root: int = 0) -> bool:
+        self._seq = link.seq
+        getattr(self, "_" + kind)(link.start, link.what, src, dst, op, root)
+        return True
+
+    def _all_reduce(self, start, what, src, dst, op, root) -> None:
+        dtype, n = src.dtype, self.n
+        per = self.slot_bytes // dtype.itemsize
+        narrow = reduction.work_dtype(dtype) != dtype
+        small = src.nbytes <= SMALL_BYTES
+        scratch = np.empty(per if small else -(-per // n), np.float32) if narrow else None
+        for k in range(max(1, math.ceil(src.size / per))):
+            lo, hi = k * per, min(src.size, (k + 1) * per)
+            b = self._begin(what)
+            mine = self._slot(b, self.me, dtype, hi - lo)
+            mine[...] = src[lo:hi]
+            self._round(k, b, start, what)
+            slots = [self._slot(b, m, dtype, hi - lo) for m in range(n)]
+            if small:
+                self._reduce(op, slots, dst[lo:hi], scratch[:hi - lo] if narrow else None)
+            else:
+                a, z = split(hi - lo, n)[self.me]
+                result = self._slot(b, n, dtype, hi - lo)
+                self._reduce(op, [s[a:z] for s in slots], result[a:z], scratch[:z - a] if narrow else None)
+                self._count(REDUCED)
+                self._wait(REDUCED, self.round + 1, what)
+                dst[lo:hi] = result
+            self._end()
+
+    def _all_gather(self, start, what, src, dst, op, root) -> None:
+        dtype, count = src.dtype, src.size
+        per = self.slot_bytes // dtype.itemsize
+        for k in range(max(1, math.ceil(count / per))):
+            lo, hi = k * per, min(count, (k + 1) * per)
+            b = self._begin(what)
+            self._slot(b, self.me, dtype, hi - lo)[...] = src[lo:hi]
+            self._round(k, b, start, what)
+            for m in range(self.n):
+                if m != self.me:
+                    dst[m * count + lo:m * count + hi] = self._slot(b, m, dtype, hi - lo)
+            self._end()
+
+    def _reduce_scatter(self, start, what, src, dst, op, root) -> None:
+        dtype, n, count = src.dtype, self.n, dst.size
+        per = max(1, self.slot_bytes // (n * dtype.itemsize))  # each slot holds n pieces per round
+        narrow = reduction.work_dtype(dtype) != dtype
+        scratch = np.empty(per, np.float32) if narrow else None
+        for k in range(max(1, math.ceil(count / per))):
+            lo, hi = k * per, min(count, (k + 1) * per)
+            b = self._begin(what)
+            mine = self._slot(b, self.me, dtype, n * per)
+            for j in range(n):
+                mine[j * per:j * per + hi - lo] = src[j * count + lo:j * count + hi]
+            self._round(k, b, start, what)
+            a = self.me * per
+            parts = [self._slot(b, m, dtype, n * per)[a:a + hi - lo] for m in range(n)]
+            self._reduce(op, parts, dst[lo:hi], scratch[:hi - lo] if narrow else None)
+            self._end()
+
+    def _broadcast(self, start, what, src, dst, op, root) -> None:
+        dtype = dst.dtype
+        per = self.slot_bytes // dtype.itemsize
+        for k in range(max(1, math.ceil(dst.size / per))):
+            lo, hi = k * per, min(dst.size, (k + 1) * per)
+            b = self._begin(what)
+            if self.me == root:
+                self._slot(b, root, dtype, hi - lo)[...] = src[lo:hi]
+            self._round(k, b, start, what)
+            if self.me != root:
+                dst[lo:hi] = self._slot(b, root, dtype, hi - lo)
+            self._end()
+
+    def _barrier(self, start, what, src, dst, op, root) -> None:
+        b = self._begin(what)
+        self._round(0, b, start, what)
+        self._end()
+
+
+class ShmTransport(TcpTransport):
+    """TCP connections plus a shared-memory workspace for each group whose members all run
+    on this host (`local`: the ranks that do; None: all of them)."""
+
+    def __init__(self, *args, session: str, slot_bytes: int = SLOT_BYTES, local: Sequence[int] | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.session, self.slot_bytes = session, slot_bytes
+        self.local = set(range(self.world_size) if local is None else local)
+        self._spaces: dict[tuple[int, ...], Workspace | None] = {}
+
+    def workspace(self, ranks: tuple[int, ...]) -> Workspace | None:
+        """The group's workspace; None when the group spans hosts or this CPU is not supported."""
+        if ranks not in self._spaces:
+            ok = _SUPPORTED and len(ranks) > 1 and all(r in self.local for r in ranks)
+            name = f"dtm{self.session}_{hashlib.sha256(repr(ranks).encode()).hexdigest()[:12]}"
+            self._spaces[ranks] = Workspace(self, ranks, name, self.slot_bytes) if ok else None
+        return self._spaces[ranks]
+
+    def close(self) -> None:
+        for space in self._spaces.values():
+            if space is not None:
+                space.close()
+        self._spaces.clear()
+        super().close()
+
+
+def connect_local(rank: int, world_size: int, addresses: Sequence[tuple[str, int]], token: bytes | str, *,
+                  epoch: int = 0, timeout: float = DEFAULT_TIMEOUT_S, slot_bytes: int = SLOT_BYTES,
+                  local: Sequence[int] | None = None, **kw) -> ShmTransport:
+    """`connect_mesh` for ranks of one host: the same connections, plus shared memory for
+    collectives. Segment names derive from the token, the addresses and the epoch, so two
+    meshes on one host never share one (and the token cannot be read back from a name)."""
+    secret = token.encode() if isinstance(token, str) else token
+    session = hashlib.sha256(secret + repr((list(map(tuple, addresses)), epoch)).encode()).hexdigest()[:16]
+    return connect_mesh(rank, world_size, addresses, token, epoch=epoch, timeout=timeout, transport_class=ShmTransport,
+                        session=session, slot_bytes=slot_bytes, local=local, **kw)

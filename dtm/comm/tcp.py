@@ -1,0 +1,594 @@
+"""The TCP transport: one connection per pair of ranks, frames of spec 9.1 on each.
+
+    listener = listen()                                  # 127.0.0.1, a free port
+    ... tell every rank every other rank's (host, port) ...
+    transport = connect_mesh(rank, world_size, addresses, token, listener=listener)
+
+`connect_mesh` connects to every lower rank and accepts every higher one; each connection
+opens with the three-Hello handshake of `dtm.protocol.handshake`, which proves that both
+sides hold the cluster token (HMAC over the other side's challenge; the token never
+travels) and negotiates the protocol version. A connection that sends anything else, or
+nothing within `HELLO_TIMEOUT_S`, is dropped with a logged reason while the others go on.
+
+On the established mesh each rank's single thread drives non-blocking sockets: frames
+queued before a wait leave in one `sendmsg`, which takes frame headers and the tensor's
+memoryviews together (no copy of the tensor), and a
+Data frame whose receive is posted is read with `recv_into` straight into its numpy buffer.
+Every frame's CRC32C is checked before its bytes are used (`ChecksumError`), every length
+is bounded before a buffer is allocated, and a peer whose connection ends without a Leave
+frame is reported as `PeerLost` at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import select
+import socket
+import time
+from collections.abc import Iterable, Sequence
+
+from ..errors import DTMError, ErrorCode as E
+from ..protocol.caps import level_caps
+from ..protocol.errors import ProtocolError, StaleEpochError
+from ..protocol.frame import HEADER_SIZE, MAX_PAYLOAD, FrameHeader, MsgType, decode_header, encode_header, \
+    verify_payload
+from ..protocol.handshake import Handshake
+from ..protocol.messages import MIN_MAX_PAYLOAD, Leave, decode_message
+from .transport import DATA_HEADER, DEFAULT_TIMEOUT_S, Buffer, Handle, PeerLost, Transport
+
+log = logging.getLogger("dtm.comm")
+
+HELLO_TIMEOUT_S = 10.0     # an accepted connection must finish its handshake within this
+MAX_HANDSHAKING = 64       # accepted connections still in their handshake; past this the oldest goes
+READ_BUFFER = 256 << 10    # per connection, for headers and small frames
+READ_AHEAD = 16 << 10      # the most read into it at once
+MAX_IOV = 64               # buffers per sendmsg call
+LEVEL = 1                  # conformance level announced in Hello (membership, wire collectives, P2P)
+
+
+def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 128) -> socket.socket:
+    """A listening socket for `connect_mesh`; port 0 picks a free port (`getsockname()`)."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(backlog)
+    return s
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+
+
+class _Out:
+    """A frame on its way out: the views not yet sent, and its handle."""
+
+    __slots__ = ("views", "handle")
+
+    def __init__(self, views: list[memoryview], handle: Handle):
+        self.views, self.handle = views, handle
+
+
+class _Conn:
+    """One established connection and its reading and writing state."""
+
+    def __init__(self, peer: int, sock: socket.socket, version: tuple[int, int], peer_max_payload: int,
+                 name: str, seq_out: int, seq_in: int):
+        self.peer, self.sock, self.version, self.name = peer, sock, version, name
+        self.fd = sock.fileno()
+        self.max_send = peer_max_payload
+        self.out: collections.deque[_Out] = collections.deque()
+        self.seq_out: dict[int, int] = collections.defaultdict(int)
+        self.seq_out[0] = seq_out  # the handshake used the first numbers of the control stream
+        self.seq_in: dict[int, int] = collections.defaultdict(int)
+        self.seq_in[0] = seq_in
+        self.rbuf = bytearray(READ_BUFFER)
+        self.rstart = self.rend = 0
+        self.header: FrameHeader | None = None
+        self.chunk_header: tuple | None = None  # (seq, chunk, step, offset, nbytes) of the Data frame being read
+        self.dest: memoryview | None = None    # where the payload being read goes
+        self.dest_pos = 0
+        self.direct = False                    # dest is the posted receive's own buffer
+        self.skip = 0                          # payload bytes of a stale frame still to drop
+        self.left = False                      # the peer said Leave
+        self.severed = False                   # the failure detector declared the peer lost
+        self.closed: str | None = None         # why the connection is gone
+        self.writing = False                   # registered for POLLOUT
+
+
+class TcpTransport(Transport):
+    """Frames over established, authenticated connections (made by `connect_mesh`)."""
+
+    def __init__(self, rank: int, world_size: int, conns: dict[int, tuple[socket.socket, Handshake]], *,
+                 listener: socket.socket | None = None, epoch: int = 0, timeout: float = DEFAULT_TIMEOUT_S,
+                 max_payload: int = MAX_PAYLOAD, names: Sequence[str] | None = None):
+        super().__init__(rank, world_size, timeout=timeout)
+        self.epoch, self.max_payload = epoch, max_payload
+        self._names = list(names) if names is not None else [f"rank {r}" for r in range(world_size)]
+        self._poller = select.poll()
+        self._conns: dict[int, _Conn] = {}
+        self._by_fd: dict[int, _Conn] = {}
+        self._closed = 0  # connections lost or closed
+        for peer, (sock, hs) in conns.items():
+            _tune(sock)
+            # The handshake numbered the control stream's first frames: the connecting side sent 2 Hellos.
+            c = _Conn(peer, sock, hs.version, hs.peer.max_payload, self._names[peer], hs.next_seq,
+                      1 if hs.role == "connect" else 2)
+            self._conns[peer] = c
+            self._by_fd[c.fd] = c
+            self._poller.register(c.fd, select.POLLIN)
+        if self._conns:
+            self.max_data = min(c.max_send for c in self._conns.values()) - DATA_HEADER.size
+        self.listener = listener
+        if listener is not None:
+            listener.setblocking(False)
+            self._poller.register(listener.fileno(), select.POLLIN)
+
+    def peer_name(self, peer: int) -> str:
+        return self._names[peer]
+
+    # --- sending ----------------------------------------------------------------------------
+
+    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer]) -> Handle:
+        c = self._conns.get(peer)
+        if c is None:
+            raise DTMError(E.INVALID_GROUP, f"rank {self.rank} has no connection to rank {peer}")
+        if c.closed is not None:
+            raise PeerLost(peer, f"a {msg_type.name} frame to {c.name}", c.closed)
+        length = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+        if length > c.max_send:
+            raise DTMError(E.FRAME_TOO_LARGE, f"a {length}-byte {msg_type.name} frame for {c.name}, which accepts "
+                           f"at most {c.max_send} bytes")
+        seq = c.seq_out[stream]
+        c.seq_out[stream] = seq + 1
+        header = encode_header(msg_type, parts, epoch=self.epoch, stream=stream, seq=seq, version=c.version)
+        h = Handle(peer, stream, "send")
+        views = [memoryview(header)] + [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
+        c.out.append(_Out([v for v in views if v.nbytes], h))
+        self.bytes_sent += HEADER_SIZE + length
+        return h  # sent by the next wait or poll, together with the frames queued after it
+
+    def _flush(self, c: _Conn, op: str) -> int:
+        """Send as much of c's queue as the socket takes now; the bytes sent."""
+        total = 0
+        while c.out:
+            iov: list[memoryview] = []
+            for item in c.out:
+                iov.extend(item.views)
+                if len(iov) >= MAX_IOV:
+                    break
+            iov = iov[:MAX_IOV]
+            try:
+                sent = c.sock.sendmsg(iov)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                self._lost(c, f"sending failed: {e.strerror or e}")
+                raise PeerLost(c.peer, op, c.closed) from None
+            total += sent
+            full = sent < sum(v.nbytes for v in iov)
+            while c.out:
+                item = c.out[0]
+                while item.views and sent >= item.views[0].nbytes:
+                    sent -= item.views[0].nbytes
+                    item.views.pop(0)
+                if item.views:
+                    if sent:
+                        item.views[0] = item.views[0][sent:]
+                    break
+                item.handle.done = True
+                c.out.popleft()
+            if full:
+                break
+        want = bool(c.out)
+        if want != c.writing and c.closed is None:
+            self._poller.modify(c.fd, select.POLLIN | (select.POLLOUT if want else 0))
+            c.writing = want
+        return total
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
+        sent = 0
+        for c in self._conns.values():
+            if c.out and c.closed is None:
+                try:
+                    sent += self._flush(c, op)
+                except PeerLost:
+                    pass  # marked lost: raised below if what we wait for needs it, else on reading
+        if self._closed:
+            for h in waiting:  # a peer that is gone cannot complete what we wait for
+                c = self._conns.get(h.peer)
+                if c is not None and c.closed is not None and not h.done:
+                    raise PeerLost(h.peer, op, c.closed)
+        events = self._poller.poll(0)
+        if not events and not sent:  # nothing moved: sleep until something can
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = self._poller.poll(max(1, int(min(left, 1.0) * 1000)))
+        for fd, ev in events:
+            c = self._by_fd.get(fd)
+            if c is None:
+                self._refuse()
+                continue
+            if ev & select.POLLOUT:
+                self._flush(c, op)
+            if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                self._read(c, op)
+
+    def _refuse(self) -> None:
+        """Someone connected after the mesh formed: this transport takes no new members."""
+        try:
+            sock, addr = self.listener.accept()
+        except OSError:
+            return
+        log.warning("rank %d: dropped a connection from %s:%s: the mesh of %d ranks is complete", self.rank,
+                    addr[0], addr[1], self.world_size)
+        sock.close()
+
+    def _read(self, c: _Conn, op: str) -> None:
+        """Read and deliver everything c's socket has now."""
+        try:
+            while c.closed is None:
+                if c.dest is not None:  # a payload, straight into its buffer
+                    n = c.sock.recv_into(c.dest[c.dest_pos:])
+                    if n == 0:
+                        return self._eof(c, op)
+                    c.dest_pos += n
+                    if c.dest_pos == c.dest.nbytes:
+                        self._payload_done(c, op)
+                    continue
+                if c.skip:
+                    n = c.sock.recv_into(c.rbuf, min(c.skip, len(c.rbuf)))
+                    if n == 0:
+                        return self._eof(c, op)
+                    c.skip -= n
+                    continue
+                while c.dest is None and not c.skip and self._parse(c, op):
+                    pass
+                if c.dest is not None or c.skip:
+                    continue
+                if c.rstart == c.rend:
+                    c.rstart = c.rend = 0
+                elif c.rend == len(c.rbuf):  # keep the partial frame, make room after it
+                    c.rbuf[:c.rend - c.rstart] = c.rbuf[c.rstart:c.rend]
+                    c.rend -= c.rstart
+                    c.rstart = 0
+                # A bounded read: the bytes after a Data header should land in their own
+                # buffer, not here (where they would be copied once more).
+                n = c.sock.recv_into(memoryview(c.rbuf)[c.rend:c.rend + READ_AHEAD])
+                if n == 0:
+                    return self._eof(c, op)
+                c.rend += n
+        except (BlockingIOError, InterruptedError):
+            return
+        except ProtocolError as e:
+            self._lost(c, str(e))
+            raise e.at(c.name, op) from None
+        except OSError as e:
+            self._lost(c, f"reading failed: {e.strerror or e}")
+            raise PeerLost(c.peer, op, c.closed) from None
+
+    def _parse(self, c: _Conn, op: str) -> bool:
+        """Take one frame (or the start of a large payload) from c's read buffer; False
+        when more bytes are needed first."""
+        avail = c.rend - c.rstart
+        buf = memoryview(c.rbuf)
+        if c.header is None:
+            if avail < HEADER_SIZE:
+                return False
+            try:
+                h = decode_header(buf[c.rstart:c.rstart + HEADER_SIZE], max_payload=self.max_payload,
+                                  expected_epoch=self.epoch, expected_version=c.version)
+            except StaleEpochError as e:
+                log.warning("rank %d: dropped a frame from %s: %s", self.rank, c.name, e)
+                c.skip = int.from_bytes(c.rbuf[c.rstart + 16:c.rstart + 24], "little")
+                c.rstart += HEADER_SIZE
+                take = min(c.skip, c.rend - c.rstart)
+                c.rstart += take
+                c.skip -= take
+                return True
+            want = c.seq_in[h.stream]
+            if h.seq != want:
+                raise ProtocolError(E.OUT_OF_SEQUENCE, f"{h.msg_type.name} frame on stream {h.stream} has seq {h.seq}, "
+                                                       f"expected {want}")
+            c.seq_in[h.stream] = want + 1
+            c.header = h
+            c.rstart += HEADER_SIZE
+            avail -= HEADER_SIZE
+        h = c.header
+        if h.msg_type is MsgType.DATA:
+            if avail < DATA_HEADER.size:
+                return False
+            if h.length < DATA_HEADER.size:
+                raise ProtocolError(E.BAD_PAYLOAD, f"a Data frame of {h.length} bytes is shorter than its "
+                                                   f"{DATA_HEADER.size}-byte chunk header")
+            fields = DATA_HEADER.unpack_from(c.rbuf, c.rstart)
+            nbytes = fields[4]
+            if nbytes != h.length - DATA_HEADER.size:
+                raise ProtocolError(E.BAD_PAYLOAD, f"a Data chunk header says {nbytes} bytes, the frame holds "
+                                                   f"{h.length - DATA_HEADER.size}")
+            c.chunk_header = fields
+            c.rstart += DATA_HEADER.size
+            avail -= DATA_HEADER.size
+            target = self._target(c.peer, h.stream)
+            c.direct = target is not None and target.buf.nbytes == nbytes
+            c.dest = target.buf if c.direct else memoryview(bytearray(nbytes))
+        elif h.length <= len(c.rbuf) - HEADER_SIZE:  # small: wait until it is all in the read buffer
+            if avail < h.length:
+                if c.rstart + h.length > len(c.rbuf):
+                    c.rbuf[:avail] = c.rbuf[c.rstart:c.rend]
+                    c.rstart, c.rend = 0, avail
+                return False
+            payload = bytes(c.rbuf[c.rstart:c.rstart + h.length])
+            c.rstart += h.length
+            c.header = None
+            verify_payload(h, payload)
+            self._control_frame(c, h, payload)
+            return True
+        else:
+            c.direct = False
+            c.dest = memoryview(bytearray(h.length))
+        take = min(avail, c.dest.nbytes)
+        c.dest[:take] = buf[c.rstart:c.rstart + take]
+        c.rstart += take
+        c.dest_pos = take
+        if take == c.dest.nbytes:
+            self._payload_done(c, op)
+        return True
+
+    def _payload_done(self, c: _Conn, op: str) -> None:
+        h, dest = c.header, c.dest
+        c.header, c.dest, c.dest_pos = None, None, 0
+        if h.msg_type is MsgType.DATA:
+            seq, chunk, _step, _offset, nbytes = c.chunk_header
+            verify_payload(h, [DATA_HEADER.pack(*c.chunk_header), dest])
+            self._deliver_data(c.peer, h.stream, seq, chunk, nbytes, None if c.direct else dest)
+        else:
+            verify_payload(h, dest)
+            self._control_frame(c, h, bytes(dest))
+
+    def _control_frame(self, c: _Conn, h: FrameHeader, payload: bytes) -> None:
+        if h.msg_type is MsgType.LEAVE:
+            c.left = True
+            log.info("rank %d: %s left the mesh: %s", self.rank, c.name, decode_message(h, payload).reason)
+            return
+        self._deliver_control(c.peer, h.msg_type, h.stream, payload)
+
+    def _eof(self, c: _Conn, op: str) -> None:
+        if c.left:
+            self._lost(c, "it left the mesh")
+            return
+        self._lost(c, "the failure detector declared it lost" if c.severed else
+                   "its connection closed without Leave: the process ended or was killed")
+        raise PeerLost(c.peer, op, c.closed)
+
+    def _lost(self, c: _Conn, why: str) -> None:
+        if c.closed is None:
+            c.closed = why
+            self._closed += 1
+            self._poller.unregister(c.fd)
+            c.sock.close()
+
+    def sever(self, peer: int) -> None:  # added by cluster helper
+        """Shut the connection to `peer` down; safe from any thread. Membership calls it when
+        the coordinator declares `peer` lost (e.g. stuck, with its socket still open), so a
+        wait that needs `peer` ends with PeerLost at once instead of at the timeout."""
+        c = self._conns.get(peer)
+        if c is not None and c.closed is None:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def sever(self, peer: int) -> None:
+        """The failure detector's word (from any thread) that `peer` is gone: shut its
+        connection down, so whatever waits for it ends with PeerLost now, not at the timeout."""
+        c = self._conns.get(peer)
+        if c is not None and c.closed is None:
+            c.severed = True
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    # --- closing -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Say Leave to every peer, push what is queued (bounded by the timeout), close."""
+        leave = Leave(self.rank, "closed").parts()
+        handles = []
+        for c in self._conns.values():
+            if c.closed is None:
+                try:
+                    handles.append(self.send(c.peer, 0, MsgType.LEAVE, leave))
+                except DTMError:
+                    pass
+        deadline = time.monotonic() + (self.timeout if self.failed is None else 1.0)
+        while any(not h.done for h in handles) and time.monotonic() < deadline:
+            try:
+                self._progress(deadline, (), "close")
+            except DTMError:
+                pass
+        for c in self._conns.values():
+            if c.closed is None:
+                try:
+                    c.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                self._lost(c, "this rank closed the connection")
+        if self.listener is not None:
+            self._poller.unregister(self.listener.fileno())
+            self.listener.close()
+            self.listener = None
+
+
+# --- forming the mesh -------------------------------------------------------------------------------
+
+class _Pending:
+    """A connection in its handshake; frames are read exactly, so bytes after the last
+    Hello stay in the socket for the transport."""
+
+    def __init__(self, sock: socket.socket, hs: Handshake, deadline: float, addr: str, target: int | None):
+        self.sock, self.hs, self.deadline, self.addr, self.target = sock, hs, deadline, addr, target
+        self.inbuf = bytearray()
+        self.header: FrameHeader | None = None
+        self.out = bytearray()
+        self.connected = target is None  # an outgoing connect may still be in progress
+
+    def need(self) -> int:
+        return HEADER_SIZE - len(self.inbuf) if self.header is None else self.header.length - len(self.inbuf)
+
+
+def connect_mesh(rank: int, world_size: int, addresses: Sequence[tuple[str, int]], token: bytes | str, *,
+                 listener: socket.socket | None = None, timeout: float = DEFAULT_TIMEOUT_S, epoch: int = 0,
+                 max_payload: int = MAX_PAYLOAD, transport_class: type = TcpTransport, **kw) -> TcpTransport:
+    """Connect rank `rank` to every other rank: it listens at addresses[rank] (or on
+    `listener`, already bound there), connects to each lower rank and accepts each higher
+    one, all authenticated with `token`. Returns once every connection is up; TIMEOUT
+    after `timeout` seconds naming the ranks that did not come."""
+    token = token.encode() if isinstance(token, str) else token
+    if len(addresses) != world_size:
+        raise DTMError(E.INVALID_GROUP, f"{len(addresses)} addresses for a world of {world_size} ranks")
+    if listener is None and rank < world_size - 1:
+        listener = listen(*addresses[rank])
+    names = [f"rank {r} at {h}:{p}" for r, (h, p) in enumerate(addresses)]
+    start = time.monotonic()
+    deadline = start + timeout
+    caps = int(level_caps(LEVEL))
+
+    def handshake(role: str) -> Handshake:
+        return Handshake(role, token, level=LEVEL, caps=caps, rank=rank, name=names[rank], max_payload=max_payload)
+
+    done: dict[int, tuple[socket.socket, Handshake]] = {}
+    pending: list[_Pending] = []
+    retry_at = {r: 0.0 for r in range(rank)}  # lower ranks to connect to, and when to try next
+    if listener is not None:
+        listener.setblocking(False)
+
+    def drop(p: _Pending, err: Exception) -> None:
+        if p.target is None:
+            log.warning("rank %d: dropped the connection from %s: %s", rank, p.addr, err)
+        else:  # usually the peer is not listening yet
+            log.debug("rank %d: connecting to %s failed, trying again: %s", rank, p.addr, err)
+        if isinstance(err, ProtocolError) and p.connected:
+            try:
+                p.sock.send(p.hs.error_frame(err))
+            except OSError:
+                pass
+        p.sock.close()
+        pending.remove(p)
+        if p.target is not None:  # try that rank again
+            retry_at[p.target] = time.monotonic() + 0.05
+
+    while len(done) < world_size - 1:
+        now = time.monotonic()
+        if now >= deadline:
+            for p in pending:
+                p.sock.close()
+            missing = [names[r] for r in range(world_size) if r != rank and r not in done]
+            raise DTMError(E.TIMEOUT, f"forming the mesh, rank {rank} waited {now - start:.1f} s for "
+                                      f"{', '.join(missing)}")
+        for r, when in list(retry_at.items()):  # start connections to lower ranks
+            if when <= now:
+                del retry_at[r]
+                s = socket.socket(socket.AF_INET6 if ":" in addresses[r][0] else socket.AF_INET, socket.SOCK_STREAM)
+                s.setblocking(False)
+                err = s.connect_ex(tuple(addresses[r]))
+                p = _Pending(s, handshake("connect"), deadline, names[r], r)
+                pending.append(p)
+                if err not in (0, errno.EINPROGRESS):
+                    drop(p, OSError(err, "connect failed"))
+        poller = select.poll()
+        if listener is not None:
+            poller.register(listener.fileno(), select.POLLIN)
+        for p in pending:
+            poller.register(p.sock.fileno(), select.POLLIN | (select.POLLOUT if p.out or not p.connected else 0))
+        wake = min([deadline] + list(retry_at.values()) + [p.deadline for p in pending])
+        events = poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1)
+        by_fd = {p.sock.fileno(): p for p in pending}
+        for fd, ev in events:
+            if listener is not None and fd == listener.fileno():
+                try:
+                    s, addr = listener.accept()
+                except OSError:
+                    continue
+                s.setblocking(False)
+                accepted = [q for q in pending if q.target is None]
+                if len(accepted) >= MAX_HANDSHAKING:
+                    drop(accepted[0], DTMError(E.TIMEOUT, f"more than {MAX_HANDSHAKING} connections in their handshake"))
+                pending.append(_Pending(s, handshake("accept"), min(deadline, time.monotonic() + HELLO_TIMEOUT_S),
+                                        f"{addr[0]}:{addr[1]}", None))
+                continue
+            p = by_fd.get(fd)
+            if p is None or p not in pending:
+                continue
+            try:
+                if not p.connected:
+                    err = p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:
+                        raise OSError(err, "connect failed")
+                    p.connected = True
+                    for frame in p.hs.start():
+                        p.out += frame
+                if p.out:
+                    n = p.sock.send(p.out)
+                    del p.out[:n]
+                if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    _handshake_read(p, max_payload)
+                if p.hs.done and not p.out:
+                    peer = p.hs.peer.rank
+                    if p.target is not None and peer != p.target:
+                        raise ProtocolError(E.UNEXPECTED_MESSAGE, f"expected rank {p.target}, the peer says it is "
+                                                                  f"rank {peer}")
+                    if p.target is None and not (rank < peer < world_size and peer not in done):
+                        raise ProtocolError(E.UNEXPECTED_MESSAGE, f"a peer claiming rank {peer} connected; rank "
+                                                                  f"{rank} accepts ranks {rank + 1} to "
+                                                                  f"{world_size - 1}, once each")
+                    pending.remove(p)
+                    done[peer] = (p.sock, p.hs)
+            except BlockingIOError:
+                continue
+            except (ProtocolError, OSError) as e:
+                if p.target is not None and isinstance(e, ProtocolError) and e.code is E.AUTH_FAILED:
+                    try:  # tell the peer why, then give up: this rank cannot join with its token
+                        p.sock.send(p.hs.error_frame(e))
+                    except OSError:
+                        pass
+                    for q in pending:
+                        q.sock.close()
+                    raise e.at(names[p.target], "forming the mesh") from None
+                drop(p, e)
+        for p in [p for p in pending if p.target is None and time.monotonic() >= p.deadline]:
+            drop(p, DTMError(E.TIMEOUT, f"no handshake within {HELLO_TIMEOUT_S:g} s"))
+    return transport_class(rank, world_size, done, listener=listener, epoch=epoch, timeout=timeout,
+                           max_payload=max_payload, names=names, **kw)
+
+
+def _handshake_read(p: _Pending, max_payload: int) -> None:
+    """Read what the handshake needs, frame by frame, and answer."""
+    while not p.hs.done:
+        chunk = p.sock.recv(p.need())
+        if not chunk:
+            raise OSError(errno.ECONNRESET, "the peer closed the connection during the handshake")
+        p.inbuf += chunk
+        if p.need():
+            continue
+        if p.header is None:
+            # Handshake frames are small: bound them by the least payload a peer must accept.
+            p.header = decode_header(p.inbuf, max_payload=MIN_MAX_PAYLOAD)
+            p.inbuf.clear()
+            if p.header.length:
+                continue
+        header, payload = p.header, bytes(p.inbuf)
+        p.header = None
+        p.inbuf.clear()
+        verify_payload(header, payload)
+        for frame in p.hs.receive(header, payload):
+            p.out += frame
+        if p.out:
+            n = p.sock.send(p.out)
+            del p.out[:n]

@@ -1,0 +1,300 @@
+"""This process's place among the ranks of a multi-process mesh (spec 9.6), and the
+collectives between processes on numpy arrays.
+
+    pg = init()                     # DTM_COORDINATOR, DTM_RANK, DTM_WORLD_SIZE, DTM_TOKEN
+    y = pg.all_reduce(x, "sum")     # every rank gets the sum of all ranks' x
+    shutdown()
+
+`init` runs the coordinator in a thread when this is rank 0 and no other one runs
+(DTM_COORDINATOR_EXTERNAL), joins the mesh, starts heartbeats, and connects every pair of
+ranks: shared memory for groups of ranks on one host, TCP between hosts (dtm.comm). Without
+DTM_COORDINATOR (and DTM_WORLD_SIZE unset or 1) it makes a group of one process.
+
+A collective that fails because a peer died or hung (its connection closed, it stopped
+heartbeating, or another rank reported losing it) raises PeerLost naming that rank and the
+last operation its heartbeats reported. A blocked collective is woken when the coordinator
+says a peer it needs is lost, so a survivor hears within `Membership.detection_bound`
+(6.5 s by default) of the lost rank's last heartbeat, and at once when its process ended.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from ..cluster.coordinator import Coordinator
+from ..cluster.env import Axes, rank_env
+from ..cluster.heartbeat import Figures
+from ..cluster.membership import Membership, join
+from ..comm.calls import call_site
+from ..comm.collectives import Communicator
+from ..comm.inproc import InprocHub
+from ..comm.shm import connect_local
+from ..comm.tcp import connect_mesh
+from ..comm.transport import DEFAULT_TIMEOUT_S, PeerLost
+from ..errors import DTMError, ErrorCode as E
+from ..ir.dtypes import from_numpy
+
+log = logging.getLogger("dtm.cluster")
+
+DEFAULT_INIT_TIMEOUT_S = 60.0
+SHUTDOWN_GRACE_S = 10.0  # rank 0 waits this long for the others to leave before its coordinator stops
+
+T = TypeVar("T")
+Axis = str | Sequence[str] | None
+
+
+class ProcessGroup:
+    """The ranks of this mesh as seen from this process; made by `init`."""
+
+    def __init__(self, rank: int, world_size: int, *, axes: Axes = (), membership: Membership | None = None,
+                 coordinator: Coordinator | None = None):
+        self.rank, self.world_size, self.axes = rank, world_size, tuple(axes)
+        self.membership, self.coordinator = membership, coordinator
+        self.comm: Communicator | None = None
+        self.last_op = ""
+
+    def _attach(self, comm: Communicator) -> None:
+        self.comm = comm
+        if self.membership is not None:
+            self.membership.on_lost = self._on_lost
+
+    def figures(self) -> Figures:
+        """What this rank's heartbeats report (read on the heartbeat thread)."""
+        if self.comm is None:
+            return Figures(last_op="connecting to the mesh")
+        tp = self.comm.transport
+        return Figures(tp.bytes_sent, tp.bytes_received, self.comm.ops_done, self.last_op)
+
+    def _on_lost(self, rank: int, message: str) -> None:
+        # On the heartbeat thread: end whatever waits for `rank` now, not at the timeout.
+        sever = getattr(self.comm.transport, "sever", None)
+        if sever is not None:
+            sever(rank)
+
+    # --- groups from mesh axes ---------------------------------------------------------------
+
+    def group(self, axis: Axis) -> tuple[int, ...] | None:
+        """The ranks that share this rank's coordinates on every mesh axis but `axis` (a name
+        or several), in row-major order of the named axes as given; None for all ranks."""
+        if axis is None:
+            return None
+        names = (axis,) if isinstance(axis, str) else tuple(axis)
+        sizes = dict(self.axes)
+        unknown = [a for a in names if a not in sizes]
+        if unknown or not names or len(set(names)) != len(names):
+            have = ", ".join(f"{a}={n}" for a, n in self.axes) or "none (set DTM_MESH_AXES or dtm launch --axes)"
+            raise DTMError(E.UNKNOWN_MESH_AXIS if unknown else E.INVALID_GROUP,
+                           f"axis {list(names)}: the mesh's axes are {have}")
+        order = [a for a, _ in self.axes]
+        coords = dict(zip(order, np.unravel_index(self.rank, [sizes[a] for a in order])))
+        ranks = []
+        for combo in itertools.product(*(range(sizes[a]) for a in names)):
+            c = dict(coords, **dict(zip(names, combo)))
+            ranks.append(int(np.ravel_multi_index([c[a] for a in order], [sizes[a] for a in order])))
+        return tuple(ranks)
+
+    # --- running a collective -------------------------------------------------------------------
+
+    def _comm(self) -> Communicator:
+        if self.comm is None:
+            raise DTMError(E.NOT_INITIALIZED, "the process group is closed: call dtm.init() again")
+        return self.comm
+
+    def run(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one operation as `what` (it names it in heartbeats and errors); an error a
+        lost peer caused becomes PeerLost naming that peer."""
+        self.last_op = what
+        try:
+            return fn()
+        except DTMError as err:
+            lost = self._lost_peer(err, what)
+            if lost is None:
+                raise
+            raise lost from err
+
+    def _lost_peer(self, err: DTMError, what: str) -> PeerLost | None:
+        m = self.membership
+        if m is None or err.code not in (E.PEER_LOST, E.COLLECTIVE_ABORTED, E.TIMEOUT):
+            return None
+        peer = err.peer if isinstance(err, PeerLost) else None
+        # When a peer died the coordinator heard of it as soon as this rank did: wait for its
+        # notice (and the last operation it names). CollectiveAborted quotes the peer's code.
+        caused = err.code is E.PEER_LOST or E.PEER_LOST.value in err.message
+        found = m.wait_lost(m.detection_bound if caused else 0.0, prefer=peer)
+        if found is not None:
+            return PeerLost(found[0], what, found[1])
+        if peer is not None and peer not in m.left:
+            return PeerLost(peer, what, f"its last operation was {m.last_op(peer)} ({err})")
+        return None
+
+    def _describe(self, op: str, x: np.ndarray | None, group: tuple[int, ...] | None, args: str = "") -> str:
+        what = f"{op}({args})"
+        if x is not None:
+            try:
+                what += f" {from_numpy(x.dtype).name}{list(x.shape)}"
+            except KeyError:  # not a DTM dtype: the collective itself reports it
+                what += f" {x.dtype}{list(x.shape)}"
+        over = "all ranks" if group is None else f"ranks {list(group)}"
+        return f"{what} over {over} at {call_site()}"
+
+    # --- the collectives (numpy in, numpy out) ------------------------------------------------------
+
+    def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None) -> np.ndarray:
+        x, g = np.asarray(x), self.group(axis)
+        return self.run(self._describe("all_reduce", x, g, op), lambda: self._comm().all_reduce(x, op, g))
+
+    def all_gather(self, x: np.ndarray, dim: int = 0, axis: Axis = None) -> np.ndarray:
+        x, g = np.asarray(x), self.group(axis)
+        return self.run(self._describe("all_gather", x, g, f"dim={dim}"), lambda: self._comm().all_gather(x, dim, g))
+
+    def reduce_scatter(self, x: np.ndarray, op: str = "sum", dim: int = 0, axis: Axis = None) -> np.ndarray:
+        x, g = np.asarray(x), self.group(axis)
+        return self.run(self._describe("reduce_scatter", x, g, f"{op}, dim={dim}"),
+                        lambda: self._comm().reduce_scatter(x, op, dim, g))
+
+    def broadcast(self, x: np.ndarray, src: int = 0, axis: Axis = None) -> np.ndarray:
+        x, g = np.asarray(x), self.group(axis)
+        return self.run(self._describe("broadcast", x, g, f"src={src}"), lambda: self._comm().broadcast(x, src, g))
+
+    def all_to_all(self, x: np.ndarray, split_dim: int = 0, concat_dim: int = 0, axis: Axis = None) -> np.ndarray:
+        x, g = np.asarray(x), self.group(axis)
+        return self.run(self._describe("all_to_all", x, g, f"split_dim={split_dim}, concat_dim={concat_dim}"),
+                        lambda: self._comm().all_to_all(x, split_dim, concat_dim, g))
+
+    def barrier(self, axis: Axis = None) -> None:
+        g = self.group(axis)
+        self.run(self._describe("barrier", None, g), lambda: self._comm().barrier(g))
+
+    def send(self, x: np.ndarray, dst: int) -> None:
+        x = np.asarray(x)
+        self.run(self._describe("send", x, (self.rank, dst), f"dst={dst}"), lambda: self._comm().send(x, dst))
+
+    def recv(self, src: int, *, dtype=None, shape: Sequence[int] | None = None) -> np.ndarray:
+        return self.run(self._describe("recv", None, (src, self.rank), f"src={src}"),
+                        lambda: self._comm().recv(src, dtype=dtype, shape=shape))
+
+    # --- ending ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush and close the data connections (Leave to every peer), leave the mesh, and,
+        on the rank that runs the coordinator, let the others leave before it stops."""
+        try:
+            if self.comm is not None:
+                self.comm.close()
+        except DTMError as e:
+            log.warning("rank %d: closing the data connections: %s", self.rank, e)
+        finally:
+            self.comm = None
+            if self.membership is not None:
+                self.membership.leave("shutdown")
+            if self.coordinator is not None:
+                self.coordinator.finished.wait(SHUTDOWN_GRACE_S)
+                self.coordinator.stop()
+
+
+# --- the process's group --------------------------------------------------------------------------
+
+_current: ProcessGroup | None = None
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def init(timeout: float | None = None, *, op_timeout: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
+    """Join the mesh the DTM_* environment describes (cluster/env.py) and return once every
+    pair of ranks is connected; TIMEOUT after `timeout` s (default 60) naming what did not
+    come. `op_timeout` bounds each collective. A second call returns the same group."""
+    global _current, _atexit_registered
+    with _lock:
+        if _current is not None:
+            return _current
+        env = rank_env()
+        timeout = DEFAULT_INIT_TIMEOUT_S if timeout is None else float(timeout)
+        if env.single:
+            pg = ProcessGroup(0, 1)
+            pg._attach(Communicator(InprocHub(1).transports(timeout=op_timeout)[0]))
+        else:
+            pg = _join(env, timeout, op_timeout)
+        _current = pg
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        return pg
+
+
+def _join(env, timeout: float, op_timeout: float) -> ProcessGroup:
+    deadline = time.monotonic() + timeout
+    coordinator = None
+    if env.hosts_coordinator:
+        host, port = env.coordinator
+        coordinator = Coordinator(env.world_size, env.token, host=host, port=port, axes=env.axes,
+                                  heartbeat_ms=env.heartbeat_ms, timeout_ms=env.timeout_ms, join_timeout=timeout,
+                                  host_rank=0).start()
+    membership = listener = None
+    try:
+        membership, listener = join(env.coordinator, env.token, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout, host=env.host)
+        view = membership.view
+        pg = ProcessGroup(membership.rank, membership.world_size, axes=view.axes, membership=membership,
+                          coordinator=coordinator)
+        membership.start(pg.figures)
+        addresses = [(m.host, m.port) for m in view.members]
+        mine = view.members[membership.rank].node
+        local = [r for r, m in enumerate(view.members) if m.node == mine]
+        connect = connect_local if len(local) > 1 else connect_mesh
+        kw = {"local": local} if len(local) > 1 else {}
+        transport = connect(membership.rank, membership.world_size, addresses, env.token, listener=listener,
+                            epoch=view.epoch, timeout=max(deadline - time.monotonic(), 1.0), **kw)
+        transport.timeout = op_timeout
+        pg._attach(Communicator(transport))
+        return pg
+    except BaseException as err:
+        if listener is not None:
+            listener.close()
+        if membership is not None:
+            membership.leave("could not connect to the mesh")
+        if coordinator is not None:
+            coordinator.stop()
+        lost = membership.wait_lost(0.0) if membership is not None and isinstance(err, DTMError) else None
+        if lost is not None:  # a rank died while the others connected to it
+            raise PeerLost(lost[0], "forming the mesh", lost[1]) from err
+        raise
+
+
+def current() -> ProcessGroup:
+    """The group `init` made; E1005 before `init` or after `shutdown`."""
+    if _current is None:
+        raise DTMError(E.NOT_INITIALIZED, "this process is in no process group: call dtm.init() first (rank(), "
+                                          "world_size() and the collectives between processes need it)")
+    return _current
+
+
+def is_initialized() -> bool:
+    return _current is not None
+
+
+def rank() -> int:
+    """This process's rank, 0 to world_size() - 1."""
+    return current().rank
+
+
+def world_size() -> int:
+    """The number of ranks in the mesh."""
+    return current().world_size
+
+
+def shutdown() -> None:
+    """Leave the mesh: close the data connections with Leave, then the coordinator's. Safe to
+    call twice; also runs at exit."""
+    global _current
+    with _lock:
+        pg, _current = _current, None
+    if pg is not None:
+        pg.close()

@@ -1,0 +1,339 @@
+"""dtm.comm between real processes on 127.0.0.1, over TCP and over shared memory: results
+against numpy, desync, a corrupted Data frame, a rank killed with SIGKILL, a wrong token
+and garbage at a listening port. Processes start with "spawn"; every wait is bounded.
+
+Small thresholds (`COMM`, `SLOT`) make the test sizes take every algorithm: latency and
+pipelined ring over TCP, replicated and sliced multi-round rounds in shared memory."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dtm.errors import ErrorCode
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+COMM = dict(small_bytes=4 << 10, chunk_bytes=8 << 10)
+SLOT = 16 << 10
+TOKEN = b"test-cluster-token"
+KILL_BOUND_S = 10.0  # survivors raise PeerLost within this after a rank is killed
+
+
+# --- what each rank runs -----------------------------------------------------------------------
+
+def data(rank: int, shape, dtype) -> np.ndarray:
+    rng = np.random.default_rng(7 + rank)
+    return (rng.integers(-8, 8, size=shape) / 4).astype(dtype)
+
+
+def correctness(comm, rank, n):
+    """A bit of everything; the parent checks each result against numpy."""
+    out = {}
+    for size in (0, 3, 250, 50_000):
+        out[f"sum{size}"] = comm.all_reduce(data(rank, (size,), np.float32))
+    out["bf16"] = comm.all_reduce(data(rank, (30_000,), BF16))
+    out["max_i32"] = comm.all_reduce((data(rank, (9_000,), np.float32) * 4).astype(np.int32), op="max")
+    out["avg_f16"] = comm.all_reduce(data(rank, (7,), np.float16), op="avg")
+    x = data(rank, (12, n * 700), np.float32)
+    out["gather"] = comm.all_gather(x, dim=1)
+    out["rs"] = comm.reduce_scatter(x, op="sum", dim=1)
+    out["bcast"] = comm.broadcast(data(rank, (40_000,), np.float64), src=n - 1)
+    out["reduce"] = comm.reduce(data(rank, (20_000,), np.float32), dst=1)
+    out["a2a"] = comm.all_to_all(data(rank, (n * 3, 500), np.float32), split_dim=0, concat_dim=1)
+    comm.barrier()
+    comm.send(data(rank, (5, 1000), BF16), dst=(rank + 1) % n)
+    out["p2p"] = comm.recv((rank - 1) % n)
+    sub = [n - 1, 0]
+    if rank in sub:
+        out["sub"] = comm.all_reduce(data(rank, (10_000,), np.float32), group=sub)
+    if n == 4 and rank in (1, 2):
+        out["sub"] = comm.all_gather(data(rank, (2, 3), np.float32), group=[2, 1])
+    return out
+
+
+def mismatch(comm, rank, n):
+    x = np.zeros(1000, np.float32)
+    comm.all_reduce(x)
+    if rank == n - 1:
+        comm.all_gather(x, dim=0)
+    else:
+        comm.all_reduce(x)
+
+
+def corrupt(comm, rank, n):
+    """Rank 1 damages its first Data frame after its CRC was computed: bytes hurt in transit."""
+    if rank == 1:
+        from dtm.comm import tcp
+        from dtm.protocol.frame import MsgType
+        real = tcp.encode_header
+
+        def damaging(msg_type, parts, **kw):
+            header = real(msg_type, parts, **kw)
+            if msg_type is MsgType.DATA and parts[-1].nbytes and not damaging.done:
+                parts[-1][0] ^= 0xFF
+                damaging.done = True
+            return header
+
+        damaging.done = False
+        tcp.encode_header = damaging
+    comm.all_reduce(np.ones(10_000, np.float32))
+
+
+def killed(comm, rank, n):
+    """The last rank SIGKILLs itself while everyone runs all_reduces; the others must raise."""
+    x = np.ones(200_000, np.float32)
+    if rank == n - 1:
+        def die():
+            _REPORT.put(("killed", rank, time.time(), []))
+            time.sleep(0.1)  # let the queue's feeder thread send it
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.3, die).start()
+    while True:
+        comm.all_reduce(x, out=x)
+
+
+def served(comm, rank, n):
+    """Keep the mesh busy for a while (the parent pokes at a listener meanwhile)."""
+    end = time.monotonic() + 2.0
+    while True:
+        y = comm.all_reduce(np.full(3, rank + 1.0, np.float32))
+        if comm.broadcast(np.array([time.monotonic() > end]), src=0)[0]:  # rank 0's clock decides
+            return y
+
+
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, served)}
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+_REPORT = None  # the rank's queue to the parent
+
+
+def rank_main(kind, scenario, rank, n, q_port, q_addrs, q_out, timeout):
+    global _REPORT
+    _REPORT = q_out
+    records = _Records()
+    logging.getLogger("dtm.comm").addHandler(records)
+    comm = None
+    try:
+        from dtm.comm import Communicator
+        from dtm.comm.shm import connect_local
+        from dtm.comm.tcp import connect_mesh, listen
+        listener = listen()
+        q_port.put((rank, listener.getsockname()[1]))
+        addresses = q_addrs.get(timeout=30)
+        connect = connect_local if kind == "shm" else connect_mesh
+        extra = dict(slot_bytes=SLOT) if kind == "shm" else {}
+        transport = connect(rank, n, addresses, TOKEN, listener=listener, timeout=timeout, **extra)
+        comm = Communicator(transport, **COMM)
+        result = SCENARIOS[scenario](comm, rank, n)
+        q_out.put(("ok", rank, result, records.messages))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        q_out.put(("err", rank, (type(e).__name__, getattr(e, "code", None), str(e), time.time()), records.messages))
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+def run_mesh(kind: str, n: int, scenario: str, *, timeout: float = 20.0, between=None):
+    """Start n ranks, hand them each other's addresses, and collect one outcome per rank
+    that reports one. `between(ports, release)`, when given, releases each rank itself
+    (`release(r)` sends rank r the addresses) and may poke at the listeners meanwhile."""
+    ctx = mp.get_context("spawn")
+    q_port, q_out = ctx.Queue(), ctx.Queue()
+    q_addrs = [ctx.Queue() for _ in range(n)]
+    procs = [ctx.Process(target=rank_main, args=(kind, scenario, r, n, q_port, q_addrs[r], q_out, timeout),
+                         daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        ports = dict(q_port.get(timeout=60) for _ in range(n))
+
+        def release(r: int) -> None:
+            q_addrs[r].put([("127.0.0.1", ports[j]) for j in range(n)])
+
+        if between is not None:
+            between(ports, release)
+        else:
+            for r in range(n):
+                release(r)
+        outcomes = {}
+        deadline = time.monotonic() + timeout + 30
+        while len(outcomes) < n and time.monotonic() < deadline:
+            try:
+                status, rank, value, logs = q_out.get(timeout=0.2)
+                outcomes[rank] = (status, value, logs)
+            except queue.Empty:
+                if all(p.exitcode is not None for r, p in enumerate(procs) if r not in outcomes):
+                    break  # the rest ended without a word (killed)
+        return outcomes, procs
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _dtm_segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("dtm")} if os.path.isdir("/dev/shm") else set()
+
+
+# --- the tests --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,n", [("tcp", 2), ("tcp", 4), ("shm", 2), ("shm", 3)])
+def test_collectives_match_numpy(kind, n):
+    before = _dtm_segments()
+    outcomes, _ = run_mesh(kind, n, "correctness")
+    assert sorted(outcomes) == list(range(n))
+    errors = {r: o[1] for r, o in outcomes.items() if o[0] != "ok"}
+    assert not errors, errors
+    res = {r: o[1] for r, o in outcomes.items()}
+
+    def each(fn, shape, dtype):
+        return [fn(r, shape, dtype) for r in range(n)]
+
+    for size in (0, 3, 250, 50_000):
+        want = np.sum(each(data, (size,), np.float32), axis=0, dtype=np.float64)
+        for r in range(n):
+            np.testing.assert_allclose(res[r][f"sum{size}"], want, rtol=1e-6)
+            assert res[r][f"sum{size}"].tobytes() == res[0][f"sum{size}"].tobytes()
+    bf = np.sum([x.astype(np.float64) for x in each(data, (30_000,), BF16)], axis=0).astype(BF16)
+    ints = [(data(r, (9_000,), np.float32) * 4).astype(np.int32) for r in range(n)]
+    f16 = (np.sum(each(data, (7,), np.float16), axis=0, dtype=np.float64) / n).astype(np.float16)
+    xs = each(data, (12, n * 700), np.float32)
+    total = np.sum(xs, axis=0, dtype=np.float64)
+    for r in range(n):
+        np.testing.assert_array_equal(res[r]["bf16"], bf)
+        np.testing.assert_array_equal(res[r]["max_i32"], np.max(ints, axis=0))
+        np.testing.assert_array_equal(res[r]["avg_f16"], f16)
+        np.testing.assert_array_equal(res[r]["gather"], np.concatenate(xs, axis=1))
+        np.testing.assert_allclose(res[r]["rs"], np.split(total, n, axis=1)[r], rtol=1e-6)
+        np.testing.assert_array_equal(res[r]["bcast"], data(n - 1, (40_000,), np.float64))
+        a2a = np.concatenate([np.split(data(j, (n * 3, 500), np.float32), n, axis=0)[r] for j in range(n)], axis=1)
+        np.testing.assert_array_equal(res[r]["a2a"], a2a)
+        np.testing.assert_array_equal(res[r]["p2p"], data((r - 1) % n, (5, 1000), BF16))
+    np.testing.assert_allclose(res[1]["reduce"], np.sum(each(data, (20_000,), np.float32), axis=0), rtol=1e-6)
+    assert all(res[r]["reduce"] is None for r in range(n) if r != 1)
+    sub = np.sum([data(r, (10_000,), np.float32) for r in (n - 1, 0)], axis=0)
+    np.testing.assert_allclose(res[0]["sub"], sub, rtol=1e-6)
+    if n == 4:
+        np.testing.assert_array_equal(res[1]["sub"], np.concatenate([data(2, (2, 3), np.float32),
+                                                                      data(1, (2, 3), np.float32)]))
+    assert _dtm_segments() <= before, "shared memory segments were left behind"
+
+
+@pytest.mark.parametrize("kind,n", [("tcp", 3), ("shm", 2)])
+def test_mismatch_raises_on_every_rank(kind, n):
+    outcomes, _ = run_mesh(kind, n, "mismatch")
+    assert sorted(outcomes) == list(range(n))
+    for status, (name, code, message, _), _logs in outcomes.values():
+        assert status == "err" and code is ErrorCode.COLLECTIVE_MISMATCH, message
+        assert "all_gather(dim=0)" in message and "all_reduce(sum)" in message
+        assert "test_comm_procs.py:" in message
+
+
+def test_corrupted_data_frame_is_a_checksum_error():
+    outcomes, _ = run_mesh("tcp", 2, "corrupt")
+    status, (name, code, message, _), _ = outcomes[0]
+    assert (status, name, code) == ("err", "ChecksumError", ErrorCode.CHECKSUM_MISMATCH), message
+    assert "rank 1" in message and "CRC32C" in message
+    assert outcomes[1][0] == "err"  # the sender is told, not left waiting
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_sigkill_mid_all_reduce_gives_peer_lost(kind):
+    n = 3
+    outcomes, procs = run_mesh(kind, n, "killed", timeout=30)
+    assert procs[n - 1].exitcode == -signal.SIGKILL
+    status, killed_at, _ = outcomes[n - 1]
+    assert status == "killed"
+    for r in range(n - 1):
+        status, (name, code, message, when), _ = outcomes[r]
+        assert status == "err" and code is ErrorCode.PEER_LOST, message
+        assert "all_reduce" in message
+        assert 0 < when - killed_at < KILL_BOUND_S
+
+
+def _hello_with_wrong_token(port: int) -> str:
+    """Open a connection as a peer would, answer the challenge with a wrong token, and
+    return the code of the Error the rank sends back."""
+    from dtm.protocol.frame import FrameDecoder, MsgType
+    from dtm.protocol.handshake import Handshake
+    from dtm.protocol.messages import Error, Hello, decode_message, encode_message
+    from dtm.protocol.caps import level_caps
+    hs = Handshake("connect", b"wrong token", level=1, caps=int(level_caps(1)), rank=1)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(hs.start()[0])
+        dec = FrameDecoder()
+        frames = []
+        while not frames:
+            frames = dec.feed(s.recv(4096))
+        theirs = decode_message(*frames[0])
+        assert isinstance(theirs, Hello)
+        h = hs.hello
+        bogus = Hello(h.versions, h.level, h.caps, h.max_payload, h.rank, h.name, h.challenge, b"\0" * 32)
+        s.sendall(encode_message(bogus, epoch=0, stream=0, seq=1))
+        frames = []
+        while not frames:
+            chunk = s.recv(4096)
+            if not chunk:
+                return "closed"
+            frames = dec.feed(chunk)
+        header, payload = frames[0]
+        assert header.msg_type is MsgType.ERROR
+        return Error.decode(payload).code
+
+
+def _garbage(port: int, data: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        s.settimeout(10)
+        try:
+            while s.recv(4096):  # the rank closes the connection
+                pass
+        except ConnectionResetError:
+            pass
+
+
+def test_wrong_token_and_garbage_are_dropped_and_the_mesh_still_forms():
+    from dtm.protocol.frame import MsgType, encode_header
+    seen = {}
+
+    def poke(ports, release):
+        release(0)  # rank 0 waits for rank 1's connection, accepting whatever comes
+        seen["auth"] = _hello_with_wrong_token(ports[0])
+        _garbage(ports[0], os.urandom(64))
+        _garbage(ports[0], b"DTMW" + bytes(36))  # version 0.0: another major
+        huge = bytearray(encode_header(MsgType.HELLO, b"", epoch=0, stream=0, seq=0))
+        huge[16:24] = (1 << 40).to_bytes(8, "little")  # a length far past any limit
+        _garbage(ports[0], bytes(huge))
+        release(1)
+        time.sleep(1.0)  # the mesh is formed and busy now
+        _garbage(ports[0], os.urandom(64))
+
+    outcomes, _ = run_mesh("tcp", 2, "served", between=poke)
+    assert seen["auth"] == ErrorCode.AUTH_FAILED.value
+    for r in range(2):
+        status, value, logs = outcomes[r]
+        assert status == "ok", value
+        np.testing.assert_array_equal(value, np.full(3, 3.0, np.float32))
+    logs = "\n".join(outcomes[0][2])
+    for reason in ("E0909", "E0901", "E0902", "E0904", "the mesh of 2 ranks is complete"):
+        assert reason in logs, logs
