@@ -111,7 +111,21 @@ def served(comm, rank, n):
             return y
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, served)}
+def severed(comm, rank, n):
+    """Rank 0's failure detector (another thread) declares rank 1 lost while rank 0 waits
+    for it; rank 1 is alive but slow."""
+    if rank == 1:
+        time.sleep(3.0)
+        return None
+    threading.Timer(0.3, comm.transport.sever, (1,)).start()
+    t = time.monotonic()
+    try:
+        comm.recv(1)
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return type(e).__name__, str(e), time.monotonic() - t
+
+
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, served, severed)}
 
 
 class _Records(logging.Handler):
@@ -337,3 +351,11 @@ def test_wrong_token_and_garbage_are_dropped_and_the_mesh_still_forms():
     logs = "\n".join(outcomes[0][2])
     for reason in ("E0909", "E0901", "E0902", "E0904", "the mesh of 2 ranks is complete"):
         assert reason in logs, logs
+
+
+def test_sever_ends_a_wait_for_a_peer_at_once():
+    """What dtm.cluster's failure detector calls: the wait ends with PeerLost, not at the timeout."""
+    outcomes, _ = run_mesh("tcp", 2, "severed", timeout=20)
+    status, (name, message, waited), _ = outcomes[0]
+    assert (status, name) == ("ok", "PeerLost") and "failure detector" in message
+    assert waited < 2.0

@@ -1,15 +1,18 @@
 """Layer 5: collectives and point-to-point transfers between ranks (spec 3.11, 3.12, 9.5).
 
-- `transport`: the `Transport` interface (frames to and from peers) and the errors of this layer;
+- `transport`: the `Transport` interface (frames to and from peers) and this layer's errors;
 - `algorithms`: ring, recursive doubling, trees and direct exchange over a Transport;
-- `reduction`: the reductions, with narrow floats in f32 and one rounding;
-- `collectives`: `Communicator`, the collectives and send/recv with desync detection;
-- `inproc`, `shm`, `tcp`: the transports (threads of one process, processes of one host, hosts).
+- `reduction`: the reductions, narrow floats in f32 and rounded once;
+- `calls`: collective descriptors (CollectiveStart): encoding, comparison, messages;
+- `collectives`: `Communicator`, the collectives and send/recv, with desync detection;
+- `inproc`, `tcp`, `shm`: the transports (threads of one process, hosts, ranks of one host).
 """
 
 from .collectives import Communicator
 from .inproc import InprocHub, InprocTransport
+from .shm import ShmTransport, connect_local
+from .tcp import TcpTransport, connect_mesh, listen
 from .transport import CollectiveAborted, CollectiveMismatch, PeerLost, Transport
 
-__all__ = ["Communicator", "Transport", "InprocHub", "InprocTransport", "PeerLost", "CollectiveMismatch",
-           "CollectiveAborted"]
+__all__ = ["Communicator", "Transport", "InprocHub", "InprocTransport", "TcpTransport", "ShmTransport", "listen",
+           "connect_mesh", "connect_local", "PeerLost", "CollectiveMismatch", "CollectiveAborted"]

@@ -14,8 +14,11 @@ arrives. On a difference the detecting rank raises CollectiveMismatch naming bot
 sends an Error to every other member, which raise it too; so no rank hangs or reduces data
 of another collective. Every algorithm's messages connect all members of the group, so a
 difference anywhere is seen by someone. A rank that fails for any other reason mid
-collective also sends an Error, and the others raise CollectiveAborted quoting it.
+collective also sends an Error, and the others raise CollectiveAborted quoting it (or
+PeerLost, when what it reports is a lost peer). After an error the transport is failed.
 
+Scratch buffers (f32 partials of narrow floats, receive buffers of the ring) are kept and
+reused from call to call: fresh pages cost more than the copies on a small machine.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ MAX_RECV_BYTES = 8 << 30    # the largest tensor a peer may announce to `recv`
 _HISTORY = 8                # finished collectives per group whose descriptors late peers are checked against
 _MAX_PENDING = 4096         # descriptors of collectives this rank has not started yet
 
+
 @dataclass
 class _Group:
     ranks: tuple[int, ...]
@@ -68,12 +72,15 @@ class _Link:
 
     def send(self, to: int, buf: np.ndarray) -> Handle:
         peer = self.ranks[to]
-        if not self._started[to]:
-            self.tp.send(peer, self.stream, MsgType.COLLECTIVE_START, self._start)
-            self._started[to] = True
-        chunk = self._sent[to]
-        self._sent[to] = chunk + 1
-        return self.tp.send_data(peer, self.stream, buf, seq=self.seq, chunk=chunk)
+        try:
+            if not self._started[to]:
+                self.tp.send(peer, self.stream, MsgType.COLLECTIVE_START, self._start)
+                self._started[to] = True
+            chunk = self._sent[to]
+            self._sent[to] = chunk + 1
+            return self.tp.send_data(peer, self.stream, buf, seq=self.seq, chunk=chunk)
+        except PeerLost as e:  # name the collective, not the frame
+            raise PeerLost(e.peer, self.what, e.detail) from None
 
     def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None) -> Handle:
         chunk = self._received[frm]
@@ -216,10 +223,12 @@ class Communicator:
                 self._check_start(g, peer, theirs)
             if len(g.ranks) > 1:
                 body(_Link(self, g, seq, start, what))
-        except DTMError as e:
+        except BaseException as e:  # noqa: BLE001 - reported to the group, then raised
+            err = e if isinstance(e, DTMError) else CollectiveAborted(f"{what} on rank {self.rank} was interrupted "
+                                                                     f"by {type(e).__name__}: {e}")
             if not isinstance(e.__cause__, _FromPeer) and not isinstance(e, CollectiveAborted):
-                self._report(g, e)
-            self.transport.fail(e)
+                self._report(g, err)
+            self.transport.fail(err)
             raise
         self.ops_done += 1
 
@@ -227,8 +236,8 @@ class Communicator:
         """Elements per Data frame when `nbytes` move as `parts` blocks: about a quarter of
         a block, so several chunks pipeline, between 64 KiB (or chunk_bytes if smaller)
         and chunk_bytes (fewer frames, less per-frame work)."""
-        least = min(64 << 10, self.chunk_bytes)
-        size = min(self.chunk_bytes, max(least, nbytes // max(1, parts) // 4))
+        least = min(256 << 10, self.chunk_bytes)
+        size = min(self.chunk_bytes, max(least, nbytes // max(1, parts) // 2))
         return max(1, size // max(1, dtype.itemsize))
 
     # --- the collectives ------------------------------------------------------------------------
@@ -501,6 +510,9 @@ class Communicator:
                 self._p2p_arrived(peer, None)
             self.transport.wait([waiter], what)  # until the announcement: it posts the receives
             self.transport.wait(waiter.receives, what)
+        except DTMError as e:  # the sender's Data frames are now unclaimed: no later recv may take them
+            self.transport.fail(e)
+            raise
         finally:
             self._p2p_waiter.pop(peer, None)
         return waiter.result

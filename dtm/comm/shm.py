@@ -170,8 +170,8 @@ class Workspace:
     def close(self) -> None:
         self.unlink()
         self.ctrl = self.bell = None  # drop the views into the segment before unmapping it
-        self.buf.release()
         try:
+            self.buf.release()
             self.shm.close()
         except BufferError:  # a view is still alive somewhere: the mapping goes with the process
             pass
@@ -354,7 +354,7 @@ class ShmTransport(TcpTransport):
 
     def __init__(self, *args, session: str, slot_bytes: int = SLOT_BYTES, local: Sequence[int] | None = None, **kw):
         super().__init__(*args, **kw)
-        self.session, self.slot_bytes = session, slot_bytes
+        self.session, self.slot_bytes = session, -(-slot_bytes // _LINE) * _LINE  # aligned for every dtype
         self.local = set(range(self.world_size) if local is None else local)
         self._spaces: dict[tuple[int, ...], Workspace | None] = {}
 

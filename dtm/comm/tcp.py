@@ -373,20 +373,10 @@ class TcpTransport(Transport):
             self._poller.unregister(c.fd)
             c.sock.close()
 
-    def sever(self, peer: int) -> None:  # added by cluster helper
-        """Shut the connection to `peer` down; safe from any thread. Membership calls it when
-        the coordinator declares `peer` lost (e.g. stuck, with its socket still open), so a
-        wait that needs `peer` ends with PeerLost at once instead of at the timeout."""
-        c = self._conns.get(peer)
-        if c is not None and c.closed is None:
-            try:
-                c.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
     def sever(self, peer: int) -> None:
-        """The failure detector's word (from any thread) that `peer` is gone: shut its
-        connection down, so whatever waits for it ends with PeerLost now, not at the timeout."""
+        """The failure detector's word (safe from any thread) that `peer` is gone, e.g. stuck
+        with its socket still open: shut its connection down, so whatever waits for it ends
+        with PeerLost now, not at the timeout."""
         c = self._conns.get(peer)
         if c is not None and c.closed is None:
             c.severed = True

@@ -7,7 +7,8 @@ of a (peer, stream) lands in, and `wait` drives the transport until the given ha
 complete. Frames of one (peer, stream) arrive in the order they were sent, so a receiver
 posts its receives in the sender's order; the chunk header's `seq` (the collective or P2P
 transfer) and `chunk` (the frame's number within it, per peer) must be the ones the
-receive expects, else the two sides lost their place (E0908).
+receive expects, else the two sides lost their place (E0908). Its `step` and `offset` are
+0: DTM's receivers know where each chunk goes from its order.
 
 Nothing happens in the background: a transport makes progress only inside `wait` (and
 `poll`), so queued sends leave while the rank waits for something (every collective and
@@ -58,8 +59,7 @@ class PeerLost(DTMError):
     def __init__(self, peer: int | None, op: str, detail: str = ""):
         who = f"rank {peer}" if peer is not None else "a peer"
         super().__init__(E.PEER_LOST, f"{who} was lost during {op}" + (f": {detail}" if detail else ""))
-        self.peer = peer
-        self.op = op
+        self.peer, self.op, self.detail = peer, op, detail
 
 
 class CollectiveMismatch(DTMError):
