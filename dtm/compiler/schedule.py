@@ -480,6 +480,11 @@ class _Scheduler:
         for a, b in zip(effects, effects[1:]):
             deps[id(b)].add(id(a))
         for e in effects:
+            # Only assign and call write into their operands; other effects (collectives,
+            # store_put, send) read them like any op. A group's `first` can be early because it
+            # recomputes a cheap producer, so this rule must not reach further than it needs.
+            if e.op.name not in ("assign", "call"):
+                continue
             written = [e.op.operands[0]] if e.op.name == "assign" else list(e.op.operands)
             for grp in groups:
                 if grp is not e and grp.first < e.first and any(v in grp.loads for v in written):
