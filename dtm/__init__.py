@@ -12,6 +12,11 @@ from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, flo
                      result_type, tensor, uint8, uint16, uint32, uint64, zeros, zeros_like)
 from .functional import *  # noqa: F401,F403 - torch-style dtm.cat, dtm.where, dtm.softmax, ...
 from . import functional, nn, optim  # noqa: E402
+from . import parallel  # noqa: E402
+from .parallel import (Mesh, Partial, Replicate, Shard, all_gather, all_reduce, all_to_all,  # noqa: E402
+                       broadcast, devices, distribute, reduce_scatter, shard_map)
+from . import distributed  # noqa: E402 - dtm.distributed.all_reduce, ...: collectives between processes
+from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E402
 
 # torch's short dtype names
 half, double, long = float16, float64, int64
@@ -19,4 +24,4 @@ bool = bool_  # noqa: A001 - dtm.bool, as torch.bool
 float = float32  # noqa: A001
 int = int32  # noqa: A001
 
-__all__ = ["ir", "nn", "optim", "functional", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]
+__all__ = ["ir", "nn", "optim", "functional", "parallel", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]

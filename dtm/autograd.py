@@ -51,6 +51,9 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
             raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g.type}, the output is {loss.type}")
         inputs.append(g.numpy())
     name = grad(module, "main", wrt, seed="ones" if gradient is None else "param")
+    if module.meshes:
+        _backward_distributed(loss, module, name, params, wrt, g if gradient is not None else None)
+        return
     results = get_backend(backend).run(module, name, inputs)
     if loss._buffer is None:
         loss._buffer = results[0]
@@ -60,4 +63,26 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
             leaf.grad = Tensor.from_numpy(g)
         else:
             leaf.grad = Tensor.from_numpy(leaf.grad.numpy() + g)
+
+
+def _backward_distributed(loss: Tensor, module, name: str, params: list[Tensor], wrt: list[int],
+                          seed: Tensor | None) -> None:
+    """The gradient program of a distributed forward: each gradient is brought to its leaf's
+    placements (an all_reduce for a replicated leaf of sharded data, a reduce_scatter for a
+    sharded one), then the program is partitioned and run on the mesh (dtm.parallel)."""
+    from .parallel.dtensor import run_distributed
+
+    f = module.funcs[name]
+    for k, i in enumerate(wrt, start=1):  # results: loss, then one gradient per wrt
+        leaf = params[i]
+        if leaf._mesh is not None:
+            f.result_types[k] = (f.result_types[k][0], leaf._mesh.sharding(leaf.placements))
+    results = run_distributed(module, name, params + ([seed] if seed is not None else []))
+    if loss._buffer is None:
+        loss._buffer = results[0] if loss._mesh is not None else results[0].numpy()
+        loss._placements = results[0].placements if loss._mesh is not None else None
+    for i, g in zip(wrt, results[1:]):
+        leaf = params[i]
+        g = Tensor(leaf.type, buffer=g if leaf._mesh is not None else g.numpy())
+        leaf.grad = g if leaf.grad is None else (leaf.grad + g).realize()
 

@@ -3,7 +3,7 @@
 Every op on a Tensor checks its types at once (with the op's type rule from the registry,
 so a mistake is reported at the user's line) and records a node. `realize()`, `.numpy()`
 or `.item()` turn the pending nodes into one IR function (`capture`) and hand it to a
-backend (`ref` now; `DTM_BACKEND` or the `backend=` argument chooses). Realized tensors
+backend (`cpu` by default; `DTM_BACKEND` or the `backend=` argument chooses). Realized tensors
 keep their graph while they require grad, so `backward()` (autograd.py) can capture the
 forward program and differentiate it as IR.
 
@@ -134,6 +134,7 @@ def error(code: ErrorCode, message: str) -> TensorError:
 class _State(threading.local):
     grad_enabled = True
     tracing = 0
+    meshes: dict = {}  # the IR meshes collectives may name: an enclosing shard_map's
 
 
 STATE = _State()
@@ -162,12 +163,32 @@ def is_grad_enabled() -> bool:
 
 # --- the Tensor ---------------------------------------------------------------------------
 
+class Shards:
+    """The value of a distributed tensor (dtm.parallel): mesh rank r holds pieces[r], laid
+    out by `placements` over `mesh` (spec 2.7)."""
+
+    __slots__ = ("mesh", "placements", "pieces")
+
+    def __init__(self, mesh, placements: tuple, pieces: list):
+        self.mesh, self.placements, self.pieces = mesh, tuple(placements), list(pieces)
+
+    def numpy(self) -> np.ndarray:
+        """The whole value, assembled on the host (on a process mesh: gathered from every
+        process, so every rank calls this)."""
+        return self.mesh.assemble(self.pieces, self.placements)
+
+
 class Tensor:
     """A lazy n-dimensional array. `_op` is None for a leaf (data, or a jit placeholder
     when `_buffer` is None too); otherwise the tensor is the result of `_op` applied to
-    `_inputs` with `_attrs`, computed once into `_buffer` by realize()."""
+    `_inputs` with `_attrs`, computed once into `_buffer` by realize().
 
-    __slots__ = ("type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "__weakref__")
+    A distributed tensor (dtm.parallel) has a `_mesh`, taken from its inputs or its value
+    (a `Shards`), and `_placements`: its value's layout once realized, else the layout the
+    user pinned with redistribute (None: propagation decides)."""
+
+    __slots__ = ("type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "_mesh",
+                 "_placements", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our operators: ndarray + Tensor -> Tensor
 
     def __init__(self, type: TensorType, op: str | None = None, inputs: tuple["Tensor", ...] = (),
@@ -180,8 +201,13 @@ class Tensor:
         self.requires_grad = requires_grad
         self.grad: Tensor | None = None
         self._users: list[weakref.ref] | None = None  # ops that read this tensor, see _snapshot
+        self._mesh, self._placements = None, None
+        if isinstance(buffer, Shards):  # (`type` is the TensorType here)
+            self._mesh, self._placements = buffer.mesh, buffer.placements
         for t in inputs:
             t._add_user(self)
+            if t._mesh is not None:
+                self._mesh = t._mesh
 
     def _add_user(self, user: "Tensor") -> None:
         users = self._users
@@ -196,6 +222,7 @@ class Tensor:
         read this tensor so far now read instead. An in-place write (x[i] = v) then changes
         only what later ops see, as in torch, where the earlier ops would have run already."""
         old = Tensor(self.type, self._op, self._inputs, self._attrs, self._buffer, self.requires_grad)
+        old._mesh, old._placements = self._mesh, self._placements
         for ref in self._users or ():
             u = ref()
             if u is not None and u._inputs:  # realized results without history read nothing again
@@ -206,9 +233,15 @@ class Tensor:
 
     def _set_value(self, array: np.ndarray) -> None:
         """Give this tensor a new value in place, as a leaf (an optimizer step,
-        load_state_dict): ops recorded earlier keep reading the old value."""
+        load_state_dict): ops recorded earlier keep reading the old value. A distributed
+        tensor given a whole array keeps its layout: the array is split over its mesh."""
         self._snapshot()
+        if type(array) is not Shards and self._mesh is not None:
+            from .parallel.dtensor import split
+
+            array = split(np.asarray(array), self._mesh, self._placements)
         self._buffer, self._op, self._inputs, self._attrs = array, None, (), {}
+        self._mesh, self._placements = (array.mesh, array.placements) if type(array) is Shards else (None, None)
 
     # -- construction --
     @staticmethod
@@ -271,7 +304,7 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         self.realize()
-        return self._buffer
+        return self._buffer.numpy() if type(self._buffer) is Shards else self._buffer
 
     def item(self):
         if self.numel() != 1:
@@ -332,7 +365,37 @@ class Tensor:
         """The same value with no gradient history."""
         if self._buffer is not None:
             return Tensor(self.type, buffer=self._buffer)
-        return Tensor(self.type, self._op, self._inputs, self._attrs)
+        t = Tensor(self.type, self._op, self._inputs, self._attrs)
+        t._placements = self._placements
+        return t
+
+    # -- distribution (dtm.parallel.distribute does the work) --
+    @property
+    def placements(self) -> tuple | None:
+        """One placement per mesh axis of a distributed tensor (None for a plain one)."""
+        from .parallel.dtensor import placements_of
+
+        return placements_of(self)
+
+    @property
+    def device_mesh(self):
+        """The mesh of a distributed tensor (None for a plain one)."""
+        return self._mesh
+
+    def redistribute(self, placements) -> "Tensor":
+        from .parallel.dtensor import redistribute
+
+        return redistribute(self, placements)
+
+    def full_tensor(self) -> "Tensor":
+        from .parallel.dtensor import full_tensor
+
+        return full_tensor(self)
+
+    def local_shards(self) -> list["Tensor"]:
+        from .parallel.dtensor import local_shards
+
+        return local_shards(self)
 
 
 # --- recording ops ------------------------------------------------------------------------
@@ -346,9 +409,10 @@ def normalize_dim(d: int, rank: int) -> int:
     return d % r
 
 
-def apply(op: str, *inputs: Tensor, type: TensorType | None = None, **attrs: Any) -> Tensor:
+def apply(op: str, /, *inputs: Tensor, type: TensorType | None = None, **attrs: Any) -> Tensor:
     """Record `op` on `inputs`: check it with the op's type rule now (errors name the
-    user's line) and return the lazy result."""
+    user's line) and return the lazy result. (`op` is positional-only: collectives have an
+    attribute named op.)"""
     opdef = REGISTRY[op]
     in_types = tuple(t.type for t in inputs)
     declared = (type,) if type is not None else ()
@@ -359,18 +423,34 @@ def apply(op: str, *inputs: Tensor, type: TensorType | None = None, **attrs: Any
             norm = normalize_attrs(op, opdef.attr_index, attrs, out[0].dtype)
     except TypeRuleError as e:
         raise error(e.code, e.message) from None
+    placed = [(i, t) for i, t in enumerate(inputs) if t._mesh is not None]
+    for i, t in placed[1:]:
+        (j, first) = placed[0]
+        if t._mesh != first._mesh:
+            raise error(ErrorCode.MESH_MISMATCH, f"{op}: operand {j} ({first.type} {list(first._placements or ())}) "
+                        f"is on {first._mesh}, operand {i} ({t.type} {list(t._placements or ())}) on {t._mesh}; "
+                        "one op runs on one mesh: distribute both tensors on the same mesh")
     requires = STATE.grad_enabled and any(t.requires_grad for t in inputs) and out[0].dtype.is_float
     return Tensor(out[0], op, inputs, norm, requires_grad=requires)
 
 
 class _NoMeshes:
-    """The context a type rule sees from eager code: no meshes or functions are declared."""
+    """The context a type rule sees from eager code: no functions, and the meshes of an
+    enclosing shard_map (none outside one)."""
 
-    meshes: dict = {}
     funcs: dict = {}
+
+    @property
+    def meshes(self) -> dict:
+        return STATE.meshes
 
 
 _NO_MESHES = _NoMeshes()
+
+
+def _sharding(t: Tensor):
+    """The sharding a captured value carries: a distributed tensor's realized or pinned layout."""
+    return t._mesh.sharding(t._placements) if t._mesh is not None and t._placements is not None else None
 
 
 def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str = "main",
@@ -385,21 +465,24 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
     param_values: list[Value] = []
     ops: list[Op] = []
     for t in param_tensors:
-        v = Value(t.type, f"p{len(param_values)}")
+        v = Value(t.type, f"p{len(param_values)}", _sharding(t))
         index[id(t)] = v
         param_values.append(v)
     extra: list[Tensor] = []
+    mesh = next((t._mesh for t in param_tensors if t._mesh is not None), None)  # of distributed tensors
     # Iterative post-order walk: programs can be far deeper than Python's recursion limit.
     stack: list[tuple[Tensor, bool]] = [(t, False) for t in reversed(outputs)]
     while stack:
         t, ready = stack.pop()
         if id(t) in index:
             continue
+        if mesh is None and t._mesh is not None:
+            mesh = t._mesh
         is_param = t._op is None or (t._buffer is not None and not (keep and keep(t)))
         if is_param:
             if t._op is None and t._buffer is None and id(t) not in index:
                 raise error(ErrorCode.UNDEFINED_VALUE, "a traced placeholder from another dtm.jit call was used here")
-            v = Value(t.type, f"p{len(param_values) + len(extra)}")
+            v = Value(t.type, f"p{len(param_values) + len(extra)}", _sharding(t))
             index[id(t)] = v
             extra.append(t)
             continue
@@ -409,7 +492,7 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
                 if id(i) not in index:
                     stack.append((i, False))
             continue
-        v = Value(t.type, f"t{len(ops)}")
+        v = Value(t.type, f"t{len(ops)}", _sharding(t))
         ops.append(Op(t._op, tuple(index[id(i)] for i in t._inputs), t._attrs, (v,)))
         index[id(t)] = v
     # Parameters: explicit ones, then the leaves found, numbered in the order found.
@@ -420,6 +503,11 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
                 [index[id(t)] for t in outputs])
     module = Module()
     module.funcs[name] = func
+    if mesh is not None:  # the mesh the shardings name (one per program: dtm.parallel checks)
+        from .parallel.dtensor import resolve_free
+
+        module.meshes[mesh.ir().name] = mesh.ir()
+        resolve_free(module, name)  # axes a redistribute left open get what propagation gives
     return module, param_tensors + extra
 
 
@@ -439,8 +527,18 @@ def realize(*tensors: Tensor, backend: str | None = None) -> None:
     module, params = capture(pending)
     if any(p._buffer is None for p in params):
         raise error(ErrorCode.UNDEFINED_VALUE, "this tensor depends on a dtm.jit placeholder and cannot be realized")
-    results = get_backend(backend).run(module, "main", [p._buffer for p in params])
+    if module.meshes:  # a distributed program: every device runs its part
+        from .parallel.dtensor import run_distributed
+
+        results = run_distributed(module, "main", params)
+    else:
+        results = get_backend(backend).run(module, "main", [p._buffer for p in params])
     for t, r in zip(pending, results):
+        if type(r) is Shards:
+            if t._mesh is None:  # a plain tensor computed by a distributed program (full_tensor)
+                r = r.numpy()
+            else:
+                t._placements = r.placements
         t._buffer = r
         if not t.requires_grad:
             t._inputs = ()  # nothing will differentiate through it: free the graph
@@ -590,7 +688,9 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
     Tensor arguments become the function's parameters; tensors `fn` reads from outside
     (model weights) become further parameters whose current values are read at every
     call, so an optimizer's updates are seen. Other arguments are part of the signature.
-    `jit(fn).ir(*args)` returns the traced module."""
+    `jit(fn).ir(*args)` returns the traced module; with distributed tensors (dtm.parallel)
+    it is the global view, and `ir(*args, view="local", rank=r)` rank r's partitioned
+    program, with the collectives that run."""
 
     def __init__(self, fn: Callable, backend: str | None = None):
         self.fn = fn
@@ -598,7 +698,11 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         self.cache: dict = {}
 
     def _signature(self, args) -> tuple:
-        return tuple(("T", a.type) if isinstance(a, Tensor) else ("V", repr(a)) for a in args)
+        for a in args:
+            if isinstance(a, Tensor) and a._mesh is not None:
+                a.realize()  # its layout is part of the signature
+        return tuple(("T", a.type, a._mesh, a._placements) if isinstance(a, Tensor) else ("V", repr(a))
+                     for a in args)
 
     def _trace(self, args) -> _Traced:
         key = self._signature(args)
@@ -606,6 +710,9 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         if traced is not None:
             return traced
         placeholders = [Tensor(a.type) if isinstance(a, Tensor) else a for a in args]
+        for p, a in zip(placeholders, args):
+            if isinstance(a, Tensor):
+                p._mesh, p._placements = a._mesh, a._placements
         STATE.tracing += 1
         try:
             with no_grad():
@@ -621,11 +728,27 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         self.cache[key] = traced
         return traced
 
-    def ir(self, *args) -> Module:
-        return self._trace(args).module
+    def ir(self, *args, view: str = "global", rank: int = 0) -> Module:
+        traced = self._trace(args)
+        if view == "global":
+            return traced.module
+        if view != "local":
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"jit.ir: view is \"global\" or \"local\", not {view!r}")
+        from .parallel.dtensor import local_view
+
+        return local_view(traced.module, "main", rank)
 
     def __call__(self, *args):
         traced = self._trace(args)
+        if traced.module.meshes:  # distributed arguments or weights: run on their mesh's devices
+            from .parallel.dtensor import run_distributed
+
+            tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
+            for t in tensors:
+                t.realize()
+            results = run_distributed(traced.module, "main", tensors)
+            outs = [Tensor(t, buffer=r) for (t, _), r in zip(traced.module.funcs["main"].result_types, results)]
+            return tuple(outs) if traced.out_is_tuple else outs[0]
         inputs = [a.numpy() for a in args if isinstance(a, Tensor)] + [t.numpy() for t in traced.captured]
         results = get_backend(self.backend).run(traced.module, "main", inputs)
         outs = [Tensor.from_numpy(r) for r in results]

@@ -188,3 +188,30 @@ def test_row_kernels_share_reductions_and_store_row_values():
     # y, m and s2 come from one row kernel; the column sum and the transposed product are others
     row = [s for s in prog.kernels if s.group.kind == "reduce" and s.group.axes == (1,)]
     assert len(row) == 1 and len(row[0].outputs) >= 3, str(prog)
+
+
+def test_a_collective_orders_after_its_producer_even_when_consumers_recompute_constants():
+    """%b recomputes the constant %c, so its kernel's first op precedes the all_reduce; the
+    collective only reads %a, and ordering it after every earlier reader of %a (as for an
+    assign) made a cycle. Run on two ranks of the reference group against numpy."""
+    from dtm.runtime import l0
+
+    text = """dtm 1.0
+mesh @m[tp = 2]
+func @main(%x: f32[4]) -> (f32[4]) {
+  %c = full {value = 2.0} : f32[]
+  %a = add %x, %c : f32[4]
+  %r = all_reduce %a {mesh = @m, axes = ["tp"], op = "sum"} : f32[4]
+  %b = mul %r, %a : f32[4]
+  %d = add %b, %c : f32[4]
+  return %d
+}
+"""
+    module = parse(text)
+    verify(module)
+    compile_func(module, "main")  # used to raise "the kernel graph has a cycle"
+    xs = [rng.standard_normal(4).astype(np.float32) for _ in range(2)]
+    outs = l0.executor().run([module, module], "main", [[x] for x in xs])  # compiled plans on two devices
+    r = (xs[0] + 2) + (xs[1] + 2)
+    for x, (o,) in zip(xs, outs):
+        np.testing.assert_allclose(o, r * (x + 2) + 2, rtol=1e-6)
