@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .ir.dtypes import numpy_dtype
-from .runtime.process_group import Axis, current
+from .runtime.process_group import Axis, current, is_initialized
 from .tensor import Tensor, as_dtype
 
 
@@ -74,4 +74,4 @@ def recv(src: int, *, dtype: Any = None, shape: Sequence[int] | None = None) -> 
     return Tensor.from_numpy(current().recv(src, dtype=dtype, shape=shape))
 
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv"]
+__all__ = ["is_initialized", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv"]

@@ -9,9 +9,9 @@ runs it between processes; anywhere else they are an error.
 
 from __future__ import annotations
 
-import importlib
 from typing import Sequence
 
+from .. import distributed
 from ..errors import ErrorCode as E
 from ..tensor import Tensor, apply, error, normalize_dim, tensor as as_tensor
 from .mesh import IR_NAME, Mesh
@@ -29,16 +29,9 @@ def _axes(mesh: Mesh, axis: str | Sequence[str] | None, name: str) -> list[str]:
 
 
 def _process_level(name: str, *args, **kwargs):
-    """The same collective between processes, when dtm.distributed is initialised."""
-    try:
-        dist = importlib.import_module("dtm.distributed")
-    except ModuleNotFoundError as e:
-        if e.name != "dtm.distributed":
-            raise
-        dist = None
-    initialized = getattr(dist, "is_initialized", None)
-    if initialized is not None and initialized():
-        return getattr(dist, name)(*args, **kwargs)
+    """The same collective between processes, when dtm.init() has formed a process group."""
+    if distributed.is_initialized():
+        return getattr(distributed, name)(*args, **kwargs)
     raise error(E.NOT_INITIALIZED, f"dtm.{name} outside dtm.shard_map: call it inside a function given to "
                 "dtm.shard_map (the local view of a mesh of devices), or after dtm.init() in a program that "
                 "runs as several processes")
