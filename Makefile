@@ -17,7 +17,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/ir_tour.py
-	$(BIN)/python examples/train_char_gpt.py
+	$(BIN)/dtm launch -n 4 --axes dp=2,tp=2 examples/train_char_gpt_dist.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -x -p no:cacheprovider tests

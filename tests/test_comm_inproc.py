@@ -296,3 +296,13 @@ def test_bad_arguments():
 
     assert spmd(2, fn)[0] == [ErrorCode.DTYPE_MISMATCH, ErrorCode.ATTRIBUTE_VALUE, ErrorCode.INVALID_GROUP,
                               ErrorCode.INVALID_GROUP, ErrorCode.SHAPE_MISMATCH, ErrorCode.ATTRIBUTE_VALUE]
+
+
+def test_zero_dim_operands_keep_their_shape():
+    """A loss is a 0-d tensor: its all_reduce and broadcast are 0-d too."""
+    xs = [np.array(float(r + 1), np.float32) for r in range(3)]
+    out = spmd(3, lambda c, r: (c.all_reduce(xs[r]), c.broadcast(xs[r], src=1), c.reduce(xs[r], dst=0)))
+    for r in range(3):
+        assert out[r][0].shape == () and float(out[r][0]) == 6.0
+        assert out[r][1].shape == () and float(out[r][1]) == 2.0
+    assert out[0][2].shape == () and float(out[0][2]) == 6.0

@@ -246,7 +246,7 @@ class Communicator:
                    out: np.ndarray | None = None) -> np.ndarray:
         """Every member gets the elementwise reduction of all members' `x`, in a new array
         or in `out` (which may be `x` itself: in place)."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")  # not ascontiguousarray: that makes a 0-d x 1-d
         reduction.check_reducible(x.dtype, op, "all_reduce")
         g = self._group(group, "all_reduce")
         out = self._out(out, x, "all_reduce")
@@ -272,7 +272,7 @@ class Communicator:
     def reduce(self, x: np.ndarray, dst: int = 0, op: str = "sum",
                group: Sequence[int] | None = None) -> np.ndarray | None:
         """Group rank `dst` gets the reduction of all members' `x`; the others get None."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         reduction.check_reducible(x.dtype, op, "reduce")
         g = self._group(group, "reduce")
         dst = self._group_rank(g, dst, "dst", "reduce")
@@ -342,7 +342,7 @@ class Communicator:
 
     def all_gather(self, x: np.ndarray, dim: int = 0, group: Sequence[int] | None = None) -> np.ndarray:
         """Every member gets all members' `x` joined along `dim`, in group order."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         dim = self._dim(dim, x.ndim, "all_gather")
         g = self._group(group, "all_gather")
         n = len(g.ranks)
@@ -368,7 +368,7 @@ class Communicator:
                        group: Sequence[int] | None = None) -> np.ndarray:
         """The reduction of all members' `x`, split along `dim` into n blocks; group rank
         i gets block i."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         reduction.check_reducible(x.dtype, op, "reduce_scatter")
         dim = self._dim(dim, x.ndim, "reduce_scatter")
         g = self._group(group, "reduce_scatter")
@@ -396,7 +396,7 @@ class Communicator:
 
     def broadcast(self, x: np.ndarray, src: int = 0, group: Sequence[int] | None = None) -> np.ndarray:
         """Every member gets group rank `src`'s `x` (the others pass an array of its type)."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         g = self._group(group, "broadcast")
         src = self._group_rank(g, src, "src", "broadcast")
         out = x.copy() if g.me == src else np.empty(x.shape, x.dtype)
@@ -418,7 +418,7 @@ class Communicator:
                    group: Sequence[int] | None = None) -> np.ndarray:
         """Block j of `x` along `split_dim` goes to group rank j; the blocks received are
         joined along `concat_dim` in the senders' group order."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         split_dim = self._dim(split_dim, x.ndim, "all_to_all")
         concat_dim = self._dim(concat_dim, x.ndim, "all_to_all")
         g = self._group(group, "all_to_all")

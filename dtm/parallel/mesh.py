@@ -5,6 +5,10 @@
     mesh["tp"]                           # the 1-D mesh along tp at dp = 0; mesh.submesh("tp", dp=1)
     dtm.Shard(0), dtm.Replicate(), dtm.Partial("sum")   # one per mesh axis, or {"tp": Shard(1)}
 
+After dtm.init() has formed a group of several processes, a Mesh of exactly that many
+ranks spans the processes instead (mesh rank r = process rank r, runtime L1): each process
+keeps only its own piece of every distributed tensor and runs only its own rank's program.
+
 A placement is the IR's (spec 2.7), so what a user writes is what the compiler reads. In a
 program every distributed value is on one mesh, which the IR calls @mesh.
 """
@@ -88,7 +92,7 @@ class Mesh:
             return assemble(pieces, sharding, self._ir)
         import numpy as np
 
-        mine = np.ascontiguousarray(pieces[self.rank])
+        mine = np.asarray(pieces[self.rank], order="C")  # (ascontiguousarray makes a 0-d array 1-d)
         shapes = self.process.all_gather(np.array([mine.shape], np.int64), dim=0)  # pieces may be uneven
         sizes = [math.prod(int(d) for d in s) for s in shapes]
         flat = np.zeros((1, max(sizes)), mine.dtype)

@@ -1,0 +1,135 @@
+"""Runtime L1: one mesh rank per process (conformance level L1).
+
+    pg = process_group.init()                  # dtm.init(): this process is rank pg.rank
+    ex = executor()                            # the process's L1 executor, on that group
+    outs = ex.run(local_module, "main", inputs)   # this rank's results
+
+Where L0 runs every rank's local-view module on threads of one process, L1 runs only this
+process's: the partitioner's module for `rank = process rank`, as a compiled plan of the
+`cpu` backend. The plan's collective steps go over the process group's Communicator
+(shared memory or TCP, dtm.comm) instead of the in-process DeviceGroup. A collective of the
+IR names mesh axes; the group it runs on is this rank's row of the mesh along those axes,
+in row-major rank order (RefContext.group), and mesh rank = process rank, so those ranks
+are the Communicator's ranks as they are.
+
+Plans are cached by module hash, so the step a training loop repeats compiles once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+from ..compiler.passes import compile_func
+from ..errors import DTMError, ErrorCode as E
+from ..ir.module import Module
+from ..ref.context import RefContext
+from .cpu import Plan
+from .l0 import COLLECTIVES
+from .process_group import ProcessGroup, current
+
+
+def collective(pg: ProcessGroup, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
+    """This rank's result of IR collective `name` (spec 3.11) with `attrs` over the process
+    ranks `group` (group order), through the process group's Communicator."""
+    if name == "all_reduce":
+        return pg.run(pg._describe(name, x, group, attrs["op"]),
+                      lambda: pg._comm().all_reduce(x, attrs["op"], group))
+    if name == "all_gather":
+        return pg.run(pg._describe(name, x, group, f"dim={attrs['dim']}"),
+                      lambda: pg._comm().all_gather(x, attrs["dim"], group))
+    if name == "reduce_scatter":
+        return pg.run(pg._describe(name, x, group, f"{attrs['op']}, dim={attrs['dim']}"),
+                      lambda: pg._comm().reduce_scatter(x, attrs["op"], attrs["dim"], group))
+    if name == "all_to_all":
+        return pg.run(pg._describe(name, x, group, f"split_dim={attrs['split_dim']}, concat_dim={attrs['concat_dim']}"),
+                      lambda: pg._comm().all_to_all(x, attrs["split_dim"], attrs["concat_dim"], group))
+    assert name == "broadcast", name
+    return pg.run(pg._describe(name, x, group, f"src={attrs['src']}"),
+                  lambda: pg._comm().broadcast(x, attrs["src"], group))
+
+
+class ProcessPlan(Plan):
+    """A cpu-backend plan whose collective steps run over the process group (mirrors
+    l0.DevicePlan: it overrides the fallback step, the one place a collective runs;
+    quantized operands and groups of one keep the reference implementation)."""
+
+    pg: ProcessGroup
+
+    def _fallback(self, step, vals, originals, bindings, ctx):
+        op = step.op
+        if op.name not in COLLECTIVES or op.operands[0].type.dtype.is_quant:
+            return super()._fallback(step, vals, originals, bindings, ctx)
+        ins, outs = self.fb_args[id(step)]
+        group, _ = ctx.group(op.attrs["mesh"], op.attrs["axes"])
+        if len(group) == 1:
+            return super()._fallback(step, vals, originals, bindings, ctx)
+        x = np.asarray(originals.get(ins[0], vals[ins[0]]), order="C")  # (ascontiguousarray: 0-d -> 1-d)
+        try:
+            y = collective(self.pg, op.name, op.attrs, x, group)
+        except DTMError as e:
+            raise DTMError(e.code, f"@{self.func.name} op {op.name} ({step.name}) on rank {ctx.rank}: "
+                           f"{e.message}") from e
+        vals[outs[0]] = y
+        return ctx
+
+
+class L1Executor:
+    """Runs this process's local-view modules, with collectives over process group `pg`."""
+
+    MAX_PLANS = 256
+
+    def __init__(self, pg: ProcessGroup):
+        self.pg = pg
+        self._lock = threading.Lock()
+        self._by_id: OrderedDict[int, tuple[Module, str]] = OrderedDict()
+        self._plans: OrderedDict[tuple[str, str], ProcessPlan] = OrderedDict()
+
+    def plan(self, module: Module, func: str) -> ProcessPlan:
+        """The compiled plan of @func of `module`, cached by module (object, then hash)."""
+        with self._lock:
+            entry = self._by_id.get(id(module))
+            if entry is None or entry[0] is not module:
+                entry = self._by_id[id(module)] = (module, module.hash())
+                while len(self._by_id) > self.MAX_PLANS:
+                    self._by_id.popitem(last=False)
+            key = (entry[1], func)
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        if func not in module.funcs:
+            raise DTMError(E.UNDEFINED_FUNC, f"L1 run: module has no function @{func}")
+        plan = ProcessPlan(module, func, compile_func(module, func))
+        plan.pg = self.pg
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.MAX_PLANS:
+                self._plans.popitem(last=False)
+        return plan
+
+    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Run this rank's local-view @func of `module` on `inputs`; its results."""
+        ctx = RefContext(rank=self.pg.rank, meshes=dict(module.meshes), module=module,
+                         timeout=getattr(getattr(self.pg.comm, "transport", None), "timeout", 60.0))
+        return self.plan(module, func).run(inputs, ctx)
+
+
+_EXECUTOR: L1Executor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def executor() -> L1Executor:
+    """The L1 executor of the process group dtm.init() formed (a new one after re-init)."""
+    global _EXECUTOR
+    pg = current()
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None or _EXECUTOR.pg is not pg:
+            _EXECUTOR = L1Executor(pg)
+        return _EXECUTOR
+
+
+__all__ = ["L1Executor", "ProcessPlan", "collective", "executor"]
