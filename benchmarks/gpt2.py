@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from timing import best_of
+
 PROMPT_LEN, PREFILL_LEN = 16, 128
 
 
@@ -45,14 +47,6 @@ def random_weights(n_layer: int) -> dict[str, np.ndarray]:
             out[name] = rng.standard_normal(p.shape, dtype=np.float32) * 0.02
     return out
 
-
-def best_of(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def dtm_engine(backend: str, n_layer: int, weights: dict[str, np.ndarray]):

@@ -13,27 +13,13 @@ Goal (the compiler issue): DTM >= 0.8x torch at 1024 and 2048.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 from dtm.ir import parse
 from dtm.runtime.backend import get_backend
+from timing import best_time
 
-
-def best_time(fn, budget: float = 1.0, runs: int = 5) -> float:
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    once = time.perf_counter() - t0
-    reps = max(1, int(budget / runs / max(once, 1e-6)))
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
 
 
 def main() -> None:

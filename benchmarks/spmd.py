@@ -22,28 +22,14 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before libgomp loads: one thread per devi
 
 import argparse  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import dtm  # noqa: E402
 from dtm import Partial, Replicate, Shard  # noqa: E402
 from dtm.runtime.l0 import COLLECTIVES  # noqa: E402
+from timing import best_time  # noqa: E402
 
-
-def best_time(fn, budget: float = 2.0, runs: int = 5) -> float:
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    once = time.perf_counter() - t0
-    reps = max(1, int(budget / runs / max(once, 1e-6)))
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
 
 
 def free_cores(budget: float) -> float:

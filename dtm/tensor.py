@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 

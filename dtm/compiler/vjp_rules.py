@@ -445,7 +445,7 @@ def _slice(b, op, cts):
         return [None]
     x = op.operands[0]
     xs = x.type.shape
-    start, stop, step = op.attrs["start"], op.attrs["stop"], op.attrs["step"]
+    start, step = op.attrs["start"], op.attrs["step"]
     g = ct
     if any(d == 0 for d in g.type.shape):
         return [zeros(b, x.type)]

@@ -123,7 +123,9 @@ def full_tensor(t: Tensor) -> Tensor:
 
 
 def local_shards(t: Tensor) -> list[Tensor]:
-    """Each mesh rank's piece, as plain tensors, in rank order."""
+    """Each mesh rank's piece, as plain tensors, in rank order. On a process mesh (runtime
+    L1) a process holds only its own rank's piece: the others are None (full_tensor() or
+    numpy() gathers the whole value, every rank calling it)."""
     t.realize()
     if type(t._buffer) is not Shards:
         return [Tensor.from_numpy(t._buffer)]

@@ -7,8 +7,9 @@
 Each argument is brought to its in_spec over `mesh` (distributed, or redistributed), and
 `fn` is traced on placeholders of the local pieces' types: one IR function per distinct
 local signature (uneven shards give ranks different ones), the collectives in it naming the
-mesh's axes. The functions run at once on the mesh's devices; output i's pieces form a
-distributed tensor laid out by out_specs[i] (Replicate: the ranks hold equal pieces; Shard(d):
+mesh's axes. The functions run at once on the mesh's devices (on a process mesh, runtime L1:
+each process runs only its own rank's function, its collectives going over the process
+group, and keeps only its own pieces of the outputs). Output i's pieces form a distributed tensor laid out by out_specs[i] (Replicate: the ranks hold equal pieces; Shard(d):
 chunks along d, as spec 2.7 lays them; Partial(op): pieces to reduce). Tensors fn reads from
 outside are given whole to every rank.
 
@@ -24,8 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ..compiler.spmd.layout import coords, local_type
 from ..errors import ErrorCode as E
-from ..ir.dtypes import from_numpy
-from ..ir.types import Placement, TensorType
+from ..ir.types import Placement
 from ..runtime import l0
 from ..tensor import STATE, Shards, Tensor, capture, error, is_grad_enabled, no_grad, tensor as as_tensor
 from .dtensor import distribute
@@ -73,19 +73,32 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callab
             d = distribute(t, mesh, spec)
             d.realize()
             inputs.append(d)
-        by_rank = [[x._buffer.pieces[r] if x is not None else None for x in inputs] for r in range(mesh.size)]
+        ir_mesh = mesh.ir()
+        # every rank's local argument types (computed, so that a process knows the others')
+        by_rank = [[local_type(x.type, mesh.sharding(x._buffer.placements), ir_mesh, coords(ir_mesh, r))
+                    if x is not None else None for x in inputs] for r in range(mesh.size)]
         traced: dict[tuple, tuple] = {}  # local signature -> (module, captured tensors, out_is_tuple)
-        modules, rank_inputs = [], []
+        per_rank = []  # rank -> its traced entry
         for r in range(mesh.size):
-            sig = tuple(p.shape if p is not None else None for p in by_rank[r])
+            sig = tuple(tuple(t.shape) if t is not None else None for t in by_rank[r])
             if sig not in traced:
                 traced[sig] = _trace(fn, mesh, args, inputs, by_rank[r])
-            module, captured, _ = traced[sig]
-            modules.append(module)
-            rank_inputs.append([p for p in by_rank[r] if p is not None] + [c.numpy() for c in captured])
-        outs = l0.executor().run(modules, "main", rank_inputs, devices=[d.index for d in mesh.devices])
+            per_rank.append(traced[sig])
+        modules = [m for m, _, _ in per_rank]
+
+        def rank_inputs(r: int) -> list:
+            return [x._buffer.pieces[r] for x in inputs if x is not None] + [c.numpy() for c in per_rank[r][1]]
+
+        if mesh.process is not None:  # runtime L1: this process runs its own rank's function only
+            from ..runtime import l1
+
+            mine = l1.executor().run(modules[mesh.rank], "main", rank_inputs(mesh.rank))
+            outs = [mine if r == mesh.rank else [None] * len(mine) for r in range(mesh.size)]
+        else:
+            outs = l0.executor().run(modules, "main", [rank_inputs(r) for r in range(mesh.size)],
+                                     devices=[d.index for d in mesh.devices])
         out_is_tuple = next(iter(traced.values()))[2]
-        n_out = len(outs[0])
+        n_out = len(modules[0].funcs["main"].result_types)
         results = []
         for i, spec in enumerate(_specs(out_specs, n_out, "out_specs")):
             pieces = [outs[r][i] for r in range(mesh.size)]
@@ -95,10 +108,9 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callab
     return run
 
 
-def _trace(fn: Callable, mesh: Mesh, args: Sequence, inputs: Sequence, pieces: Sequence) -> tuple:
-    """Trace fn on placeholders of one rank's local pieces into a local-view module."""
-    placeholders = [Tensor(TensorType(from_numpy(p.dtype), p.shape)) if p is not None else a
-                    for a, p in zip(args, pieces)]
+def _trace(fn: Callable, mesh: Mesh, args: Sequence, inputs: Sequence, types: Sequence) -> tuple:
+    """Trace fn on placeholders of one rank's local argument types into a local-view module."""
+    placeholders = [Tensor(t) if t is not None else a for a, t in zip(args, types)]
     prev_meshes, prev_mesh = STATE.meshes, current_mesh()
     STATE.tracing += 1
     STATE.meshes, _CURRENT.mesh = {IR_NAME: mesh.ir()}, mesh
@@ -123,25 +135,26 @@ def _trace(fn: Callable, mesh: Mesh, args: Sequence, inputs: Sequence, pieces: S
 
 
 def _assemble_output(i: int, pieces: list, modules: list, mesh: Mesh, spec: Any) -> Tensor:
-    """Output i as a distributed tensor: its global type from the pieces and the spec,
-    checked against every rank's piece."""
-    f = modules[0].funcs["main"]
-    t0 = f.result_types[i][0]
+    """Output i as a distributed tensor: its global type from every rank's result type and
+    the spec, checked against each of them. (From the types, not the pieces: on a process
+    mesh only this rank's piece is here.)"""
+    shapes = [tuple(m.funcs["main"].result_types[i][0].shape) for m in modules]
+    t0 = modules[0].funcs["main"].result_types[i][0]
     # placements first against the rank-0 type (dims in range), then the global shape
     pl = mesh.placements(spec, t0, f"shard_map output {i} ({t0})")
-    shape = list(pieces[0].shape)
+    shape = list(shapes[0])
     ir_mesh = mesh.ir()
     for a, ((axis, n), p) in enumerate(zip(mesh.axes, pl)):
         if p.kind == "shard":
             along = [r for r in range(mesh.size) if all(c == 0 for b, c in enumerate(coords(ir_mesh, r)) if b != a)]
-            shape[p.arg] = sum(pieces[r].shape[p.arg] for r in along)
+            shape[p.arg] = sum(shapes[r][p.arg] for r in along)
     t = t0.with_shape(tuple(shape))
     sh = mesh.sharding(pl)
     for r in range(mesh.size):
         want = local_type(t, sh, ir_mesh, coords(ir_mesh, r))
-        if tuple(want.shape) != tuple(pieces[r].shape):
+        if tuple(want.shape) != shapes[r]:
             raise error(E.SHAPE_MISMATCH, f"shard_map output {i}: rank {r} returned a piece of shape "
-                        f"{list(pieces[r].shape)}, but out_specs {list(pl)} on {mesh} make a {t} whose piece on "
+                        f"{list(shapes[r])}, but out_specs {list(pl)} on {mesh} make a {t} whose piece on "
                         f"rank {r} is {list(want.shape)}")
     return Tensor(t, buffer=Shards(mesh, pl, pieces))
 

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -265,15 +265,16 @@ def _check_slice(op, bindings: dict) -> None:
                            f"found {lo}:{hi}")
 
 
-class CpuBackend:
-    """Plans by module: the last modules seen (by object) and the last MAX_PLANS functions
-    (by module hash), least recently used dropped first."""
+class PlanCache:
+    """Compiled plans by module: the last modules seen (by object, with their hash) and the
+    last `size` functions (by module hash), least recently used dropped first. One thread
+    compiles a function while others asking for it wait; `make(module, func)` builds the
+    plan (the cpu backend's Plan, or an executor's subclass of it)."""
 
-    name = "cpu"
     MAX_MODULES = 256
-    MAX_PLANS = 512
 
-    def __init__(self):
+    def __init__(self, make: Callable[[Module, str], Plan], size: int = 512):
+        self.make, self.size = make, size
         self._lock = threading.Lock()
         self._by_id: OrderedDict[int, tuple[Module, str]] = OrderedDict()
         self._plans: OrderedDict[tuple[str, str], Plan] = OrderedDict()
@@ -289,7 +290,7 @@ class CpuBackend:
             self._by_id.move_to_end(id(module))
         return entry[1]
 
-    def plan(self, module: Module, func: str) -> Plan:
+    def get(self, module: Module, func: str) -> Plan:
         """The compiled plan of `func` (compiled on first use, then cached)."""
         if func not in module.funcs:
             raise DTMError(E.UNDEFINED_FUNC, f"run: module has no function @{func} (it has: "
@@ -305,17 +306,30 @@ class CpuBackend:
             with self._lock:
                 plan = self._plans.get(key)
             if plan is None:
-                plan = Plan(module, func, compile_func(module, func))
+                plan = self.make(module, func)
                 with self._lock:
                     self._plans[key] = plan
-                    while len(self._plans) > self.MAX_PLANS:
+                    while len(self._plans) > self.size:
                         self._plans.popitem(last=False)
                     self._building.pop(key, None)
                     STATS["plans"] += 1
         return plan
 
+
+class CpuBackend:
+    """Runs functions as compiled plans, cached by module (PlanCache)."""
+
+    name = "cpu"
+
+    def __init__(self):
+        self.plans = PlanCache(lambda module, func: Plan(module, func, compile_func(module, func)))
+
+    def plan(self, module: Module, func: str) -> Plan:
+        """The compiled plan of `func` (compiled on first use, then cached)."""
+        return self.plans.get(module, func)
+
     def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        return self.plan(module, func).run(inputs)
+        return self.plans.get(module, func).run(inputs)
 
 
-__all__ = ["CpuBackend", "Plan", "STATS", "TensorType"]
+__all__ = ["CpuBackend", "Plan", "PlanCache", "STATS", "TensorType"]

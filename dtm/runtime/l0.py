@@ -34,7 +34,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -46,7 +45,7 @@ from ..ir.module import Module
 from ..ref.context import DEFAULT_TIMEOUT_S, RefContext
 from ..ref.local_group import LocalGroup
 from ..ref.ops import _combine  # the reference reduction: group order, narrow floats in f32, integer avg
-from .cpu import Plan
+from .cpu import Plan, PlanCache
 
 RING_MIN_BYTES = 1 << 20  # reductions of at least this many bytes per rank take the ring
 RUN_TIMEOUT_S = 3600.0    # how long a caller waits for a whole run
@@ -290,8 +289,6 @@ class _Worker:
 class L0Executor:
     """`n` virtual CPU devices, each a worker thread; `run` runs one module per rank on them."""
 
-    MAX_PLANS = 256
-
     def __init__(self, n: int | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
                  ring_min_bytes: int = RING_MIN_BYTES):
         n = default_device_count() if n is None else n
@@ -302,34 +299,14 @@ class L0Executor:
         self.ring_min_bytes = ring_min_bytes
         self._workers: list[_Worker] | None = None
         self._busy = threading.Lock()
-        self._lock = threading.Lock()
-        self._by_id: OrderedDict[int, tuple[Module, str]] = OrderedDict()
-        self._plans: OrderedDict[tuple[str, str], DevicePlan] = OrderedDict()
+        self.plans = PlanCache(lambda module, func: DevicePlan(module, func, compile_func(module, func)), 256)
 
     def __len__(self) -> int:
         return len(self.devices)
 
     def plan(self, module: Module, func: str) -> DevicePlan:
         """The compiled plan of @func of `module`, cached by module (object, then hash)."""
-        with self._lock:
-            entry = self._by_id.get(id(module))
-            if entry is None or entry[0] is not module:
-                entry = self._by_id[id(module)] = (module, module.hash())
-                while len(self._by_id) > self.MAX_PLANS:
-                    self._by_id.popitem(last=False)
-            key = (entry[1], func)
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        if func not in module.funcs:
-            raise DTMError(E.UNDEFINED_FUNC, f"L0 run: module has no function @{func}")
-        plan = DevicePlan(module, func, compile_func(module, func))
-        with self._lock:
-            self._plans[key] = plan
-            while len(self._plans) > self.MAX_PLANS:
-                self._plans.popitem(last=False)
-        return plan
+        return self.plans.get(module, func)
 
     def run(self, modules: Sequence[Module], func: str, inputs: Sequence[Sequence[np.ndarray]],
             devices: Sequence[int] | None = None) -> list[list[np.ndarray]]:
@@ -427,7 +404,7 @@ def set_device_count(n: int) -> L0Executor:
             return old
         _EXECUTOR = L0Executor(n)
         if old is not None:
-            _EXECUTOR._by_id, _EXECUTOR._plans = old._by_id, old._plans
+            _EXECUTOR.plans = old.plans
             old.close()
         return _EXECUTOR
 

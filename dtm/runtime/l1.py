@@ -18,16 +18,15 @@ Plans are cached by module hash, so the step a training loop repeats compiles on
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 
 from ..compiler.passes import compile_func
-from ..errors import DTMError, ErrorCode as E
+from ..errors import DTMError
 from ..ir.module import Module
 from ..ref.context import RefContext
-from .cpu import Plan
+from .cpu import Plan, PlanCache
 from .l0 import COLLECTIVES
 from .process_group import ProcessGroup, current
 
@@ -80,36 +79,18 @@ class ProcessPlan(Plan):
 class L1Executor:
     """Runs this process's local-view modules, with collectives over process group `pg`."""
 
-    MAX_PLANS = 256
-
     def __init__(self, pg: ProcessGroup):
         self.pg = pg
-        self._lock = threading.Lock()
-        self._by_id: OrderedDict[int, tuple[Module, str]] = OrderedDict()
-        self._plans: OrderedDict[tuple[str, str], ProcessPlan] = OrderedDict()
+        self.plans = PlanCache(self._make, 256)
 
-    def plan(self, module: Module, func: str) -> ProcessPlan:
-        """The compiled plan of @func of `module`, cached by module (object, then hash)."""
-        with self._lock:
-            entry = self._by_id.get(id(module))
-            if entry is None or entry[0] is not module:
-                entry = self._by_id[id(module)] = (module, module.hash())
-                while len(self._by_id) > self.MAX_PLANS:
-                    self._by_id.popitem(last=False)
-            key = (entry[1], func)
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        if func not in module.funcs:
-            raise DTMError(E.UNDEFINED_FUNC, f"L1 run: module has no function @{func}")
+    def _make(self, module: Module, func: str) -> "ProcessPlan":
         plan = ProcessPlan(module, func, compile_func(module, func))
         plan.pg = self.pg
-        with self._lock:
-            self._plans[key] = plan
-            while len(self._plans) > self.MAX_PLANS:
-                self._plans.popitem(last=False)
         return plan
+
+    def plan(self, module: Module, func: str) -> "ProcessPlan":
+        """The compiled plan of @func of `module`, cached by module (object, then hash)."""
+        return self.plans.get(module, func)
 
     def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Run this rank's local-view @func of `module` on `inputs`; its results."""

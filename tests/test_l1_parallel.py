@@ -1,0 +1,134 @@
+"""Runtime L1, beyond DP x TP: over 4 processes started by `dtm launch` (real processes on
+127.0.0.1), (a) dtm.shard_map's explicit collectives (all_reduce, all_gather, reduce_scatter,
+all_to_all, broadcast over mesh axes) give what numpy computes here from the spec's group
+definitions (2.6, 3.11); (b) distribute / redistribute / full_tensor round-trip a tensor with
+an uneven dim; (c) one AdamW step of a small GPT-2 under FSDP=4 (all_gather before use,
+reduce_scatter of the gradients) gives the loss and weights of the same step on one device,
+computed in the test process. One launch does all three, to start processes once. Run as a
+script, this file is one rank's side: (a) and (b) assert on every rank, rank 0 writes (c)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+from test_l1_gpt2 import _model_and_step  # the same small GPT-2 and AdamW step (this folder is on sys.path)
+
+HERE = pathlib.Path(__file__).resolve()
+ROOT = HERE.parent.parent
+TIMEOUT_S = 120  # the whole launch: compiling the steps on 4 processes sharing 2 cores
+PG_TIMEOUT_S = 60  # every collective wait of a rank
+
+X = np.arange(4 * 8, dtype=np.float32).reshape(4, 8) / 4
+
+
+def piece(d: int, t: int) -> np.ndarray:
+    """Rank (dp=d, tp=t)'s piece of X under {"dp": Shard(0), "tp": Shard(1)}."""
+    return X[2 * d:2 * d + 2, 4 * t:4 * t + 4]
+
+
+def check_shard_map(rank: int) -> None:
+    """Each collective on the dp=2 x tp=2 process mesh: this rank's piece and the whole value."""
+    import dtm
+    from dtm import Replicate, Shard
+
+    mesh = dtm.Mesh({"dp": 2, "tp": 2})
+    assert mesh.process is not None and mesh.rank == rank
+    spec = {"dp": Shard(0), "tp": Shard(1)}
+    d, t = divmod(rank, 2)
+
+    def run(fn, out_spec):
+        y = dtm.shard_map(fn, mesh, in_specs=(spec,), out_specs=out_spec)(dtm.tensor(X))
+        shards = y.local_shards()
+        assert all(p is None for r, p in enumerate(shards) if r != rank)  # other processes' pieces
+        return shards[rank].numpy(), y.numpy()  # y.numpy(): gathered from every process
+
+    mine, whole = run(lambda a: dtm.all_reduce(a, axis="tp"), {"dp": Shard(0)})
+    np.testing.assert_array_equal(mine, piece(d, 0) + piece(d, 1))
+    np.testing.assert_array_equal(whole, np.concatenate([piece(e, 0) + piece(e, 1) for e in range(2)]))
+
+    mine, whole = run(lambda a: dtm.all_reduce(a, op="max", axis=("dp", "tp")), Replicate())
+    np.testing.assert_array_equal(whole, np.maximum.reduce([piece(e, u) for e in range(2) for u in range(2)]))
+
+    mine, whole = run(lambda a: dtm.all_gather(a, dim=0, axis="dp"), {"tp": Shard(1)})
+    np.testing.assert_array_equal(mine, X[:, 4 * t:4 * t + 4])
+    np.testing.assert_array_equal(whole, X)
+
+    mine, whole = run(lambda a: dtm.reduce_scatter(a, dim=1, axis="tp"), spec)
+    summed = [piece(e, 0) + piece(e, 1) for e in range(2)]  # the tp reduction on row block e
+    np.testing.assert_array_equal(mine, summed[d][:, 2 * t:2 * t + 2])
+    np.testing.assert_array_equal(whole, np.concatenate(summed))  # blocks (d, t) laid back by the spec
+
+    # block t of every tp peer's piece (split along dim 1), joined along dim 0 in peer order
+    mine, whole = run(lambda a: dtm.all_to_all(a, split_dim=1, concat_dim=0, axis="tp"), spec)
+    np.testing.assert_array_equal(mine, np.concatenate([piece(d, u)[:, 2 * t:2 * t + 2] for u in range(2)]))
+    assert whole.shape == (8, 4)
+
+    mine, whole = run(lambda a: dtm.broadcast(a, src=1, axis="dp"), {"tp": Shard(1)})
+    np.testing.assert_array_equal(mine, piece(1, t))
+    np.testing.assert_array_equal(whole, X[2:4])
+
+
+def check_round_trip(rank: int) -> None:
+    """A 7 x 6 tensor (7 rows over dp=2: 4 and 3) distributed, computed on, redistributed and
+    gathered back."""
+    import dtm
+    from dtm import Replicate, Shard
+
+    a = np.random.default_rng(1).standard_normal((7, 6)).astype(np.float32)
+    mesh = dtm.Mesh({"dp": 2, "tp": 2})
+    d, t = divmod(rank, 2)
+    x = dtm.distribute(dtm.tensor(a), mesh, {"dp": Shard(0), "tp": Shard(1)})
+    rows = [slice(0, 4), slice(4, 7)]  # spec 2.7: chunks of ceil(7 / 2) rows, the last one shorter
+    np.testing.assert_array_equal(x.local_shards()[rank].numpy(), a[rows[d], 3 * t:3 * t + 3])
+    y = (x * 2 + 1).redistribute({"dp": Replicate(), "tp": Shard(0)})
+    assert y.placements == (Replicate(), Shard(0))
+    np.testing.assert_allclose(y.local_shards()[rank].numpy(), (a * 2 + 1)[rows[t]], rtol=1e-6)
+    np.testing.assert_allclose(y.full_tensor().numpy(), a * 2 + 1, rtol=1e-6)
+    np.testing.assert_allclose(x.sum(0).full_tensor().numpy(), a.sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(x.full_tensor().numpy(), a)
+
+
+def rank_main(out: str) -> None:
+    import dtm
+    from dtm.parallel import fsdp
+
+    pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S)
+    check_shard_map(pg.rank)
+    check_round_trip(pg.rank)
+    model, step = _model_and_step()
+    m = model()
+    params = list(m.parameters())
+    mesh = dtm.Mesh({"dp": 4})
+    loss = step(fsdp(m, mesh), params)
+    assert m.wte.weight.placements == (dtm.Shard(0),)
+    assert m.wte.weight.local_shards()[pg.rank].shape == ((26, 32) if pg.rank < 3 else (23, 32))
+    full = {name: p.numpy() for name, p in m.state_dict().items()}  # gathered from every rank
+    if pg.rank == 0:
+        np.savez(out, loss=np.float64(loss), **full)
+
+
+def test_shard_map_round_trip_and_fsdp_over_four_processes(tmp_path):
+    model, step = _model_and_step()
+    m = model()
+    want_loss = step(m, list(m.parameters()))
+    want = {k: v.numpy() for k, v in m.state_dict().items()}
+
+    out = tmp_path / "rank0.npz"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DTM_HOST="127.0.0.1")
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "4", str(HERE), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = np.load(out, allow_pickle=False)
+    assert abs(float(got["loss"]) - want_loss) < 1e-5
+    assert set(got.files) == set(want) | {"loss"}
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1])
