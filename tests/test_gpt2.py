@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import dtm  # noqa: E402
 import dtm.models.gpt2  # noqa: E402
-from dtm.models.gpt2 import GPT2  # noqa: E402
+from dtm.models.gpt2 import GPT2, hf_layout  # noqa: E402
 from dtm.nn import functional as NF  # noqa: E402
 
 SMALL = dict(vocab_size=101, n_positions=64, n_embd=64, n_layer=2, n_head=4)
@@ -95,11 +95,9 @@ def test_training_step_gradients_match_torch(tmp_path):
 
     hf_grads = {n.removeprefix("transformer."): p.grad.numpy() for n, p in hf.named_parameters()}
     for name, p in model.named_parameters():
-        g = hf_grads[name]
-        if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
-            g = g.T  # HF Conv1D layout
         assert p.grad is not None, name
-        assert rel_err(p.grad.numpy(), g) < 1e-4, name
+        g = hf_layout(name, p.grad.numpy(), SMALL["n_head"])  # Conv1D [in, out], c_attn's q, k, v rows
+        assert rel_err(g, hf_grads[name]) < 1e-4, name
 
 
 def test_save_pretrained_is_read_by_transformers(tmp_path):

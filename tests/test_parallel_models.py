@@ -1,7 +1,8 @@
 """DDP, tensor parallel and FSDP on a small GPT-2 (dtm.parallel, 4 in-process devices): one
 AdamW training step under DP=2, TP=2, DP=2 x TP=2 and FSDP=4 gives the loss and the updated
 weights of the same step on one device. A tensor-parallel MLP's local program has exactly one
-all_reduce; DDP's gradient all_reduces merge into flat buckets with the same results."""
+all_reduce, a GPT-2 block's has two (attention split by heads, then the MLP) and no
+all_to_all; DDP's gradient all_reduces merge into flat buckets with the same results."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 import dtm
 import dtm.ir as ir
-from dtm.models.gpt2 import MLP, GPT2, GPT2Config
+from dtm.models.gpt2 import MLP, GPT2, Block, GPT2Config
 from dtm.nn.functional import cross_entropy
 from dtm.parallel import DDP, GPT2_PLAN, fsdp, tensor_parallel
 from dtm.parallel.ddp import bucket_all_reduces
@@ -102,10 +103,33 @@ def test_tensor_parallel_mlp_has_one_all_reduce():
     fwd = dtm.jit(lambda x: mlp(x))
     for rank in (0, 1):
         local = fwd.ir(x, view="local", rank=rank).funcs["main"]
-        assert [op.name for op in local.ops if op.name in ir.REGISTRY and
-                ir.REGISTRY[op.name].category is ir.Category.COLLECTIVE] == ["all_reduce"]
+        assert collectives(local) == ["all_reduce"]
     np.testing.assert_allclose(fwd(x).numpy(), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mlp(x).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def collectives(func) -> list[str]:
+    return [op.name for op in func.ops if op.name in ir.REGISTRY and
+            ir.REGISTRY[op.name].category is ir.Category.COLLECTIVE]
+
+
+def test_tensor_parallel_attention_splits_by_heads():
+    """Megatron's block: each rank attends over its own heads (c_attn's rows are stored head
+    by head), so the forward's only collectives are c_proj's all_reduce and the MLP's."""
+    dtm.manual_seed(2)
+    block = Block(CONFIG)
+    x = dtm.randn(2, 5, CONFIG.n_embd)
+    want = block(x).numpy()
+    plan = {k.removeprefix("h.*."): v for k, v in GPT2_PLAN.items() if k.startswith("h.*.")}
+    tensor_parallel(block, dtm.Mesh({"tp": 2}), plan)
+    fwd = dtm.jit(lambda x: block(x))
+    for rank in (0, 1):
+        local = fwd.ir(x, view="local", rank=rank).funcs["main"]
+        assert collectives(local) == ["all_reduce", "all_reduce"]
+        sdpa = [op for op in local.ops if op.name == "scaled_dot_product_attention"]
+        head_dim = CONFIG.n_embd // CONFIG.n_head
+        assert [op.operands[0].type.shape for op in sdpa] == [(2, CONFIG.n_head // 2, 5, head_dim)]
+    np.testing.assert_allclose(fwd(x).numpy(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_all_reduces_merge_into_buckets():

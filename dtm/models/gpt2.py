@@ -3,6 +3,12 @@
 `GPT2.from_pretrained(dir)` reads a Hugging Face checkpoint directory (config.json and
 model.safetensors, HF names, Conv1D weights stored [in, out] and transposed here, lm_head
 tied to wte). `generate` decodes with a per-layer key/value cache.
+
+One layout differs from HF's inside the model: the rows of the fused q, k, v projection
+`c_attn` are stored head by head ([q, k, v] of head 0, then of head 1, ...) where HF stores
+[q of all heads | k | v]. A contiguous split of the rows is then a set of whole heads, so
+tensor parallelism splits attention by heads, Megatron-style, with no communication inside
+attention. Checkpoints keep HF's layout: `from_pretrained` and `hf_state_dict` convert.
 """
 
 from __future__ import annotations
@@ -24,6 +30,25 @@ from ..tensor import Tensor, arange, jit, manual_seed, no_grad, rand, randn, ten
 
 # Weights HF keeps in Conv1D layout, [in, out]: transposed to and from Linear's [out, in].
 _CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+_QKV = ("attn.c_attn.weight", "attn.c_attn.bias")  # rows reordered head by head (module docstring)
+
+
+def from_hf_layout(name: str, w: np.ndarray, n_head: int) -> np.ndarray:
+    """The weight `name` (without "transformer.") as this model stores it, from HF's layout."""
+    if name.endswith(_CONV1D):
+        w = w.T
+    if name.endswith(_QKV):  # rows [3, n_head, head_dim] -> [n_head, 3, head_dim]
+        w = w.reshape(3, n_head, -1, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+    return np.ascontiguousarray(w)
+
+
+def hf_layout(name: str, w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of from_hf_layout: a weight (or its gradient) of this model as HF stores it."""
+    if name.endswith(_QKV):  # rows [n_head, 3, head_dim] -> [3, n_head, head_dim]
+        w = w.reshape(n_head, 3, -1, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+    if name.endswith(_CONV1D):
+        w = w.T
+    return np.ascontiguousarray(w)
 
 
 @dataclass
@@ -82,15 +107,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v of each head, head by head
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, pos: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
-        q, k, v = F.split(self.c_attn(x), C, dim=2)
-        # [B, T, C] -> [B, n_head, T, head_dim]
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # [B, T, 3C] -> [B, T, n_head, 3, head_dim] -> q, k, v each [B, n_head, T, head_dim]; a
+        # split of c_attn's rows is a split of the heads dim, and attention runs on it in place
+        qkv = self.c_attn(x).view(B, T, self.n_head, 3, C // self.n_head)
+        q, k, v = (t.squeeze(3).transpose(1, 2) for t in F.split(qkv, 1, dim=3))
         if cache is None:
             y = NF.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -229,13 +255,10 @@ class GPT2(nn.Module):
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:
         """This model's weights under HF GPT2LMHeadModel's names and layouts (Conv1D weights
-        as [in, out], lm_head tied to wte): the inverse of from_pretrained."""
-        out = {}
-        for name, t in self.state_dict().items():
-            w = t.numpy()
-            if name.endswith(_CONV1D):
-                w = np.ascontiguousarray(w.T)
-            out["transformer." + name] = w
+        as [in, out], c_attn's rows as [q | k | v], lm_head tied to wte): the inverse of
+        from_pretrained."""
+        out = {"transformer." + name: hf_layout(name, t.numpy(), self.config.n_head)
+               for name, t in self.state_dict().items()}
         out["lm_head.weight"] = out["transformer.wte.weight"]
         return out
 
@@ -264,11 +287,11 @@ class GPT2(nn.Module):
             name = name.removeprefix("transformer.")
             if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
                 continue  # causal-mask buffers; the head is tied to wte
-            if name.endswith(_CONV1D):
-                t = Tensor.from_numpy(np.ascontiguousarray(t.numpy().T))  # HF Conv1D stores [in, out]
+            if name.endswith(_CONV1D + _QKV):
+                t = Tensor.from_numpy(from_hf_layout(name, t.numpy(), config.n_head))
             state[name] = t
         model.load_state_dict(state)
         return model.eval()
 
 
-__all__ = ["GPT2", "GPT2Config", "KVCache", "manual_seed"]
+__all__ = ["GPT2", "GPT2Config", "KVCache", "from_hf_layout", "hf_layout", "manual_seed"]

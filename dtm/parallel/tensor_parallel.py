@@ -21,12 +21,12 @@ backward that autodiff derives from the same global program, and each gradient t
 parameter's placements.
 
 `GPT2_PLAN` is Megatron's split of GPT-2: attention c_attn colwise and c_proj rowwise, MLP
-c_fc colwise and c_proj rowwise, the token embedding vocab-parallel. The fused q, k, v
-projection keeps the heads from splitting cleanly: a contiguous chunk of c_attn's 3*C
-outputs is not a set of heads. Propagation then moves the projection to a split of the
-batch (one all_to_all, and one back before c_proj), so attention still runs in parallel,
-over the batch rather than the heads. Megatron's split by heads needs c_attn's rows stored
-head by head ([q_h, k_h, v_h] for each head), a layout change in the model.
+c_fc colwise and c_proj rowwise, the token embedding vocab-parallel. The model stores
+c_attn's rows head by head ([q, k, v] of each head, dtm.models.gpt2), so each rank's rows
+are whole heads: the reshape to [B, T, n_head, 3, head_dim] carries the split to the heads
+dim, each rank attends over its own heads, and c_proj's all_reduce is the block's only
+collective in attention (one more after the MLP). A model with HF's fused layout
+([q of all heads | k | v]) would instead be moved to a split of the batch, by all_to_all.
 """
 
 from __future__ import annotations
