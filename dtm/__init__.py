@@ -16,6 +16,7 @@ from . import parallel  # noqa: E402
 from .parallel import (Mesh, Partial, Replicate, Shard, all_gather, all_reduce, all_to_all,  # noqa: E402
                        broadcast, devices, distribute, reduce_scatter, shard_map)
 from . import distributed  # noqa: E402 - dtm.distributed.all_reduce, ...: collectives between processes
+from .distributed import barrier, recv, send  # noqa: E402 - between processes only (no in-process form)
 from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E402
 
 # torch's short dtype names

@@ -1,5 +1,6 @@
 """dtm.all_reduce and friends outside dtm.shard_map: after dtm.init() they are the
-collectives between processes (dtm.distributed); before it, a clear error."""
+collectives between processes (dtm.distributed), with dtm.barrier, dtm.send and dtm.recv;
+before it, a clear error."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ r = dtm.rank()
 x = dtm.tensor(np.arange(4, dtype=np.float32) * (r + 1))
 s = dtm.all_reduce(x, op="sum")
 g = dtm.all_gather(dtm.tensor(np.full((1, 2), r, np.int64)), dim=0)
-print("RESULT", r, s.numpy().tolist(), g.numpy().tolist(), flush=True)
+dtm.barrier()
+if r == 0:
+    dtm.send(dtm.tensor(np.array([7.5, -1.0], np.float32)), dst=1)
+    got = "sent"
+else:
+    got = dtm.recv(0, dtype="f32", shape=(2,)).numpy().tolist()
+print("RESULT", r, s.numpy().tolist(), g.numpy().tolist(), got, flush=True)
 dtm.shutdown()
 """
 
@@ -32,7 +39,8 @@ def test_top_level_collectives_run_between_processes(tmp_path):
     assert out.returncode == 0, out.stderr
     results = sorted(line.split("RESULT ", 1)[1] for line in out.stdout.splitlines() if "RESULT " in line)
     want_sum = (np.arange(4) * 1 + np.arange(4) * 2).tolist()
-    assert results == [f"{r} {[float(v) for v in want_sum]} [[0, 0], [1, 1]]" for r in range(2)]
+    got = ["sent", [7.5, -1.0]]
+    assert results == [f"{r} {[float(v) for v in want_sum]} [[0, 0], [1, 1]] {got[r]}" for r in range(2)]
 
 
 def test_top_level_collectives_need_shard_map_or_init():
