@@ -17,6 +17,8 @@ from .parallel import (Mesh, Partial, Replicate, Shard, all_gather, all_reduce, 
                        broadcast, devices, distribute, reduce_scatter, shard_map)
 from . import distributed  # noqa: E402 - dtm.distributed.all_reduce, ...: collectives between processes
 from .distributed import barrier, recv, send  # noqa: E402 - between processes only (no in-process form)
+from .comm import CollectiveMismatch, PeerLost  # noqa: E402 - what a failed collective raises
+from .protocol import ChecksumError  # noqa: E402
 from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E402
 
 # torch's short dtype names
