@@ -59,26 +59,29 @@ def rank_main(out: str) -> None:
         np.savez(out, loss=np.float64(loss), **full)
 
 
-def test_gpt2_dp2_tp2_over_four_processes_equals_one_device(tmp_path):
-    import dtm
+def launch_four(script: pathlib.Path, out: pathlib.Path, *options: str):
+    """Run `script out` as 4 ranks with `dtm launch` (bounded by TIMEOUT_S); rank 0's saved results."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DTM_HOST="127.0.0.1")
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "4", *options, str(script), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return np.load(out, allow_pickle=False)
 
+
+def assert_equals_one_device_step(got) -> None:
+    """Rank 0's loss and gathered weights equal the same step run here, on one device."""
     model, step = _model_and_step()
     m = model()
     want_loss = step(m, list(m.parameters()))
     want = {k: v.numpy() for k, v in m.state_dict().items()}
-
-    out = tmp_path / "rank0.npz"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DTM_HOST="127.0.0.1")
-    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "4", "--axes", "dp=2,tp=2",
-           str(HERE), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = np.load(out, allow_pickle=False)
     assert abs(float(got["loss"]) - want_loss) < 1e-5
     assert set(got.files) == set(want) | {"loss"}
     for name, w in want.items():
         np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-4, err_msg=name)
-    assert dtm  # the reference ran in this process, on one device
+
+
+def test_gpt2_dp2_tp2_over_four_processes_equals_one_device(tmp_path):
+    assert_equals_one_device_step(launch_four(HERE, tmp_path / "rank0.npz", "--axes", "dp=2,tp=2"))
 
 
 if __name__ == "__main__":

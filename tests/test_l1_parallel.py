@@ -9,18 +9,15 @@ script, this file is one rank's side: (a) and (b) assert on every rank, rank 0 w
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 
-from test_l1_gpt2 import _model_and_step  # the same small GPT-2 and AdamW step (this folder is on sys.path)
+# The same small GPT-2 and AdamW step, and the launch (this folder is on sys.path).
+from test_l1_gpt2 import _model_and_step, assert_equals_one_device_step, launch_four
 
 HERE = pathlib.Path(__file__).resolve()
-ROOT = HERE.parent.parent
-TIMEOUT_S = 120  # the whole launch: compiling the steps on 4 processes sharing 2 cores
 PG_TIMEOUT_S = 60  # every collective wait of a rank
 
 X = np.arange(4 * 8, dtype=np.float32).reshape(4, 8) / 4
@@ -113,21 +110,7 @@ def rank_main(out: str) -> None:
 
 
 def test_shard_map_round_trip_and_fsdp_over_four_processes(tmp_path):
-    model, step = _model_and_step()
-    m = model()
-    want_loss = step(m, list(m.parameters()))
-    want = {k: v.numpy() for k, v in m.state_dict().items()}
-
-    out = tmp_path / "rank0.npz"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DTM_HOST="127.0.0.1")
-    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "4", str(HERE), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = np.load(out, allow_pickle=False)
-    assert abs(float(got["loss"]) - want_loss) < 1e-5
-    assert set(got.files) == set(want) | {"loss"}
-    for name, w in want.items():
-        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-4, err_msg=name)
+    assert_equals_one_device_step(launch_four(HERE, tmp_path / "rank0.npz"))
 
 
 if __name__ == "__main__":
