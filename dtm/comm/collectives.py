@@ -373,10 +373,7 @@ class Communicator:
         dim = self._dim(dim, x.ndim, "reduce_scatter")
         g = self._group(group, "reduce_scatter")
         n = len(g.ranks)
-        if x.shape[dim] % n:
-            raise DTMError(E.SHAPE_MISMATCH, f"reduce_scatter: dim {dim} of shape {list(x.shape)} is not divisible by "
-                           f"the group size {n}")
-        blocks = _blocks(x, dim, n)  # (n, block...) contiguous
+        blocks = _blocks(x, dim, n, "reduce_scatter")  # (n, block...) contiguous
         block_shape = blocks.shape[1:]
         work = self._work(blocks, None)
         count = work.size // n
@@ -423,10 +420,7 @@ class Communicator:
         concat_dim = self._dim(concat_dim, x.ndim, "all_to_all")
         g = self._group(group, "all_to_all")
         n = len(g.ranks)
-        if x.shape[split_dim] % n:
-            raise DTMError(E.SHAPE_MISMATCH, f"all_to_all: dim {split_dim} of shape {list(x.shape)} is not divisible "
-                           f"by the group size {n}")
-        blocks = _blocks(x, split_dim, n)
+        blocks = _blocks(x, split_dim, n, "all_to_all")
         received = np.empty_like(blocks)
         count = blocks.size // n
 
@@ -579,10 +573,13 @@ def _expect_type(meta: P2PSend, expect: tuple, what: str, limit: int, out: np.nd
     return np.empty(meta.shape, dtype)
 
 
-def _blocks(x: np.ndarray, dim: int, n: int) -> np.ndarray:
+def _blocks(x: np.ndarray, dim: int, n: int, what: str) -> np.ndarray:
     """x split along `dim` into n equal blocks, as one contiguous (n, *block_shape) array
-    (a view when dim is 0)."""
+    (a view when dim is 0); collective `what` refuses a dim that does not divide."""
     shape = x.shape
+    if shape[dim] % n:
+        raise DTMError(E.SHAPE_MISMATCH, f"{what}: dim {dim} of shape {list(shape)} is not divisible by "
+                       f"the group size {n}")
     pre, size, post = math.prod(shape[:dim]), shape[dim] // n, math.prod(shape[dim + 1:])
     block_shape = shape[:dim] + (size,) + shape[dim + 1:]
     grouped = x.reshape(pre, n, size * post).transpose(1, 0, 2)

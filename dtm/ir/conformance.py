@@ -41,7 +41,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 @dataclass(frozen=True)
 class VectorResult:
     name: str
-    kind: str  # "valid" or "invalid"
+    kind: str  # "valid", "invalid"; the protocol set adds "handshake" and "crc32c"
     ok: bool
     detail: str = ""
 

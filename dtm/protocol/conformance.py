@@ -27,25 +27,17 @@ from __future__ import annotations
 
 import json
 import pathlib
-from dataclasses import dataclass
 
 from crc32c import crc32c
 
 from ..errors import DTMError, ErrorCode
+from ..ir.conformance import VectorResult, summary  # one result type and report for every vector set
 from .errors import ProtocolError
 from .frame import MAX_PAYLOAD, FrameDecoder, FrameHeader, encode_frame
 from .handshake import Handshake, check_answer, hmac_answer, negotiate
 from .messages import MESSAGES, decode_message
 
 DEFAULT_ROOT = pathlib.Path(__file__).resolve().parents[2] / "conformance" / "protocol"
-
-
-@dataclass(frozen=True)
-class VectorResult:
-    name: str
-    kind: str  # "valid", "invalid", "handshake" or "crc32c"
-    ok: bool
-    detail: str = ""
 
 
 # --- JSON forms, shared with conformance/protocol/tools/make_vectors.py --------------------------
@@ -258,14 +250,6 @@ def run_protocol_vectors(root: pathlib.Path | None = None) -> list[VectorResult]
     except (OSError, ValueError) as e:
         return results + [VectorResult("handshake.json", "handshake", False, f"cannot read it: {e}")]
     return results + check_handshake(doc)
-
-
-def summary(results: list[VectorResult]) -> str:
-    """One line per failing vector, then "N passed, M failed"."""
-    failed = [r for r in results if not r.ok]
-    lines = [f"FAIL {r.kind}/{r.name}: {r.detail}" for r in failed]
-    lines.append(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    return "\n".join(lines)
 
 
 __all__ = ["VectorResult", "run_protocol_vectors", "summary", "load_manifest", "check_valid", "check_invalid",
