@@ -125,7 +125,45 @@ def severed(comm, rank, n):
         return type(e).__name__, str(e), time.monotonic() - t
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, served, severed)}
+def _interrupt_after(seconds: float) -> None:
+    """A KeyboardInterrupt in `seconds`, as Ctrl-C would raise it, wherever the rank waits."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("Ctrl-C")
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def cancelled(comm, rank, n):
+    """The last rank is interrupted while it waits in an all_reduce the others join late:
+    it sends Cancel, and they fail the collective naming it."""
+    x = np.ones(20_000, np.float32)
+    comm.all_reduce(x)
+    if rank == n - 1:
+        _interrupt_after(0.3)
+        try:
+            comm.all_reduce(x)
+        except KeyboardInterrupt:
+            return "interrupted"
+    time.sleep(1.0)
+    comm.all_reduce(x)
+
+
+def cancelled_recv(comm, rank, n):
+    """Rank 0 is interrupted in a recv from rank 1; rank 1, which sends late, learns it."""
+    if rank == 0:
+        _interrupt_after(0.3)
+        try:
+            comm.recv(1)
+        except KeyboardInterrupt:
+            return "interrupted"
+    elif rank == 1:
+        time.sleep(1.0)
+        comm.send(np.ones(1000, np.float32), dst=0)  # the Cancel came long ago: delivered by send's poll
+        return "not told"
+
+
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, served, severed, cancelled,
+                                     cancelled_recv)}
 
 
 class _Records(logging.Handler):
@@ -261,6 +299,24 @@ def test_mismatch_raises_on_every_rank(kind, n):
         assert status == "err" and code is ErrorCode.COLLECTIVE_MISMATCH, message
         assert "all_gather(dim=0)" in message and "all_reduce(sum)" in message
         assert "test_comm_procs.py:" in message
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_an_interrupted_collective_is_cancelled_on_every_rank(kind):
+    outcomes, _ = run_mesh(kind, 3, "cancelled")
+    assert outcomes[2][:2] == ("ok", "interrupted")
+    for r in (0, 1):
+        status, (name, code, message, _), _ = outcomes[r]
+        assert (status, code) == ("err", ErrorCode.COLLECTIVE_ABORTED), message
+        assert "rank 2 cancelled collective #1 on group [0, 1, 2]: interrupted by KeyboardInterrupt" in message
+
+
+def test_an_interrupted_recv_cancels_the_transfer():
+    outcomes, _ = run_mesh("tcp", 2, "cancelled_recv")
+    assert outcomes[0][:2] == ("ok", "interrupted")
+    status, (name, code, message, _), _ = outcomes[1]
+    assert (status, code) == ("err", ErrorCode.COLLECTIVE_ABORTED), message
+    assert "rank 0 cancelled point-to-point transfer 0 with this rank: interrupted by KeyboardInterrupt" in message
 
 
 def test_corrupted_data_frame_is_a_checksum_error():

@@ -15,7 +15,10 @@ sends an Error to every other member, which raise it too; so no rank hangs or re
 of another collective. Every algorithm's messages connect all members of the group, so a
 difference anywhere is seen by someone. A rank that fails for any other reason mid
 collective also sends an Error, and the others raise CollectiveAborted quoting it (or
-PeerLost, when what it reports is a lost peer). After an error the transport is failed.
+PeerLost, when what it reports is a lost peer). A rank interrupted from outside (Ctrl-C,
+SystemExit) sends Cancel instead, and the others raise CollectiveAborted naming it; the
+interruption itself goes on up the interrupted rank's stack. After an error the transport
+is failed.
 
 Scratch buffers (f32 partials of narrow floats, receive buffers of the ring) are kept and
 reused from call to call: fresh pages cost more than the copies on a small machine.
@@ -34,7 +37,7 @@ from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import DTYPES, from_numpy, numpy_dtype
 from ..protocol.errors import ProtocolError
 from ..protocol.frame import MsgType
-from ..protocol.messages import CollectiveStart, Error, P2PSend
+from ..protocol.messages import Cancel, CollectiveStart, Error, P2PSend
 from . import algorithms as alg
 from . import reduction
 from .calls import call_site, encode_start, group_stream, mismatch_message, same_call, seq_of
@@ -167,10 +170,16 @@ class Communicator:
                 self._check_start(g, peer, start)
         elif msg_type is MsgType.P2P_SEND:
             self._p2p_arrived(peer, P2PSend.decode(payload))
-        elif msg_type in (MsgType.ERROR, MsgType.CANCEL):
-            err = Error.decode(payload) if msg_type is MsgType.ERROR else None
-            code, text = (err.code, err.message) if err else ("E1002", "cancelled")
-            who = f"rank {err.rank if err and err.rank >= 0 else peer}"
+        elif msg_type is MsgType.CANCEL:
+            cancel = Cancel.decode(payload)
+            g = self._by_stream.get(stream)
+            what = (f"point-to-point transfer {cancel.seq} with this rank" if stream == P2P_STREAM else
+                    f"collective #{cancel.seq} on group {list(g.ranks) if g else '?'}")
+            raise CollectiveAborted(f"rank {peer} cancelled {what}: {cancel.reason}") from _FromPeer()
+        elif msg_type is MsgType.ERROR:
+            err = Error.decode(payload)
+            code, text = err.code, err.message
+            who = f"rank {err.rank if err.rank >= 0 else peer}"
             exc: DTMError
             if code == E.COLLECTIVE_MISMATCH.value:
                 exc = CollectiveMismatch(f"{who} reported: {text}")
@@ -202,10 +211,16 @@ class Communicator:
             raise CollectiveMismatch(mismatch_message(g.ranks, seq, mine, self.rank, theirs, peer))
 
     def _report(self, g: _Group, err: DTMError) -> None:
-        """Tell the group's other members why this rank abandons the collective."""
+        """Tell the group's other members why this rank's collective failed."""
         parts = Error.from_exception(err, self.rank).parts()
         peers = [r for r in g.ranks if r != self.rank]
         self.transport.notify(peers, g.stream, MsgType.ERROR, parts)
+
+    def _cancel(self, peers: Sequence[int], stream: int, seq: int, cause: BaseException) -> None:
+        """Tell `peers` that this rank abandons transfer `seq` of `stream` because it was
+        interrupted (Ctrl-C, a signal handler's exception, ...), not because it failed."""
+        reason = f"interrupted by {type(cause).__name__}" + (f": {cause}" if str(cause) else "")
+        self.transport.notify(peers, stream, MsgType.CANCEL, Cancel(seq, reason).parts())
 
     # --- running one collective ----------------------------------------------------------------
 
@@ -223,12 +238,16 @@ class Communicator:
                 self._check_start(g, peer, theirs)
             if len(g.ranks) > 1:
                 body(_Link(self, g, seq, start, what))
-        except BaseException as e:  # noqa: BLE001 - reported to the group, then raised
-            err = e if isinstance(e, DTMError) else CollectiveAborted(f"{what} on rank {self.rank} was interrupted "
-                                                                     f"by {type(e).__name__}: {e}")
+        except Exception as e:  # this rank failed it: an Error tells the group why
+            err = e if isinstance(e, DTMError) else CollectiveAborted(f"{what} on rank {self.rank} failed with "
+                                                                     f"{type(e).__name__}: {e}")
             if not isinstance(e.__cause__, _FromPeer) and not isinstance(e, CollectiveAborted):
                 self._report(g, err)
             self.transport.fail(err)
+            raise
+        except BaseException as e:  # interrupted from outside (Ctrl-C, exit): a Cancel, and on it goes
+            self._cancel([r for r in g.ranks if r != self.rank], g.stream, seq, e)
+            self.transport.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
             raise
         self.ops_done += 1
 
@@ -506,6 +525,11 @@ class Communicator:
             self.transport.wait(waiter.receives, what)
         except DTMError as e:  # the sender's Data frames are now unclaimed: no later recv may take them
             self.transport.fail(e)
+            raise
+        except BaseException as e:  # interrupted from outside (Ctrl-C, exit): the sender learns it
+            transfer = self._p2p_seq_in[peer] - 1 if waiter.done else self._p2p_seq_in[peer]
+            self._cancel([peer], P2P_STREAM, transfer, e)
+            self.transport.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
             raise
         finally:
             self._p2p_waiter.pop(peer, None)
