@@ -300,6 +300,9 @@ class Communicator:
         work = self._work(x, None)
 
         def body(link: _Link) -> None:
+            if self._shared(g, "reduce", link, x.reshape(-1), out.reshape(-1) if out is not None else None, op=op,
+                            root=dst):
+                return
             step = self._chunk(work.dtype, work.nbytes, n)
             if work.nbytes <= self.small_bytes or work.size < n:
                 if alg.tree_reduce(link, work, op, dst, step, self._scratch(0, work.dtype, work.size)):
@@ -444,6 +447,8 @@ class Communicator:
         count = blocks.size // n
 
         def body(link: _Link) -> None:
+            if self._shared(g, "all_to_all", link, blocks.reshape(-1), received.reshape(-1)):
+                return
             alg.direct_all_to_all(link, blocks.reshape(-1), received.reshape(-1), count,
                                   self._chunk(x.dtype, blocks.nbytes, n))
 

@@ -1,6 +1,6 @@
 """The shared-memory transport: ranks on one host move collective data through a shared
 segment per group instead of sockets; the TCP connections stay for point-to-point
-transfers, for all_to_all and reduce, and to learn at once when a peer dies or fails.
+transfers and to learn at once when a peer dies or fails.
 
     transport = connect_local(rank, world_size, addresses, token, listener=listener)
 
@@ -255,7 +255,7 @@ class Workspace:
         self._count(CONSUMED)
         self.round += 1
 
-    def _reduce(self, op: str, parts: Sequence[np.ndarray], out: np.ndarray, scratch: np.ndarray | None) -> None:
+    def _combine(self, op: str, parts: Sequence[np.ndarray], out: np.ndarray, scratch: np.ndarray | None) -> None:
         """out = parts[0] op parts[1] op ... in group order (in f32 scratch for narrow floats)."""
         acc = out if scratch is None else scratch
         if scratch is not None:
@@ -276,6 +276,14 @@ class Workspace:
         return True
 
     def _all_reduce(self, start, what, src, dst, op, root) -> None:
+        self._reduction(start, what, src, dst, op)
+
+    def _reduce(self, start, what, src, dst, op, root) -> None:
+        """all_reduce's rounds; only the root copies the result out (dst is None elsewhere)."""
+        self._reduction(start, what, src, dst, op)
+
+    def _reduction(self, start, what, src, dst, op) -> None:
+        """Reduce every member's `src` into `dst` (None: this member only helps)."""
         dtype, n = src.dtype, self.n
         per = self.slot_bytes // dtype.itemsize
         narrow = reduction.work_dtype(dtype) != dtype
@@ -289,14 +297,16 @@ class Workspace:
             self._round(k, b, start, what)
             slots = [self._slot(b, m, dtype, hi - lo) for m in range(n)]
             if small:
-                self._reduce(op, slots, dst[lo:hi], scratch[:hi - lo] if narrow else None)
+                if dst is not None:
+                    self._combine(op, slots, dst[lo:hi], scratch[:hi - lo] if narrow else None)
             else:
                 a, z = split(hi - lo, n)[self.me]
                 result = self._slot(b, n, dtype, hi - lo)
-                self._reduce(op, [s[a:z] for s in slots], result[a:z], scratch[:z - a] if narrow else None)
+                self._combine(op, [s[a:z] for s in slots], result[a:z], scratch[:z - a] if narrow else None)
                 self._count(REDUCED)
                 self._wait(REDUCED, self.round + 1, what)
-                dst[lo:hi] = result
+                if dst is not None:
+                    dst[lo:hi] = result
             self._end()
 
     def _all_gather(self, start, what, src, dst, op, root) -> None:
@@ -326,7 +336,24 @@ class Workspace:
             self._round(k, b, start, what)
             a = self.me * per
             parts = [self._slot(b, m, dtype, n * per)[a:a + hi - lo] for m in range(n)]
-            self._reduce(op, parts, dst[lo:hi], scratch[:hi - lo] if narrow else None)
+            self._combine(op, parts, dst[lo:hi], scratch[:hi - lo] if narrow else None)
+            self._end()
+
+    def _all_to_all(self, start, what, src, dst, op, root) -> None:
+        """src and dst hold n blocks; block j of src goes to member j, block j of dst comes
+        from member j. A slot holds one piece of each of this member's n blocks per round."""
+        dtype, n, count = src.dtype, self.n, src.size // self.n
+        per = max(1, self.slot_bytes // (n * dtype.itemsize))
+        for k in range(max(1, math.ceil(count / per))):
+            lo, hi = k * per, min(count, (k + 1) * per)
+            b = self._begin(what)
+            mine = self._slot(b, self.me, dtype, n * per)
+            for j in range(n):
+                mine[j * per:j * per + hi - lo] = src[j * count + lo:j * count + hi]
+            self._round(k, b, start, what)
+            a = self.me * per
+            for m in range(n):
+                dst[m * count + lo:m * count + hi] = self._slot(b, m, dtype, n * per)[a:a + hi - lo]
             self._end()
 
     def _broadcast(self, start, what, src, dst, op, root) -> None:
