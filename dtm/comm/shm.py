@@ -323,27 +323,26 @@ class Workspace:
             self._end()
 
     def _reduce_scatter(self, start, what, src, dst, op, root) -> None:
-        dtype, n, count = src.dtype, self.n, dst.size
-        per = max(1, self.slot_bytes // (n * dtype.itemsize))  # each slot holds n pieces per round
-        narrow = reduction.work_dtype(dtype) != dtype
-        scratch = np.empty(per, np.float32) if narrow else None
-        for k in range(max(1, math.ceil(count / per))):
-            lo, hi = k * per, min(count, (k + 1) * per)
-            b = self._begin(what)
-            mine = self._slot(b, self.me, dtype, n * per)
-            for j in range(n):
-                mine[j * per:j * per + hi - lo] = src[j * count + lo:j * count + hi]
-            self._round(k, b, start, what)
-            a = self.me * per
-            parts = [self._slot(b, m, dtype, n * per)[a:a + hi - lo] for m in range(n)]
-            self._combine(op, parts, dst[lo:hi], scratch[:hi - lo] if narrow else None)
-            self._end()
+        narrow = reduction.work_dtype(src.dtype) != src.dtype
+        scratch = np.empty(self._piece(src.dtype), np.float32) if narrow else None
+        for lo, hi, pieces in self._transposed_rounds(start, what, src, dst.size):
+            self._combine(op, pieces, dst[lo:hi], scratch[:hi - lo] if narrow else None)
 
     def _all_to_all(self, start, what, src, dst, op, root) -> None:
-        """src and dst hold n blocks; block j of src goes to member j, block j of dst comes
-        from member j. A slot holds one piece of each of this member's n blocks per round."""
-        dtype, n, count = src.dtype, self.n, src.size // self.n
-        per = max(1, self.slot_bytes // (n * dtype.itemsize))
+        count = src.size // self.n
+        for lo, hi, pieces in self._transposed_rounds(start, what, src, count):
+            for m, piece in enumerate(pieces):
+                dst[m * count + lo:m * count + hi] = piece
+
+    def _piece(self, dtype: np.dtype) -> int:
+        """Elements of one block per round when a slot holds a piece of each of n blocks."""
+        return max(1, self.slot_bytes // (self.n * dtype.itemsize))
+
+    def _transposed_rounds(self, start, what, src: np.ndarray, count: int):
+        """Rounds in which `src` (n blocks of `count` elements) is posted piece by piece,
+        piece j for member j. Yields (lo, hi, pieces): elements lo..hi of a block, as every
+        member posted them for this one, in group order; valid until the next round."""
+        dtype, n, per = src.dtype, self.n, self._piece(src.dtype)
         for k in range(max(1, math.ceil(count / per))):
             lo, hi = k * per, min(count, (k + 1) * per)
             b = self._begin(what)
@@ -352,8 +351,7 @@ class Workspace:
                 mine[j * per:j * per + hi - lo] = src[j * count + lo:j * count + hi]
             self._round(k, b, start, what)
             a = self.me * per
-            for m in range(n):
-                dst[m * count + lo:m * count + hi] = self._slot(b, m, dtype, n * per)[a:a + hi - lo]
+            yield lo, hi, [self._slot(b, m, dtype, n * per)[a:a + hi - lo] for m in range(n)]
             self._end()
 
     def _broadcast(self, start, what, src, dst, op, root) -> None:
