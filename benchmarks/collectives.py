@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, with K/M/G suffixes")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    ap.add_argument("--iters", type=int, default=30, help="iterations at small sizes (fewer for large ones)")
+    ap.add_argument("--iters", type=int, default=100, help="iterations at small sizes (fewer for large ones)")
     ap.add_argument("--chunk", type=parse_size, default=1 << 20, help="DTM's largest Data frame over TCP")
     ap.add_argument("--slot", type=parse_size, default=1 << 20, help="DTM's shared-memory slot per rank")
     args = ap.parse_args()
