@@ -45,6 +45,7 @@ MAX_HANDSHAKING = 64       # accepted connections still in their handshake; past
 READ_BUFFER = 256 << 10    # per connection, for headers and small frames
 READ_AHEAD = 16 << 10      # the most read into it at once
 MAX_IOV = 64               # buffers per sendmsg call
+FLUSH_BYTES = 4 << 20      # bytes offered per sendmsg call, about what a loopback socket takes at once
 LEVEL = 1                  # conformance level announced in Hello (membership, wire collectives, P2P)
 
 
@@ -155,11 +156,16 @@ class TcpTransport(Transport):
         total = 0
         while c.out:
             iov: list[memoryview] = []
+            offered = 0  # no more than a socket takes at once: a long queue is not walked on every call
             for item in c.out:
-                iov.extend(item.views)
-                if len(iov) >= MAX_IOV:
+                for v in item.views:
+                    iov.append(v)
+                    offered += v.nbytes
+                if len(iov) >= MAX_IOV or offered >= FLUSH_BYTES:
                     break
-            iov = iov[:MAX_IOV]
+            if len(iov) > MAX_IOV:
+                offered -= sum(v.nbytes for v in iov[MAX_IOV:])
+                iov = iov[:MAX_IOV]
             try:
                 sent = c.sock.sendmsg(iov)
             except BlockingIOError:
@@ -168,7 +174,7 @@ class TcpTransport(Transport):
                 self._lost(c, f"sending failed: {e.strerror or e}")
                 raise PeerLost(c.peer, op, c.closed) from None
             total += sent
-            full = sent < sum(v.nbytes for v in iov)
+            full = sent < offered
             while c.out:
                 item = c.out[0]
                 while item.views and sent >= item.views[0].nbytes:
