@@ -48,10 +48,14 @@ def correctness(comm, rank, n):
     out["gather"] = comm.all_gather(x, dim=1)
     out["rs"] = comm.reduce_scatter(x, op="sum", dim=1)
     out["bcast"] = comm.broadcast(data(rank, (40_000,), np.float64), src=n - 1)
-    sent = comm.transport.bytes_sent
+    def socket_bytes():  # bytes_sent counts shared memory too, in its own figure as well
+        return comm.transport.bytes_sent - getattr(comm.transport, "shared_bytes_sent", 0)
+
+    sent = socket_bytes()
     out["reduce"] = comm.reduce(data(rank, (20_000,), np.float32), dst=1)
     out["a2a"] = comm.all_to_all(data(rank, (n * 3, 500), np.float32), split_dim=0, concat_dim=1)
-    out["socket_bytes"] = comm.transport.bytes_sent - sent  # of reduce and all_to_all
+    out["socket_bytes"] = socket_bytes() - sent  # of reduce and all_to_all
+    out["moved"] = comm.transport.bytes_sent
     comm.barrier()
     comm.send(data(rank, (5, 1000), BF16), dst=(rank + 1) % n)
     out["p2p"] = comm.recv((rank - 1) % n)
@@ -286,6 +290,7 @@ def test_collectives_match_numpy(kind, n):
     np.testing.assert_allclose(res[1]["reduce"], np.sum(each(data, (20_000,), np.float32), axis=0), rtol=1e-6)
     for r in range(n):  # shared memory carries them whole; sockets carry at least the data
         assert res[r]["socket_bytes"] == 0 if kind == "shm" else res[r]["socket_bytes"] > 20_000 * 4 // n
+        assert res[r]["moved"] > 200_000, "the bytes moved are counted whichever transport moved them"
     assert all(res[r]["reduce"] is None for r in range(n) if r != 1)
     sub = np.sum([data(r, (10_000,), np.float32) for r in (n - 1, 0)], axis=0)
     np.testing.assert_allclose(res[0]["sub"], sub, rtol=1e-6)

@@ -255,6 +255,13 @@ class Workspace:
         self._count(CONSUMED)
         self.round += 1
 
+    def _moved(self, sent: int, received: int) -> None:
+        """Count, in the transport's figures (heartbeats, `dtm launch`'s progress), the bytes
+        this member put into the segment for others and took out of it from others."""
+        self.transport.bytes_sent += sent
+        self.transport.bytes_received += received
+        self.transport.shared_bytes_sent += sent
+
     def _combine(self, op: str, parts: Sequence[np.ndarray], out: np.ndarray, scratch: np.ndarray | None) -> None:
         """out = parts[0] op parts[1] op ... in group order (in f32 scratch for narrow floats)."""
         acc = out if scratch is None else scratch
@@ -299,6 +306,7 @@ class Workspace:
             if small:
                 if dst is not None:
                     self._combine(op, slots, dst[lo:hi], scratch[:hi - lo] if narrow else None)
+                self._moved(mine.nbytes, (n - 1) * mine.nbytes if dst is not None else 0)
             else:
                 a, z = split(hi - lo, n)[self.me]
                 result = self._slot(b, n, dtype, hi - lo)
@@ -307,6 +315,9 @@ class Workspace:
                 self._wait(REDUCED, self.round + 1, what)
                 if dst is not None:
                     dst[lo:hi] = result
+                mine_part = (z - a) * dtype.itemsize  # the slice this member reduced for everyone
+                self._moved(mine.nbytes + mine_part,
+                            (n - 1) * mine_part + (mine.nbytes - mine_part if dst is not None else 0))
             self._end()
 
     def _all_gather(self, start, what, src, dst, op, root) -> None:
@@ -320,6 +331,8 @@ class Workspace:
             for m in range(self.n):
                 if m != self.me:
                     dst[m * count + lo:m * count + hi] = self._slot(b, m, dtype, hi - lo)
+            chunk = (hi - lo) * dtype.itemsize
+            self._moved(chunk, (self.n - 1) * chunk)
             self._end()
 
     def _reduce_scatter(self, start, what, src, dst, op, root) -> None:
@@ -352,6 +365,8 @@ class Workspace:
             self._round(k, b, start, what)
             a = self.me * per
             yield lo, hi, [self._slot(b, m, dtype, n * per)[a:a + hi - lo] for m in range(n)]
+            piece = (hi - lo) * dtype.itemsize
+            self._moved((n - 1) * piece, (n - 1) * piece)
             self._end()
 
     def _broadcast(self, start, what, src, dst, op, root) -> None:
@@ -360,11 +375,14 @@ class Workspace:
         for k in range(max(1, math.ceil(dst.size / per))):
             lo, hi = k * per, min(dst.size, (k + 1) * per)
             b = self._begin(what)
+            chunk = (hi - lo) * dtype.itemsize
             if self.me == root:
                 self._slot(b, root, dtype, hi - lo)[...] = src[lo:hi]
+                self._moved(chunk, 0)
             self._round(k, b, start, what)
             if self.me != root:
                 dst[lo:hi] = self._slot(b, root, dtype, hi - lo)
+                self._moved(0, chunk)
             self._end()
 
     def _barrier(self, start, what, src, dst, op, root) -> None:
@@ -382,6 +400,7 @@ class ShmTransport(TcpTransport):
         self.session, self.slot_bytes = session, -(-slot_bytes // _LINE) * _LINE  # aligned for every dtype
         self.local = set(range(self.world_size) if local is None else local)
         self._spaces: dict[tuple[int, ...], Workspace | None] = {}
+        self.shared_bytes_sent = 0  # the part of bytes_sent that went through shared memory
 
     def workspace(self, ranks: tuple[int, ...]) -> Workspace | None:
         """The group's workspace; None when the group spans hosts or this CPU is not supported."""
