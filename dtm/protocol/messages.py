@@ -47,10 +47,13 @@ _CODE = re.compile(r"E[0-9]{4}")
 
 
 class Message:
-    """Base of the message dataclasses. A subclass sets TYPE and writes `_write` and `_read`
-    in the order of its spec table, and `_check` for what its fields must satisfy."""
+    """Base of the message dataclasses. A subclass sets TYPE, and `_check` for what its
+    fields must satisfy. A message of scalar fields lists them in WIRE, in the order of its
+    spec table, with their primitive (a `Writer`/`Reader` method name); one with lists or
+    nested records writes `_write` and `_read` itself."""
 
     TYPE: ClassVar[MsgType]
+    WIRE: ClassVar[tuple[tuple[str, str], ...]] = ()
     _JSON_IN: ClassVar[dict[str, Callable[[Any], Any]]] = {}
 
     def __post_init__(self) -> None:
@@ -62,11 +65,12 @@ class Message:
         return None
 
     def _write(self, w: Writer) -> None:
-        raise NotImplementedError
+        for name, kind in self.WIRE:
+            getattr(w, kind)(getattr(self, name), name)
 
     @classmethod
     def _read(cls, r: Reader) -> "Message":
-        raise NotImplementedError
+        return cls(**{name: getattr(r, kind)(name) for name, kind in cls.WIRE})
 
     def parts(self) -> list[Buffer]:
         """The payload as buffers to send back to back."""
@@ -221,6 +225,8 @@ class JoinMesh(Message):
     ranks whose `node` is equal share a host (and may use shared memory)."""
 
     TYPE: ClassVar[MsgType] = MsgType.JOIN_MESH
+    WIRE = (("rank", "i32"), ("world_size", "u32"), ("host", "str"), ("port", "u16"), ("node", "str"),
+            ("pid", "u32"))
     rank: int
     world_size: int
     host: str
@@ -232,17 +238,6 @@ class JoinMesh(Message):
         return _first(self.rank < -1 and f"rank {self.rank} is below -1 (any)",
                       _str_ok("host", self.host), not self.host and "host is empty", _str_ok("node", self.node))
 
-    def _write(self, w: Writer) -> None:
-        w.i32(self.rank, "rank")
-        w.u32(self.world_size, "world_size")
-        w.str(self.host, "host")
-        w.u16(self.port, "port")
-        w.str(self.node, "node")
-        w.u32(self.pid, "pid")
-
-    @classmethod
-    def _read(cls, r: Reader) -> "JoinMesh":
-        return cls(r.i32("rank"), r.u32("world_size"), r.str("host"), r.u16("port"), r.str("node"), r.u32("pid"))
 
 
 @dataclass(frozen=True)
@@ -320,6 +315,8 @@ class Heartbeat(Message):
     description of its last operation (named in PeerLost when the rank goes silent)."""
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    WIRE = (("rank", "u32"), ("cpu_percent", "f64"), ("rss_bytes", "u64"), ("bytes_sent", "u64"),
+            ("bytes_received", "u64"), ("ops_done", "u64"), ("last_op", "str"))
     rank: int
     cpu_percent: float
     rss_bytes: int
@@ -333,19 +330,6 @@ class Heartbeat(Message):
                                                                     "finite number >= 0",
                       _str_ok("last_op", self.last_op))
 
-    def _write(self, w: Writer) -> None:
-        w.u32(self.rank, "rank")
-        w.f64(self.cpu_percent, "cpu_percent")
-        w.u64(self.rss_bytes, "rss_bytes")
-        w.u64(self.bytes_sent, "bytes_sent")
-        w.u64(self.bytes_received, "bytes_received")
-        w.u64(self.ops_done, "ops_done")
-        w.str(self.last_op, "last_op")
-
-    @classmethod
-    def _read(cls, r: Reader) -> "Heartbeat":
-        return cls(r.u32("rank"), r.f64("cpu_percent"), r.u64("rss_bytes"), r.u64("bytes_sent"),
-                   r.u64("bytes_received"), r.u64("ops_done"), r.str("last_op"))
 
 
 @dataclass(frozen=True)
@@ -353,19 +337,13 @@ class Leave(Message):
     """A rank leaves the mesh on purpose (a rank that vanishes without it has failed)."""
 
     TYPE: ClassVar[MsgType] = MsgType.LEAVE
+    WIRE = (("rank", "u32"), ("reason", "str"))
     rank: int
     reason: str
 
     def _check(self) -> str | None:
         return _str_ok("reason", self.reason)
 
-    def _write(self, w: Writer) -> None:
-        w.u32(self.rank, "rank")
-        w.str(self.reason, "reason")
-
-    @classmethod
-    def _read(cls, r: Reader) -> "Leave":
-        return cls(r.u32("rank"), r.str("reason"))
 
 
 # --- collectives and point-to-point ------------------------------------------------------------
@@ -508,6 +486,7 @@ class Error(Message):
     a message, and the reporting rank (-1 if it has none yet)."""
 
     TYPE: ClassVar[MsgType] = MsgType.ERROR
+    WIRE = (("code", "str"), ("message", "str"), ("rank", "i32"))
     code: str
     message: str
     rank: int = -1
@@ -523,14 +502,6 @@ class Error(Message):
         text = str(err.message).encode("utf-8", "replace")[:MAX_STR_BYTES].decode("utf-8", "ignore")
         return cls(err.code.value, text, rank)
 
-    def _write(self, w: Writer) -> None:
-        w.str(self.code, "code")
-        w.str(self.message, "message")
-        w.i32(self.rank, "rank")
-
-    @classmethod
-    def _read(cls, r: Reader) -> "Error":
-        return cls(r.str("code"), r.str("message"), r.i32("rank"))
 
 
 @dataclass(frozen=True)
@@ -539,25 +510,21 @@ class Cancel(Message):
     Data frames and fail it with `reason`."""
 
     TYPE: ClassVar[MsgType] = MsgType.CANCEL
+    WIRE = (("seq", "u64"), ("reason", "str"))
     seq: int
     reason: str
 
     def _check(self) -> str | None:
         return _str_ok("reason", self.reason)
 
-    def _write(self, w: Writer) -> None:
-        w.u64(self.seq, "seq")
-        w.str(self.reason, "reason")
-
-    @classmethod
-    def _read(cls, r: Reader) -> "Cancel":
-        return cls(r.u64("seq"), r.str("reason"))
 
 
 MESSAGES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, JoinMesh, MeshView, Heartbeat, Leave, CollectiveStart, Data, P2PSend, Error,
                               Cancel)}
 assert set(MESSAGES) == set(MsgType), "every message type has its payload class"
+assert all(not m.WIRE or [n for n, _ in m.WIRE] == [f.name for f in dataclasses.fields(m)] for m in MESSAGES.values()), \
+    "a WIRE table lists every field of its message, in order"
 
 
 def frame_parts(msg: Message, *, epoch: int, stream: int, seq: int, flags: int = 0,
