@@ -79,5 +79,4 @@ class Control:
 def remote_error(err: Error, who: str) -> DTMError:
     """The DTMError an Error message from `who` stands for: its code when this side knows
     it, else E0911, with the peer's message."""
-    code = next((c for c in E if c.value == err.code), E.UNEXPECTED_MESSAGE)
-    return DTMError(code, f"{who} reported {err.code}: {err.message}")
+    return DTMError(err.known_code(), f"{who} reported {err.code}: {err.message}")

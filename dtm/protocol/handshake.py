@@ -75,9 +75,8 @@ def remote_error(header: FrameHeader, payload: bytes, during: str) -> ProtocolEr
     it, else E0911, with the peer's message."""
     err = decode_message(header, payload)
     assert isinstance(err, Error)
-    code = next((c for c in E if c.value == err.code), E.UNEXPECTED_MESSAGE)
     who = f"rank {err.rank}" if err.rank >= 0 else "the peer"
-    return ProtocolError(code, f"{who} reported {err.code} during {during}: {err.message}")
+    return ProtocolError(err.known_code(), f"{who} reported {err.code} during {during}: {err.message}")
 
 
 class Handshake:

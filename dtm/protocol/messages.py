@@ -496,6 +496,10 @@ class Error(Message):
                       and f"code {self.code!r} is not E followed by four digits",
                       _str_ok("message", self.message), self.rank < -1 and f"rank {self.rank} is below -1")
 
+    def known_code(self) -> E:
+        """The code as this side knows it; one it does not know (a newer minor's) is E0911."""
+        return next((c for c in E if c.value == self.code), E.UNEXPECTED_MESSAGE)
+
     @classmethod
     def from_exception(cls, err: DTMError, rank: int = -1) -> "Error":
         """The Error that reports `err`, its message cut to the string limit."""
