@@ -31,24 +31,9 @@ from .l0 import COLLECTIVES
 from .process_group import ProcessGroup, current
 
 
-def collective(pg: ProcessGroup, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
-    """This rank's result of IR collective `name` (spec 3.11) with `attrs` over the process
-    ranks `group` (group order), through the process group's Communicator."""
-    if name == "all_reduce":
-        return pg.run(pg._describe(name, x, group, attrs["op"]),
-                      lambda: pg._comm().all_reduce(x, attrs["op"], group))
-    if name == "all_gather":
-        return pg.run(pg._describe(name, x, group, f"dim={attrs['dim']}"),
-                      lambda: pg._comm().all_gather(x, attrs["dim"], group))
-    if name == "reduce_scatter":
-        return pg.run(pg._describe(name, x, group, f"{attrs['op']}, dim={attrs['dim']}"),
-                      lambda: pg._comm().reduce_scatter(x, attrs["op"], attrs["dim"], group))
-    if name == "all_to_all":
-        return pg.run(pg._describe(name, x, group, f"split_dim={attrs['split_dim']}, concat_dim={attrs['concat_dim']}"),
-                      lambda: pg._comm().all_to_all(x, attrs["split_dim"], attrs["concat_dim"], group))
-    assert name == "broadcast", name
-    return pg.run(pg._describe(name, x, group, f"src={attrs['src']}"),
-                  lambda: pg._comm().broadcast(x, attrs["src"], group))
+# The IR attributes each collective passes on, in the Communicator's parameter order.
+PARAMS = {"all_reduce": ("op",), "all_gather": ("dim",), "reduce_scatter": ("op", "dim"),
+          "all_to_all": ("split_dim", "concat_dim"), "broadcast": ("src",)}
 
 
 class ProcessPlan(Plan):
@@ -68,7 +53,7 @@ class ProcessPlan(Plan):
             return super()._fallback(step, vals, originals, bindings, ctx)
         x = np.asarray(originals.get(ins[0], vals[ins[0]]), order="C")  # (ascontiguousarray: 0-d -> 1-d)
         try:
-            y = collective(self.pg, op.name, op.attrs, x, group)
+            y = self.pg.collective(op.name, x, group, **{k: op.attrs[k] for k in PARAMS[op.name]})
         except DTMError as e:
             raise DTMError(e.code, f"@{self.func.name} op {op.name} ({step.name}) on rank {ctx.rank}: "
                            f"{e.message}") from e
@@ -113,4 +98,4 @@ def executor() -> L1Executor:
         return _EXECUTOR
 
 
-__all__ = ["L1Executor", "ProcessPlan", "collective", "executor"]
+__all__ = ["L1Executor", "ProcessPlan", "executor"]

@@ -147,27 +147,29 @@ class ProcessGroup:
 
     # --- the collectives (numpy in, numpy out) ------------------------------------------------------
 
+    def collective(self, name: str, x: np.ndarray, group: tuple[int, ...] | None, **params) -> np.ndarray:
+        """The Communicator's collective `name` over process ranks `group` (None: all), with
+        its parameters in signature order; they name the call in heartbeats and errors, as
+        in "reduce_scatter(sum, dim=0)"."""
+        x = np.asarray(x)
+        args = ", ".join(str(v) if k == "op" else f"{k}={v}" for k, v in params.items())
+        fn = getattr(self._comm(), name)
+        return self.run(self._describe(name, x, group, args), lambda: fn(x, **params, group=group))
+
     def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None) -> np.ndarray:
-        x, g = np.asarray(x), self.group(axis)
-        return self.run(self._describe("all_reduce", x, g, op), lambda: self._comm().all_reduce(x, op, g))
+        return self.collective("all_reduce", x, self.group(axis), op=op)
 
     def all_gather(self, x: np.ndarray, dim: int = 0, axis: Axis = None) -> np.ndarray:
-        x, g = np.asarray(x), self.group(axis)
-        return self.run(self._describe("all_gather", x, g, f"dim={dim}"), lambda: self._comm().all_gather(x, dim, g))
+        return self.collective("all_gather", x, self.group(axis), dim=dim)
 
     def reduce_scatter(self, x: np.ndarray, op: str = "sum", dim: int = 0, axis: Axis = None) -> np.ndarray:
-        x, g = np.asarray(x), self.group(axis)
-        return self.run(self._describe("reduce_scatter", x, g, f"{op}, dim={dim}"),
-                        lambda: self._comm().reduce_scatter(x, op, dim, g))
+        return self.collective("reduce_scatter", x, self.group(axis), op=op, dim=dim)
 
     def broadcast(self, x: np.ndarray, src: int = 0, axis: Axis = None) -> np.ndarray:
-        x, g = np.asarray(x), self.group(axis)
-        return self.run(self._describe("broadcast", x, g, f"src={src}"), lambda: self._comm().broadcast(x, src, g))
+        return self.collective("broadcast", x, self.group(axis), src=src)
 
     def all_to_all(self, x: np.ndarray, split_dim: int = 0, concat_dim: int = 0, axis: Axis = None) -> np.ndarray:
-        x, g = np.asarray(x), self.group(axis)
-        return self.run(self._describe("all_to_all", x, g, f"split_dim={split_dim}, concat_dim={concat_dim}"),
-                        lambda: self._comm().all_to_all(x, split_dim, concat_dim, g))
+        return self.collective("all_to_all", x, self.group(axis), split_dim=split_dim, concat_dim=concat_dim)
 
     def barrier(self, axis: Axis = None) -> None:
         g = self.group(axis)
