@@ -25,6 +25,7 @@ from dtm.errors import ErrorCode
 BF16 = np.dtype(ml_dtypes.bfloat16)
 COMM = dict(small_bytes=4 << 10, chunk_bytes=8 << 10)
 SLOT = 16 << 10
+CHANNEL = 12 << 10  # not a multiple of a frame: frames wrap around the channel's end mid-way
 TOKEN = b"test-cluster-token"
 KILL_BOUND_S = 10.0  # survivors raise PeerLost within this after a rank is killed
 
@@ -57,8 +58,12 @@ def correctness(comm, rank, n):
     out["socket_bytes"] = socket_bytes() - sent  # of reduce and all_to_all
     out["moved"] = comm.transport.bytes_sent
     comm.barrier()
+    sent = socket_bytes()
     comm.send(data(rank, (5, 1000), BF16), dst=(rank + 1) % n)
+    comm.send(data(rank, (3, 9000), np.float32), dst=(rank + 1) % n)  # many times the channel
     out["p2p"] = comm.recv((rank - 1) % n)
+    out["p2p_big"] = comm.recv((rank - 1) % n)
+    out["p2p_socket_bytes"] = socket_bytes() - sent
     sub = [n - 1, 0]
     if rank in sub:
         out["sub"] = comm.all_reduce(data(rank, (10_000,), np.float32), group=sub)
@@ -106,6 +111,17 @@ def killed(comm, rank, n):
         threading.Timer(0.3, die).start()
     while True:
         comm.all_reduce(x, out=x)
+
+
+def killed_sender(comm, rank, n):
+    """Rank 1 SIGKILLs itself in the middle of a send larger than its channel's ring;
+    rank 0, waiting in recv for the rest, must raise."""
+    if rank == 1:
+        _REPORT.put(("killed", rank, time.time(), []))
+        comm.send(np.ones(4_000_000, np.float32), dst=0)  # returns with most of it still queued
+        time.sleep(0.2)  # let the queue's feeder thread send the report
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.recv(1)
 
 
 def served(comm, rank, n):
@@ -168,8 +184,8 @@ def cancelled_recv(comm, rank, n):
         return "not told"
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, served, severed, cancelled,
-                                     cancelled_recv)}
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, killed_sender, served, severed,
+                                     cancelled, cancelled_recv)}
 
 
 class _Records(logging.Handler):
@@ -198,7 +214,7 @@ def rank_main(kind, scenario, rank, n, q_port, q_addrs, q_out, timeout):
         q_port.put((rank, listener.getsockname()[1]))
         addresses = q_addrs.get(timeout=30)
         connect = connect_local if kind == "shm" else connect_mesh
-        extra = dict(slot_bytes=SLOT) if kind == "shm" else {}
+        extra = dict(slot_bytes=SLOT, channel_bytes=CHANNEL) if kind == "shm" else {}
         transport = connect(rank, n, addresses, TOKEN, listener=listener, timeout=timeout, **extra)
         comm = Communicator(transport, **COMM)
         result = SCENARIOS[scenario](comm, rank, n)
@@ -287,9 +303,11 @@ def test_collectives_match_numpy(kind, n):
         a2a = np.concatenate([np.split(data(j, (n * 3, 500), np.float32), n, axis=0)[r] for j in range(n)], axis=1)
         np.testing.assert_array_equal(res[r]["a2a"], a2a)
         np.testing.assert_array_equal(res[r]["p2p"], data((r - 1) % n, (5, 1000), BF16))
+        np.testing.assert_array_equal(res[r]["p2p_big"], data((r - 1) % n, (3, 9000), np.float32))
     np.testing.assert_allclose(res[1]["reduce"], np.sum(each(data, (20_000,), np.float32), axis=0), rtol=1e-6)
     for r in range(n):  # shared memory carries them whole; sockets carry at least the data
         assert res[r]["socket_bytes"] == 0 if kind == "shm" else res[r]["socket_bytes"] > 20_000 * 4 // n
+        assert res[r]["p2p_socket_bytes"] == 0 if kind == "shm" else res[r]["p2p_socket_bytes"] > 3 * 9000 * 4
         assert res[r]["moved"] > 200_000, "the bytes moved are counted whichever transport moved them"
     assert all(res[r]["reduce"] is None for r in range(n) if r != 1)
     sub = np.sum([data(r, (10_000,), np.float32) for r in (n - 1, 0)], axis=0)
@@ -320,8 +338,9 @@ def test_an_interrupted_collective_is_cancelled_on_every_rank(kind):
         assert "rank 2 cancelled collective #1 on group [0, 1, 2]: interrupted by KeyboardInterrupt" in message
 
 
-def test_an_interrupted_recv_cancels_the_transfer():
-    outcomes, _ = run_mesh("tcp", 2, "cancelled_recv")
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_an_interrupted_recv_cancels_the_transfer(kind):
+    outcomes, _ = run_mesh(kind, 2, "cancelled_recv")
     assert outcomes[0][:2] == ("ok", "interrupted")
     status, (name, code, message, _), _ = outcomes[1]
     assert (status, code) == ("err", ErrorCode.COLLECTIVE_ABORTED), message
@@ -348,6 +367,18 @@ def test_sigkill_mid_all_reduce_gives_peer_lost(kind):
         assert status == "err" and code is ErrorCode.PEER_LOST, message
         assert "all_reduce" in message
         assert 0 < when - killed_at < KILL_BOUND_S
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_sigkill_mid_send_gives_peer_lost_to_the_receiver(kind):
+    outcomes, procs = run_mesh(kind, 2, "killed_sender", timeout=30)
+    assert procs[1].exitcode == -signal.SIGKILL
+    status, killed_at, _ = outcomes[1]
+    assert status == "killed"
+    status, (name, code, message, when), _ = outcomes[0]
+    assert status == "err" and code is ErrorCode.PEER_LOST, message
+    assert "recv from rank 1" in message
+    assert 0 < when - killed_at < KILL_BOUND_S
 
 
 def _hello_with_wrong_token(port: int) -> str:

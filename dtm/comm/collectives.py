@@ -41,9 +41,8 @@ from ..protocol.messages import Cancel, CollectiveStart, Error, P2PSend
 from . import algorithms as alg
 from . import reduction
 from .calls import call_site, encode_start, group_stream, mismatch_message, same_call, seq_of
-from .transport import CollectiveAborted, CollectiveMismatch, Handle, PeerLost, Transport
+from .transport import P2P_STREAM, CollectiveAborted, CollectiveMismatch, Handle, PeerLost, Transport
 
-P2P_STREAM = 1
 SMALL_BYTES = 64 << 10      # below this, latency algorithms (recursive doubling, trees, direct)
 CHUNK_BYTES = 1 << 20       # the largest Data frame of the bandwidth algorithms (see _chunk)
 MAX_RECV_BYTES = 8 << 30    # the largest tensor a peer may announce to `recv`

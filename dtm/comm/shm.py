@@ -1,6 +1,7 @@
 """The shared-memory transport: ranks on one host move collective data through a shared
-segment per group instead of sockets; the TCP connections stay for point-to-point
-transfers and to learn at once when a peer dies or fails.
+segment per group, and point-to-point frames through a channel per pair
+(`dtm.comm.channel`), instead of sockets; the TCP connections stay for control frames,
+for ranks on other hosts, and to learn at once when a peer dies or fails.
 
     transport = connect_local(rank, world_size, addresses, token, listener=listener)
 
@@ -20,72 +21,37 @@ descriptor (its CollectiveStart) in the segment, and every member compares all o
 before it reads any data, so all raise CollectiveMismatch together.
 
 Waits sleep on the futex in slices of `SLICE_S` and read the sockets between slices, so a
-dead peer (PeerLost) or an Error from a peer ends the wait at once. Counters have one
-writer each and are read after the data they publish; that relies on x86-64's store
-order, so other CPUs use the socket algorithms. The group's first member creates the
-segment and unlinks its name as soon as every member has mapped it, so nothing is left
-in /dev/shm even when processes are killed.
+dead peer (PeerLost) or an Error from a peer ends the wait at once. Segments are made,
+and their names removed, as `dtm.comm.segment` describes; on CPUs other than x86-64 the
+socket algorithms run instead.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import math
-import mmap
-import os
-import platform
 import time
-from collections.abc import Sequence
-from multiprocessing import shared_memory
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
-from . import reduction
+from ..protocol.frame import MsgType
+from . import reduction, segment
 from .algorithms import split
 from .calls import mismatch_message, same_call
-from .tcp import TcpTransport, connect_mesh
-from .transport import CollectiveMismatch, DEFAULT_TIMEOUT_S
+from .channel import Channel, Channels
+from .tcp import TcpTransport, Connection, connect_mesh
+from .transport import P2P_STREAM, Buffer, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
 
 SLOT_BYTES = 1 << 20        # one member's share of a round
+CHANNEL_BYTES = 1 << 20     # the ring of each point-to-point channel (one per ordered pair of ranks)
 SMALL_BYTES = 32 << 10      # rounds below this are reduced by every member in full
 SLICE_S = 0.05              # longest futex sleep between looks at the sockets
 DESC_BYTES = 68 << 10       # room for one member's descriptor, but for its group list (4 bytes a member)
 _MAGIC = 0x44544D53484D3031  # "DTMSHM01"
 POSTED, REDUCED, CONSUMED = 0, 1, 2
-_LINE = 64
-_SUPPORTED = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-
-
-class _Futex:
-    """Sleep until a 32-bit word in shared memory changes, and wake the sleepers (Linux
-    futex(2), non-private so it works across processes)."""
-
-    _SYS_FUTEX = 202  # x86-64
-    _WAIT, _WAKE = 0, 1
-
-    class _Timespec(ctypes.Structure):
-        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-    _libc = ctypes.CDLL(None, use_errno=True) if _SUPPORTED else None
-
-    def __init__(self, word: np.ndarray):
-        self.word = word  # a uint32 array of one element, in the shared segment
-        self.addr = ctypes.c_void_p(word.ctypes.data)
-
-    def value(self) -> int:
-        return int(self.word[0])
-
-    def wait(self, seen: int, timeout: float) -> None:
-        ts = self._Timespec(int(timeout), int((timeout % 1) * 1e9))
-        self._libc.syscall(ctypes.c_long(self._SYS_FUTEX), self.addr, ctypes.c_int(self._WAIT), ctypes.c_uint(seen),
-                           ctypes.byref(ts), ctypes.c_void_p(0), ctypes.c_int(0))
-
-    def ring(self) -> None:
-        self.word[0] = (int(self.word[0]) + 1) & 0xFFFFFFFF
-        self._libc.syscall(ctypes.c_long(self._SYS_FUTEX), self.addr, ctypes.c_int(self._WAKE),
-                           ctypes.c_int(1 << 30), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_int(0))
+LINE, SUPPORTED = segment.LINE, segment.SUPPORTED
 
 
 class Workspace:
@@ -99,90 +65,29 @@ class Workspace:
         n = self.n
         head = 64
         self.off_ctrl = head
-        self.off_bell = self.off_ctrl + n * _LINE
-        self.off_desc = self.off_bell + _LINE
-        self.desc_bytes = -(-(DESC_BYTES + 4 * n) // _LINE) * _LINE  # whatever fits a CollectiveStart payload
+        self.off_bell = self.off_ctrl + n * LINE
+        self.off_desc = self.off_bell + LINE
+        self.desc_bytes = -(-(DESC_BYTES + 4 * n) // LINE) * LINE  # whatever fits a CollectiveStart payload
         self.off_data = self.off_desc + 2 * n * self.desc_bytes
         size = self.off_data + 2 * (n + 1) * slot_bytes
-        if self.leader:
-            self.shm = self._create(size)
-            buf = self.shm.buf
-        else:
-            self.shm = self._open(size)
-            buf = memoryview(self.shm)
-        self.buf = buf
-        header = np.ndarray((3,), np.int64, buf, 0)
-        if self.leader:
-            header[1:] = (n, slot_bytes)
-            header[0] = _MAGIC  # last: the others wait for it
-        else:
-            self._await(lambda: header[0] == _MAGIC, "the group's first member to set up shared memory")
-            if tuple(header[1:]) != (n, slot_bytes):
-                raise DTMError(E.INVALID_GROUP, f"shared memory {name}: laid out for {header[1]} members and "
-                               f"{header[2]}-byte slots, this rank expects {n} and {slot_bytes}")
+        self.segment = segment.attach(name, size, create=self.leader, magic=_MAGIC,
+                                      layout={"members": n, "slot bytes": slot_bytes}, await_ready=self._await)
+        self.buf = self.segment.buf
         self.slot_bytes = slot_bytes
-        self.ctrl = np.ndarray((n, _LINE // 8), np.int64, buf, self.off_ctrl)
-        self.bell = _Futex(np.ndarray((1,), np.uint32, buf, self.off_bell))
-        self.unlinked = not self.leader
+        self.ctrl = np.ndarray((n, LINE // 8), np.int64, self.buf, self.off_ctrl)
+        self.bell = segment.Futex(np.ndarray((1,), np.uint32, self.buf, self.off_bell))
 
     # --- the segment ------------------------------------------------------------------------
 
-    def _create(self, size: int) -> shared_memory.SharedMemory:
-        try:
-            return shared_memory.SharedMemory(self.name, create=True, size=size)
-        except FileExistsError:  # left by a process of an earlier run that was killed early
-            stale = shared_memory.SharedMemory(self.name)
-            stale.close()
-            stale.unlink()
-            return shared_memory.SharedMemory(self.name, create=True, size=size)
-
-    def _open(self, size: int) -> mmap.mmap:
-        """Map the first member's segment. Opened as a plain file of /dev/shm rather than a
-        SharedMemory, which would register the name with the resource tracker a second time."""
-        found: list[mmap.mmap] = []
-
-        def opened() -> bool:
-            try:
-                fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
-            except FileNotFoundError:
-                return False
-            try:
-                if os.fstat(fd).st_size < size:  # created, not sized yet
-                    return False
-                found.append(mmap.mmap(fd, size))
-                return True
-            finally:
-                os.close(fd)
-
-        self._await(opened, "the group's first member to create shared memory")
-        return found[0]
-
     def _await(self, ready, what: str) -> None:
-        start = time.monotonic()
-        while not ready():
-            waited = time.monotonic() - start
-            if waited > self.transport.timeout:
-                raise DTMError(E.TIMEOUT, f"rank {self.transport.rank}: waited {waited:.1f} s for {what} "
-                               f"({self.name}, group {list(self.ranks)})")
-            self.transport.poll(f"setting up shared memory for group {list(self.ranks)}")
-            time.sleep(0.002)
+        segment.await_ready(ready, what, self.transport.timeout,
+                            f"rank {self.transport.rank} ({self.name}, group {list(self.ranks)})",
+                            lambda: self.transport.poll(f"setting up shared memory for group {list(self.ranks)}"))
 
     def close(self) -> None:
-        self.unlink()
+        self.segment.unlink()
         self.ctrl = self.bell = None  # drop the views into the segment before unmapping it
-        try:
-            self.buf.release()
-            self.shm.close()
-        except BufferError:  # a view is still alive somewhere: the mapping goes with the process
-            pass
-
-    def unlink(self) -> None:
-        if not self.unlinked:
-            self.unlinked = True
-            try:
-                self.shm.unlink()
-            except FileNotFoundError:
-                pass
+        self.segment.release()
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -249,7 +154,7 @@ class Workspace:
         self._wait(POSTED, self.round + 1, what)
         if k == 0:
             self._check(b, start, self._seq)
-        self.unlink()
+        self.segment.unlink()
 
     def _end(self) -> None:
         self._count(CONSUMED)
@@ -392,23 +297,84 @@ class Workspace:
 
 
 class ShmTransport(TcpTransport):
-    """TCP connections plus a shared-memory workspace for each group whose members all run
-    on this host (`local`: the ranks that do; None: all of them)."""
+    """TCP connections plus, for the ranks on this host (`local`: the ranks that run here;
+    None: all of them), a shared-memory workspace for each group and a channel for the
+    point-to-point frames of each pair (`dtm.comm.channel`). The sockets stay for control
+    frames, for ranks on other hosts, and to learn at once when a peer dies or fails."""
 
-    def __init__(self, *args, session: str, slot_bytes: int = SLOT_BYTES, local: Sequence[int] | None = None, **kw):
+    def __init__(self, *args, session: str, slot_bytes: int = SLOT_BYTES, channel_bytes: int = CHANNEL_BYTES,
+                 local: Sequence[int] | None = None, **kw):
         super().__init__(*args, **kw)
-        self.session, self.slot_bytes = session, -(-slot_bytes // _LINE) * _LINE  # aligned for every dtype
+        self.session, self.slot_bytes = session, -(-slot_bytes // LINE) * LINE  # aligned for every dtype
         self.local = set(range(self.world_size) if local is None else local)
         self._spaces: dict[tuple[int, ...], Workspace | None] = {}
         self.shared_bytes_sent = 0  # the part of bytes_sent that went through shared memory
+        self._channels: Channels | None = None
+        self._channel_conns: dict[int, Connection] = {}  # peer -> its channels, read and written like a connection
+        if SUPPORTED and self.rank in self.local and len(self.local) > 1:
+            ranks = sorted(self.local)
+            self._channels = Channels(self.rank, ranks, f"dtm{session}_p2p_{_digest(ranks)}", channel_bytes,
+                                      self.timeout)
+            for peer, tcp in self._conns.items():
+                if peer in self.local:
+                    self._channel_conns[peer] = Connection(peer, _Duplex(self._channels.to[peer],
+                                                                    self._channels.frm[peer]),
+                                                      tcp.version, tcp.max_send, tcp.name, 0, 0)
 
     def workspace(self, ranks: tuple[int, ...]) -> Workspace | None:
         """The group's workspace; None when the group spans hosts or this CPU is not supported."""
         if ranks not in self._spaces:
-            ok = _SUPPORTED and len(ranks) > 1 and all(r in self.local for r in ranks)
-            name = f"dtm{self.session}_{hashlib.sha256(repr(ranks).encode()).hexdigest()[:12]}"
+            ok = SUPPORTED and len(ranks) > 1 and all(r in self.local for r in ranks)
+            name = f"dtm{self.session}_{_digest(ranks)}"
             self._spaces[ranks] = Workspace(self, ranks, name, self.slot_bytes) if ok else None
         return self._spaces[ranks]
+
+    # --- point-to-point frames through the channels ------------------------------------------
+
+    def _conn_for(self, peer: int, stream: int) -> Connection | None:
+        if stream == P2P_STREAM and peer in self._channel_conns:
+            return self._channel_conns[peer]
+        return super()._conn_for(peer, stream)
+
+    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer]) -> Handle:
+        before = self.bytes_sent
+        h = super().send(peer, stream, msg_type, parts)
+        if stream == P2P_STREAM and peer in self._channel_conns:
+            self.shared_bytes_sent += self.bytes_sent - before
+        return h
+
+    def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
+        """Move the channels' frames, then the sockets'. While it waits for a peer whose
+        frames come through a channel, the rank sleeps on its futex word in slices of
+        SLICE_S and looks at the sockets between them (PeerLost, Error)."""
+        if self._channels is None:
+            return super()._progress(deadline, waiting, op)
+        waiting = list(waiting)
+        seen = self._channels.bell.value()  # before looking: a write after this wakes the sleep below
+        moved = self._pump(op)
+        self._channels.unlink_when_mapped()
+        now = time.monotonic()
+        if moved:
+            return super()._progress(now, waiting, op)  # the sockets too, without sleeping
+        if not any(h.peer in self._channel_conns for h in waiting):
+            writing = any(c.out for c in self._channel_conns.values())  # come back soon to push them
+            return super()._progress(min(deadline, now + SLICE_S) if writing else deadline, waiting, op)
+        super()._progress(now, waiting, op)
+        if not any(h.done for h in waiting):
+            self._channels.bell.wait(seen, max(0.0, min(SLICE_S, deadline - time.monotonic())))
+
+    def _pump(self, op: str) -> bool:
+        """Write what the channels take and read what they hold; whether anything moved."""
+        moved = False
+        for c in self._channel_conns.values():
+            if c.closed is not None:
+                continue
+            if c.out and self._flush(c, op):
+                moved = True
+            if c.sock.readable():
+                self._read(c, op)
+                moved = True
+        return moved
 
     def close(self) -> None:
         for space in self._spaces.values():
@@ -416,15 +382,36 @@ class ShmTransport(TcpTransport):
                 space.close()
         self._spaces.clear()
         super().close()
+        if self._channels is not None:
+            self._channels.close()
+            self._channels = None
+
+
+class _Duplex:
+    """A pair's two channels as one stream, the way `TcpTransport` uses a socket."""
+
+    def __init__(self, out: Channel, into: Channel):
+        self.sendmsg, self.recv_into, self.readable = out.sendmsg, into.recv_into, into.readable
+
+    def fileno(self) -> int:
+        return -1  # not a descriptor: the transport looks at channels itself
+
+    def close(self) -> None:
+        pass  # the segment is closed with the transport
+
+
+def _digest(ranks: Sequence[int]) -> str:
+    return hashlib.sha256(repr(tuple(ranks)).encode()).hexdigest()[:12]
 
 
 def connect_local(rank: int, world_size: int, addresses: Sequence[tuple[str, int]], token: bytes | str, *,
                   epoch: int = 0, timeout: float = DEFAULT_TIMEOUT_S, slot_bytes: int = SLOT_BYTES,
-                  local: Sequence[int] | None = None, **kw) -> ShmTransport:
+                  channel_bytes: int = CHANNEL_BYTES, local: Sequence[int] | None = None, **kw) -> ShmTransport:
     """`connect_mesh` for ranks of one host: the same connections, plus shared memory for
-    collectives. Segment names derive from the token, the addresses and the epoch, so two
+    collectives and point-to-point transfers. Segment names derive from the token, the addresses and the epoch, so two
     meshes on one host never share one (and the token cannot be read back from a name)."""
     secret = token.encode() if isinstance(token, str) else token
     session = hashlib.sha256(secret + repr((list(map(tuple, addresses)), epoch)).encode()).hexdigest()[:16]
     return connect_mesh(rank, world_size, addresses, token, epoch=epoch, timeout=timeout, transport_class=ShmTransport,
-                        session=session, slot_bytes=slot_bytes, local=local, **kw)
+                        session=session, slot_bytes=slot_bytes, channel_bytes=channel_bytes, local=local,
+                        **kw)

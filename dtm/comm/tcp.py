@@ -72,7 +72,7 @@ class _Out:
         self.views, self.handle = views, handle
 
 
-class _Conn:
+class Connection:
     """One established connection and its reading and writing state."""
 
     def __init__(self, peer: int, sock: socket.socket, version: tuple[int, int], peer_max_payload: int,
@@ -97,6 +97,7 @@ class _Conn:
         self.severed = False                   # the failure detector declared the peer lost
         self.closed: str | None = None         # why the connection is gone
         self.writing = False                   # registered for POLLOUT
+        self.polled = sock.fileno() >= 0       # a socket in the poller, not a shared-memory channel
 
 
 class TcpTransport(Transport):
@@ -109,13 +110,13 @@ class TcpTransport(Transport):
         self.epoch, self.max_payload = epoch, max_payload
         self._names = list(names) if names is not None else [f"rank {r}" for r in range(world_size)]
         self._poller = select.poll()
-        self._conns: dict[int, _Conn] = {}
-        self._by_fd: dict[int, _Conn] = {}
+        self._conns: dict[int, Connection] = {}
+        self._by_fd: dict[int, Connection] = {}
         self._closed = 0  # connections lost or closed
         for peer, (sock, hs) in conns.items():
             _tune(sock)
             # The handshake numbered the control stream's first frames: the connecting side sent 2 Hellos.
-            c = _Conn(peer, sock, hs.version, hs.peer.max_payload, self._names[peer], hs.next_seq,
+            c = Connection(peer, sock, hs.version, hs.peer.max_payload, self._names[peer], hs.next_seq,
                       1 if hs.role == "connect" else 2)
             self._conns[peer] = c
             self._by_fd[c.fd] = c
@@ -133,7 +134,7 @@ class TcpTransport(Transport):
     # --- sending ----------------------------------------------------------------------------
 
     def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer]) -> Handle:
-        c = self._conns.get(peer)
+        c = self._conn_for(peer, stream)
         if c is None:
             raise DTMError(E.INVALID_GROUP, f"rank {self.rank} has no connection to rank {peer}")
         if c.closed is not None:
@@ -151,7 +152,11 @@ class TcpTransport(Transport):
         self.bytes_sent += HEADER_SIZE + length
         return h  # sent by the next wait or poll, together with the frames queued after it
 
-    def _flush(self, c: _Conn, op: str) -> int:
+    def _conn_for(self, peer: int, stream: int) -> Connection | None:
+        """The connection frames of `stream` to `peer` travel on."""
+        return self._conns.get(peer)
+
+    def _flush(self, c: Connection, op: str) -> int:
         """Send as much of c's queue as the socket takes now; the bytes sent."""
         total = 0
         while c.out:
@@ -189,7 +194,7 @@ class TcpTransport(Transport):
             if full:
                 break
         want = bool(c.out)
-        if want != c.writing and c.closed is None:
+        if want != c.writing and c.closed is None and c.polled:
             self._poller.modify(c.fd, select.POLLIN | (select.POLLOUT if want else 0))
             c.writing = want
         return total
@@ -235,7 +240,7 @@ class TcpTransport(Transport):
                     addr[0], addr[1], self.world_size)
         sock.close()
 
-    def _read(self, c: _Conn, op: str) -> None:
+    def _read(self, c: Connection, op: str) -> None:
         """Read and deliver everything c's socket has now."""
         try:
             while c.closed is None:
@@ -278,7 +283,7 @@ class TcpTransport(Transport):
             self._lost(c, f"reading failed: {e.strerror or e}")
             raise PeerLost(c.peer, op, c.closed) from None
 
-    def _parse(self, c: _Conn, op: str) -> bool:
+    def _parse(self, c: Connection, op: str) -> bool:
         """Take one frame (or the start of a large payload) from c's read buffer; False
         when more bytes are needed first."""
         avail = c.rend - c.rstart
@@ -346,7 +351,7 @@ class TcpTransport(Transport):
             self._payload_done(c, op)
         return True
 
-    def _payload_done(self, c: _Conn, op: str) -> None:
+    def _payload_done(self, c: Connection, op: str) -> None:
         h, dest = c.header, c.dest
         c.header, c.dest, c.dest_pos = None, None, 0
         if h.msg_type is MsgType.DATA:
@@ -357,14 +362,14 @@ class TcpTransport(Transport):
             verify_payload(h, dest)
             self._control_frame(c, h, bytes(dest))
 
-    def _control_frame(self, c: _Conn, h: FrameHeader, payload: bytes) -> None:
+    def _control_frame(self, c: Connection, h: FrameHeader, payload: bytes) -> None:
         if h.msg_type is MsgType.LEAVE:
             c.left = True
             log.info("rank %d: %s left the mesh: %s", self.rank, c.name, decode_message(h, payload).reason)
             return
         self._deliver_control(c.peer, h.msg_type, h.stream, payload)
 
-    def _eof(self, c: _Conn, op: str) -> None:
+    def _eof(self, c: Connection, op: str) -> None:
         if c.left:
             self._lost(c, "it left the mesh")
             return
@@ -372,11 +377,12 @@ class TcpTransport(Transport):
                    "its connection closed without Leave: the process ended or was killed")
         raise PeerLost(c.peer, op, c.closed)
 
-    def _lost(self, c: _Conn, why: str) -> None:
+    def _lost(self, c: Connection, why: str) -> None:
         if c.closed is None:
             c.closed = why
             self._closed += 1
-            self._poller.unregister(c.fd)
+            if c.polled:
+                self._poller.unregister(c.fd)
             c.sock.close()
 
     def sever(self, peer: int) -> None:

@@ -47,6 +47,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 ControlHandler = Callable[[int, MsgType, int, bytes], None]  # (peer, type, stream, payload)
 
 DEFAULT_TIMEOUT_S = 60.0
+P2P_STREAM = 1  # the stream of point-to-point transfers (collectives use others, control frames 0)
 DEFAULT_MAX_UNEXPECTED = 1 << 30
 DATA_HEADER = struct.Struct("<QIIQQ")  # seq, chunk, step, offset, nbytes: the layout of messages.Data
 assert DATA_HEADER.size == DATA_HEADER_SIZE
