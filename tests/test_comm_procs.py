@@ -213,8 +213,10 @@ def rank_main(kind, scenario, rank, n, q_port, q_addrs, q_out, timeout):
         listener = listen()
         q_port.put((rank, listener.getsockname()[1]))
         addresses = q_addrs.get(timeout=30)
-        connect = connect_local if kind == "shm" else connect_mesh
-        extra = dict(slot_bytes=SLOT, channel_bytes=CHANNEL) if kind == "shm" else {}
+        connect = connect_mesh if kind == "tcp" else connect_local
+        extra = {} if kind == "tcp" else dict(slot_bytes=SLOT, channel_bytes=CHANNEL)
+        if kind == "split":  # two hosts, as the transport sees it: ranks below n/2 and the others
+            extra["local"] = [r for r in range(n) if (r < n // 2) == (rank < n // 2)]
         transport = connect(rank, n, addresses, TOKEN, listener=listener, timeout=timeout, **extra)
         comm = Communicator(transport, **COMM)
         result = SCENARIOS[scenario](comm, rank, n)
@@ -271,8 +273,10 @@ def _dtm_segments() -> set[str]:
 
 # --- the tests --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,n", [("tcp", 2), ("tcp", 4), ("shm", 2), ("shm", 3)])
+@pytest.mark.parametrize("kind,n", [("tcp", 2), ("tcp", 4), ("shm", 2), ("shm", 3), ("split", 4)])
 def test_collectives_match_numpy(kind, n):
+    """Every collective and send/recv against numpy. "split" is a mesh of two hosts of two
+    ranks each: shared memory within a host, TCP between them."""
     before = _dtm_segments()
     outcomes, _ = run_mesh(kind, n, "correctness")
     assert sorted(outcomes) == list(range(n))
@@ -307,7 +311,8 @@ def test_collectives_match_numpy(kind, n):
     np.testing.assert_allclose(res[1]["reduce"], np.sum(each(data, (20_000,), np.float32), axis=0), rtol=1e-6)
     for r in range(n):  # shared memory carries them whole; sockets carry at least the data
         assert res[r]["socket_bytes"] == 0 if kind == "shm" else res[r]["socket_bytes"] > 20_000 * 4 // n
-        assert res[r]["p2p_socket_bytes"] == 0 if kind == "shm" else res[r]["p2p_socket_bytes"] > 3 * 9000 * 4
+        same_host = kind == "shm" or (kind == "split" and (r < n // 2) == ((r + 1) % n < n // 2))
+        assert res[r]["p2p_socket_bytes"] == 0 if same_host else res[r]["p2p_socket_bytes"] > 3 * 9000 * 4
         assert res[r]["moved"] > 200_000, "the bytes moved are counted whichever transport moved them"
     assert all(res[r]["reduce"] is None for r in range(n) if r != 1)
     sub = np.sum([data(r, (10_000,), np.float32) for r in (n - 1, 0)], axis=0)

@@ -117,7 +117,7 @@ class TcpTransport(Transport):
             _tune(sock)
             # The handshake numbered the control stream's first frames: the connecting side sent 2 Hellos.
             c = Connection(peer, sock, hs.version, hs.peer.max_payload, self._names[peer], hs.next_seq,
-                      1 if hs.role == "connect" else 2)
+                           1 if hs.role == "connect" else 2)
             self._conns[peer] = c
             self._by_fd[c.fd] = c
             self._poller.register(c.fd, select.POLLIN)
