@@ -1,5 +1,5 @@
-"""all_reduce between processes on this host: DTM over TCP, DTM over shared memory, and
-torch.distributed's gloo, measured in the same run.
+"""all_reduce (or send/recv) between processes on this host: DTM over TCP, DTM over shared
+memory, and torch.distributed's gloo, measured in the same run.
 
 For each rank count, each backend gets its own processes, and the backends take turns size
 by size; every iteration starts after a barrier, its time is the slowest rank's, and the
@@ -13,8 +13,13 @@ itself in a network namespace of its own (`unshare -n`) when it may, else gloo i
 Goals (issue 6): TCP >= 1.0x gloo busbw from 1 MiB up; shared memory >= 2x gloo; 8-byte
 latency no worse than gloo.
 
+`--op sendrecv` measures point-to-point instead: ranks 2k and 2k+1 play ping-pong (2k sends
+and then receives the tensor back, 2k+1 receives and sends it back); the time is a round
+trip and algbw = 2 * bytes / time.
+
     python benchmarks/collectives.py                       # 4K .. 256M, 2 and 4 ranks
     python benchmarks/collectives.py --sizes 8 1M 16M --ranks 2 --iters 5   # a quick run
+    python benchmarks/collectives.py --op sendrecv --ranks 2
 """
 
 from __future__ import annotations
@@ -71,7 +76,17 @@ def dtm_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     comm = Communicator(transport, chunk_bytes=opts["chunk"])
     check = comm.all_reduce(np.full(1000, rank + 1, np.float32))
     assert (check == n * (n + 1) / 2).all(), "all_reduce gave a wrong sum"
-    serve(rank, q_cmd, q_out, lambda x: comm.all_reduce(x, out=x), comm.barrier, np.zeros)
+
+    def sendrecv(x):
+        if rank % 2 == 0:
+            comm.send(x, rank + 1)
+            comm.recv(rank + 1, out=x)
+        else:
+            comm.recv(rank - 1, out=x)
+            comm.send(x, rank - 1)
+
+    op = sendrecv if opts["op"] == "sendrecv" else (lambda x: comm.all_reduce(x, out=x))
+    serve(rank, q_cmd, q_out, op, comm.barrier, np.zeros)
     comm.close()
 
 
@@ -91,24 +106,34 @@ def gloo_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     check = torch.full((1000,), float(rank + 1))
     dist.all_reduce(check)
     assert bool((check == n * (n + 1) / 2).all()), "all_reduce gave a wrong sum"
-    serve(rank, q_cmd, q_out, dist.all_reduce, dist.barrier, lambda k, dtype: torch.zeros(k))
+
+    def sendrecv(x):
+        if rank % 2 == 0:
+            dist.send(x, rank + 1)
+            dist.recv(x, rank + 1)
+        else:
+            dist.recv(x, rank - 1)
+            dist.send(x, rank - 1)
+
+    op = sendrecv if opts["op"] == "sendrecv" else dist.all_reduce
+    serve(rank, q_cmd, q_out, op, dist.barrier, lambda k, dtype: torch.zeros(k))
     dist.destroy_process_group()
 
 
-def serve(rank, q_cmd, q_out, all_reduce, barrier, zeros) -> None:
-    """Measure sizes on command until told to stop: after a barrier, time each all_reduce."""
+def serve(rank, q_cmd, q_out, op, barrier, zeros) -> None:
+    """Measure sizes on command until told to stop: after a barrier, time each op."""
     while True:
         cmd = q_cmd.get(timeout=3600)
         if cmd is None:
             return
         size, iters = cmd
         x = zeros(max(1, size // 4), dtype=np.float32)
-        all_reduce(x)
+        op(x)
         times = []
         for _ in range(iters):
             barrier()
             t = time.perf_counter()
-            all_reduce(x)
+            op(x)
             times.append(time.perf_counter() - t)
         del x
         q_out.put((rank, times))
@@ -150,19 +175,21 @@ class Group:
 
 # --- report ------------------------------------------------------------------------------------------
 
-def report(n: int, sizes: list[int], times: dict[str, dict[int, float]]) -> None:
-    factor = 2 * (n - 1) / n
+def report(op: str, n: int, sizes: list[int], times: dict[str, dict[int, float]]) -> None:
+    factor = 2 * (n - 1) / n if op == "all_reduce" else 1.0
+    moved = 1 if op == "all_reduce" else 2  # a ping-pong moves the tensor there and back
     backends = [b for b in BACKENDS if b in times]
     head = f"{'size':>6}"
     for b in backends:
         head += f" | {b + ' time':>12} {'algbw':>7} {'busbw':>7}" + ("" if b == "gloo" else f" {'x gloo':>6}")
-    print(f"\nall_reduce f32, {n} ranks (time: median of the slowest rank; bandwidth in GB/s)")
+    what = "all_reduce" if op == "all_reduce" else "send/recv ping-pong (time: a round trip)"
+    print(f"\n{what} f32, {n} ranks (time: median of the slowest rank; bandwidth in GB/s)")
     print(head)
     for s in sizes:
         row = f"{show_size(s):>6}"
         for b in backends:
             t = times[b][s]
-            alg = s / t / 1e9
+            alg = moved * s / t / 1e9
             row += f" | {t * 1e6:>10.0f}us {alg:>7.3f} {alg * factor:>7.3f}"
             if b != "gloo":
                 row += f" {times['gloo'][s] / t:>6.2f}" if "gloo" in times else f" {'-':>6}"
@@ -191,10 +218,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100, help="iterations at small sizes (fewer for large ones)")
     ap.add_argument("--chunk", type=parse_size, default=1 << 20, help="DTM's largest Data frame over TCP")
     ap.add_argument("--slot", type=parse_size, default=1 << 20, help="DTM's shared-memory slot per rank")
+    ap.add_argument("--op", default="all_reduce", choices=["all_reduce", "sendrecv"])
     args = ap.parse_args()
+    if args.op == "sendrecv" and any(n % 2 for n in args.ranks):
+        ap.error("--op sendrecv pairs ranks 2k and 2k+1: give even rank counts")
     in_own_netns()
     sizes = [parse_size(s) for s in args.sizes]
-    opts = {"chunk": args.chunk, "slot": args.slot}
+    opts = {"chunk": args.chunk, "slot": args.slot, "op": args.op}
     print(f"host: {os.cpu_count()} cores; {'own network namespace' if os.environ.get('DTM_BENCH_NETNS') else 'host'}"
           f" loopback; DTM chunk {show_size(args.chunk)}, shm slot {show_size(args.slot)}")
     for n in args.ranks:
@@ -204,7 +234,7 @@ def main() -> None:
             for s in sizes:
                 for b, g in groups.items():
                     times[b][s] = g.measure(s, iterations(s, args.iters))
-            report(n, sizes, times)
+            report(args.op, n, sizes, times)
         finally:
             for g in groups.values():
                 g.stop()

@@ -63,7 +63,9 @@ def barrier(axis: Axis = None) -> None:
 
 
 def send(x: Any, dst: int) -> None:
-    """Send a copy of `x` to rank `dst`; returns without waiting for its `recv`."""
+    """Send `x` to rank `dst`. Returns once its bytes are in flight, without waiting for the
+    matching `recv`; a tensor larger than the transport's buffers waits until rank `dst`'s
+    process (inside any DTM call) reads it, as torch.distributed's `send` does."""
     current().send(_array(x), dst)
 
 

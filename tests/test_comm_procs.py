@@ -114,14 +114,32 @@ def killed(comm, rank, n):
 
 
 def killed_sender(comm, rank, n):
-    """Rank 1 SIGKILLs itself in the middle of a send larger than its channel's ring;
-    rank 0, waiting in recv for the rest, must raise."""
+    """Rank 1 SIGKILLs itself in the middle of a send far larger than a socket's or a
+    channel's buffer, which rank 0 drains only later; rank 0, in recv, must raise."""
     if rank == 1:
-        _REPORT.put(("killed", rank, time.time(), []))
-        comm.send(np.ones(4_000_000, np.float32), dst=0)  # returns with most of it still queued
-        time.sleep(0.2)  # let the queue's feeder thread send the report
-        os.kill(os.getpid(), signal.SIGKILL)
+        def die():
+            _REPORT.put(("killed", rank, time.time(), []))
+            time.sleep(0.1)  # let the queue's feeder thread send it
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.3, die).start()
+        comm.send(np.ones(8_000_000, np.float32), dst=0)  # blocks until rank 0 drains it
+        time.sleep(10)
+    time.sleep(0.6)  # receive once rank 1 is dead
     comm.recv(1)
+
+
+def send_then_idle(comm, rank, n):
+    """Rank 1 sends more than any buffer holds and then makes no DTM call for a while:
+    rank 0's recv must still complete meanwhile (the send returns only once it is out)."""
+    big = data(1, (4_000_000,), np.float32)
+    if rank == 1:
+        comm.send(big, dst=0)
+        idle = time.time()
+        time.sleep(2.0)
+        return idle + 2.0
+    time.sleep(0.3)
+    got = comm.recv(1)
+    return bool(np.array_equal(got, big)), time.time()
 
 
 def served(comm, rank, n):
@@ -184,8 +202,8 @@ def cancelled_recv(comm, rank, n):
         return "not told"
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, killed_sender, served, severed,
-                                     cancelled, cancelled_recv)}
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, killed_sender, send_then_idle, served,
+                                     severed, cancelled, cancelled_recv)}
 
 
 class _Records(logging.Handler):
@@ -384,6 +402,15 @@ def test_sigkill_mid_send_gives_peer_lost_to_the_receiver(kind):
     assert status == "err" and code is ErrorCode.PEER_LOST, message
     assert "recv from rank 1" in message
     assert 0 < when - killed_at < KILL_BOUND_S
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_large_send_completes_while_the_sender_is_idle(kind):
+    outcomes, _ = run_mesh(kind, 2, "send_then_idle")
+    assert [o[0] for o in outcomes.values()] == ["ok", "ok"], outcomes
+    same, received_at = outcomes[0][1]
+    assert same
+    assert received_at < outcomes[1][1], "the transfer waited for the sender's next DTM call"
 
 
 def _hello_with_wrong_token(port: int) -> str:

@@ -128,7 +128,6 @@ class Communicator:
         self._p2p_inbox: dict[int, collections.deque[P2PSend]] = collections.defaultdict(collections.deque)
         self._p2p_waiter: dict[int, _P2PWait] = {}
         self._to_self: collections.deque[tuple[P2PSend, np.ndarray]] = collections.deque()
-        self._p2p_out: list[Handle] = []  # sends not yet out of this process
         self._buffers: dict[tuple[int, np.dtype], np.ndarray] = {}
         self.ops_done = 0
         transport.on_control(self._on_control)
@@ -482,25 +481,36 @@ class Communicator:
     # --- point-to-point ------------------------------------------------------------------------
 
     def send(self, x: np.ndarray, dst: int, group: Sequence[int] | None = None) -> None:
-        """Queue a copy of `x` for group rank `dst`; returns without waiting for its recv.
-        Transfers between two ranks arrive in the order they were sent."""
+        """Send `x` to group rank `dst`. Returns once its bytes are in flight (in the
+        socket's or the shared-memory channel's buffer), not when the receiver has them, so
+        `x` may be changed afterwards; like torch.distributed's `send`, a large tensor waits
+        for a receiver to drain it. While it waits the rank reads what its peers send, so
+        two ranks that send to each other before they receive do not deadlock. Transfers
+        between two ranks arrive in the order they were sent."""
         g = self._group(group, "send")
         peer = g.ranks[self._group_rank(g, dst, "dst", "send")]
-        data = np.array(x, copy=True, order="C").reshape(-1)
+        what = f"send to rank {peer}"
+        data = np.ascontiguousarray(x).reshape(-1)
+        dtype, where = from_numpy(data.dtype).name, call_site()
         if peer == self.rank:
-            self._to_self.append((P2PSend(0, 0, from_numpy(data.dtype).name, np.shape(x), call_site()), data))
+            self._to_self.append((P2PSend(0, 0, dtype, np.shape(x), where), data.copy()))
             return
         seq = self._p2p_seq_out[peer]
         self._p2p_seq_out[peer] = seq + 1
+        meta = P2PSend(seq, 0, dtype, np.shape(x), where)
         tp = self.transport
-        tp.check_usable("send")
-        tp.send(peer, P2P_STREAM, MsgType.P2P_SEND,
-                P2PSend(seq, 0, from_numpy(data.dtype).name, np.shape(x), call_site()).parts())
-        view = data.view(np.uint8)
-        for chunk, (a, b) in enumerate(alg.chunks(0, view.size, self.chunk_bytes)):
-            self._p2p_out.append(tp.send_data(peer, P2P_STREAM, view[a:b], seq=seq, chunk=chunk))
-        self._p2p_out = [h for h in self._p2p_out if not h.done]
-        tp.poll(f"send to rank {peer}")
+        tp.check_usable(what)
+        try:
+            tp.send(peer, P2P_STREAM, MsgType.P2P_SEND, meta.parts())
+            view = data.view(np.uint8)
+            tp.wait([tp.send_data(peer, P2P_STREAM, view[a:b], seq=seq, chunk=chunk)
+                     for chunk, (a, b) in enumerate(alg.chunks(0, view.size, self.chunk_bytes))], what)
+        except DTMError:
+            raise  # the transport is failed: its peers learn it from the next frame they expect
+        except BaseException as e:  # interrupted from outside: the receiver would wait for the rest
+            self._cancel([peer], P2P_STREAM, seq, e)
+            tp.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
+            raise
 
     def recv(self, src: int, group: Sequence[int] | None = None, *, out: np.ndarray | None = None,
              dtype=None, shape: Sequence[int] | None = None) -> np.ndarray:
@@ -560,12 +570,8 @@ class Communicator:
         waiter.done = True
 
     def close(self) -> None:
-        """Send what is still queued (bounded by the transport's timeout), then close."""
-        try:
-            if self._p2p_out and self.transport.failed is None:
-                self.transport.wait(self._p2p_out, "flushing sends before close")
-        finally:
-            self.transport.close()
+        """Say Leave to every peer and close the transport (sends have all left by now)."""
+        self.transport.close()
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
