@@ -408,10 +408,10 @@ def connect_local(rank: int, world_size: int, addresses: Sequence[tuple[str, int
                   epoch: int = 0, timeout: float = DEFAULT_TIMEOUT_S, slot_bytes: int = SLOT_BYTES,
                   channel_bytes: int = CHANNEL_BYTES, local: Sequence[int] | None = None, **kw) -> ShmTransport:
     """`connect_mesh` for ranks of one host: the same connections, plus shared memory for
-    collectives and point-to-point transfers. Segment names derive from the token, the addresses and the epoch, so two
-    meshes on one host never share one (and the token cannot be read back from a name)."""
+    collectives and point-to-point transfers. Segment names derive from the token, the
+    addresses and the epoch, so two meshes on one host never share one (and the token
+    cannot be read back from a name)."""
     secret = token.encode() if isinstance(token, str) else token
     session = hashlib.sha256(secret + repr((list(map(tuple, addresses)), epoch)).encode()).hexdigest()[:16]
     return connect_mesh(rank, world_size, addresses, token, epoch=epoch, timeout=timeout, transport_class=ShmTransport,
-                        session=session, slot_bytes=slot_bytes, channel_bytes=channel_bytes, local=local,
-                        **kw)
+                        session=session, slot_bytes=slot_bytes, channel_bytes=channel_bytes, local=local, **kw)
