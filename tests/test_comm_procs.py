@@ -128,6 +128,20 @@ def killed_sender(comm, rank, n):
     comm.recv(1)
 
 
+def cancelled_send(comm, rank, n):
+    """Rank 1 is interrupted inside a send that waits for rank 0 to drain it; rank 0,
+    which receives late, must fail naming rank 1, not wait for the rest."""
+    if rank == 1:
+        _interrupt_after(0.3)
+        try:
+            comm.send(np.ones(8_000_000, np.float32), dst=0)
+        except KeyboardInterrupt:
+            return "interrupted"
+        return "sent"
+    time.sleep(1.0)
+    comm.recv(1)
+
+
 def send_then_idle(comm, rank, n):
     """Rank 1 sends more than any buffer holds and then makes no DTM call for a while:
     rank 0's recv must still complete meanwhile (the send returns only once it is out)."""
@@ -203,7 +217,7 @@ def cancelled_recv(comm, rank, n):
 
 
 SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, killed_sender, send_then_idle, served,
-                                     severed, cancelled, cancelled_recv)}
+                                     severed, cancelled, cancelled_recv, cancelled_send)}
 
 
 class _Records(logging.Handler):
@@ -402,6 +416,15 @@ def test_sigkill_mid_send_gives_peer_lost_to_the_receiver(kind):
     assert status == "err" and code is ErrorCode.PEER_LOST, message
     assert "recv from rank 1" in message
     assert 0 < when - killed_at < KILL_BOUND_S
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_an_interrupted_send_fails_the_receiver(kind):
+    outcomes, _ = run_mesh(kind, 2, "cancelled_send")
+    assert outcomes[1][:2] == ("ok", "interrupted")
+    status, (name, code, message, _), _ = outcomes[0]
+    assert status == "err" and code in (ErrorCode.COLLECTIVE_ABORTED, ErrorCode.PEER_LOST), message
+    assert "rank 1" in message, message
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])

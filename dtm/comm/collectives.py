@@ -506,7 +506,7 @@ class Communicator:
             tp.wait([tp.send_data(peer, P2P_STREAM, view[a:b], seq=seq, chunk=chunk)
                      for chunk, (a, b) in enumerate(alg.chunks(0, view.size, self.chunk_bytes))], what)
         except DTMError:
-            raise  # the transport is failed: its peers learn it from the next frame they expect
+            raise  # PeerLost, or the receiver's Cancel or Error: `wait` failed the transport already
         except BaseException as e:  # interrupted from outside: the receiver would wait for the rest
             self._cancel([peer], P2P_STREAM, seq, e)
             tp.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
