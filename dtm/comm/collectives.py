@@ -508,6 +508,7 @@ class Communicator:
         except DTMError:
             raise  # PeerLost, or the receiver's Cancel or Error: `wait` failed the transport already
         except BaseException as e:  # interrupted from outside: the receiver would wait for the rest
+            tp.discard(peer, P2P_STREAM)  # so the Cancel does not wait behind the data
             self._cancel([peer], P2P_STREAM, seq, e)
             tp.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
             raise

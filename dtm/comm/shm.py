@@ -381,6 +381,8 @@ class ShmTransport(TcpTransport):
             if space is not None:
                 space.close()
         self._spaces.clear()
+        # A Cancel may still wait in a channel: it must arrive before the Leave on the socket.
+        self._push_until(lambda: not any(c.out for c in self._channel_conns.values() if c.closed is None))
         super().close()
         if self._channels is not None:
             self._channels.close()

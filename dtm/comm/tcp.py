@@ -27,7 +27,7 @@ import logging
 import select
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.caps import level_caps
@@ -66,10 +66,11 @@ def _tune(sock: socket.socket) -> None:
 class _Out:
     """A frame on its way out: the views not yet sent, and its handle."""
 
-    __slots__ = ("views", "handle")
+    __slots__ = ("views", "handle", "seq", "started")
 
-    def __init__(self, views: list[memoryview], handle: Handle):
-        self.views, self.handle = views, handle
+    def __init__(self, views: list[memoryview], handle: Handle, seq: int):
+        self.views, self.handle, self.seq = views, handle, seq
+        self.started = False  # some of its bytes left: the rest must follow
 
 
 class Connection:
@@ -148,9 +149,18 @@ class TcpTransport(Transport):
         header = encode_header(msg_type, parts, epoch=self.epoch, stream=stream, seq=seq, version=c.version)
         h = Handle(peer, stream, "send")
         views = [memoryview(header)] + [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
-        c.out.append(_Out([v for v in views if v.nbytes], h))
+        c.out.append(_Out([v for v in views if v.nbytes], h, seq))
         self.bytes_sent += HEADER_SIZE + length
         return h  # sent by the next wait or poll, together with the frames queued after it
+
+    def discard(self, peer: int, stream: int) -> None:
+        c = self._conn_for(peer, stream)
+        if c is None:
+            return
+        dropped = [item for item in c.out if not item.started and item.handle.stream == stream]
+        if dropped:  # the stream's sequence numbers go on from the first frame dropped
+            c.out = collections.deque(item for item in c.out if item.started or item.handle.stream != stream)
+            c.seq_out[stream] = dropped[0].seq
 
     def _conn_for(self, peer: int, stream: int) -> Connection | None:
         """The connection frames of `stream` to `peer` travel on."""
@@ -185,9 +195,11 @@ class TcpTransport(Transport):
                 while item.views and sent >= item.views[0].nbytes:
                     sent -= item.views[0].nbytes
                     item.views.pop(0)
+                    item.started = True
                 if item.views:
                     if sent:
                         item.views[0] = item.views[0][sent:]
+                        item.started = True
                     break
                 item.handle.done = True
                 c.out.popleft()
@@ -399,6 +411,16 @@ class TcpTransport(Transport):
 
     # --- closing -------------------------------------------------------------------------------
 
+    def _push_until(self, done: Callable[[], bool]) -> None:
+        """Drive the transport while closing until `done()`, for at most the timeout (a
+        second once it has failed); errors only end the connections they concern."""
+        deadline = time.monotonic() + (self.timeout if self.failed is None else 1.0)
+        while not done() and time.monotonic() < deadline:
+            try:
+                self._progress(deadline, (), "close")
+            except DTMError:
+                pass
+
     def close(self) -> None:
         """Say Leave to every peer, push what is queued (bounded by the timeout), close."""
         leave = Leave(self.rank, "closed").parts()
@@ -409,12 +431,7 @@ class TcpTransport(Transport):
                     handles.append(self.send(c.peer, 0, MsgType.LEAVE, leave))
                 except DTMError:
                     pass
-        deadline = time.monotonic() + (self.timeout if self.failed is None else 1.0)
-        while any(not h.done for h in handles) and time.monotonic() < deadline:
-            try:
-                self._progress(deadline, (), "close")
-            except DTMError:
-                pass
+        self._push_until(lambda: all(h.done for h in handles))
         for c in self._conns.values():
             if c.closed is None:
                 try:

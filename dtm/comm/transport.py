@@ -253,6 +253,10 @@ class Transport(ABC):
             self.fail(e)
             raise
 
+    def discard(self, peer: int, stream: int) -> None:
+        """Drop the frames of `stream` queued for `peer` that have not begun to leave (the
+        rest of an abandoned transfer), so that a frame queued next goes out at once."""
+
     def notify(self, peers: Sequence[int], stream: int, msg_type: MsgType, parts: Sequence[Buffer],
                grace: float = 1.0) -> None:
         """Best effort, for reporting an error: queue one frame to each peer and push for at
