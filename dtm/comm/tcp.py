@@ -29,6 +29,8 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.caps import level_caps
 from ..protocol.errors import ProtocolError, StaleEpochError
@@ -56,6 +58,11 @@ def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 128) -> socket
     s.bind((host, port))
     s.listen(backlog)
     return s
+
+
+def _fresh(nbytes: int) -> memoryview:
+    """A new buffer for a payload no posted receive takes, not zeroed (it is read over)."""
+    return memoryview(np.empty(nbytes, np.uint8))
 
 
 def _tune(sock: socket.socket) -> None:
@@ -339,7 +346,7 @@ class TcpTransport(Transport):
             avail -= DATA_HEADER.size
             target = self._target(c.peer, h.stream)
             c.direct = target is not None and target.buf.nbytes == nbytes
-            c.dest = target.buf if c.direct else memoryview(bytearray(nbytes))
+            c.dest = target.buf if c.direct else _fresh(nbytes)
         elif h.length <= len(c.rbuf) - HEADER_SIZE:  # small: wait until it is all in the read buffer
             if avail < h.length:
                 if c.rstart + h.length > len(c.rbuf):
@@ -354,7 +361,7 @@ class TcpTransport(Transport):
             return True
         else:
             c.direct = False
-            c.dest = memoryview(bytearray(h.length))
+            c.dest = _fresh(h.length)
         take = min(avail, c.dest.nbytes)
         c.dest[:take] = buf[c.rstart:c.rstart + take]
         c.rstart += take

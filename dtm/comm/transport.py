@@ -113,7 +113,7 @@ class Transport(ABC):
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self.max_unexpected = max_unexpected
         self._posted: dict[tuple[int, int], collections.deque[Handle]] = collections.defaultdict(collections.deque)
-        self._unexpected: dict[tuple[int, int], collections.deque[tuple[int, int, bytes]]] = \
+        self._unexpected: dict[tuple[int, int], collections.deque[tuple[int, int, Buffer]]] = \
             collections.defaultdict(collections.deque)
         self._unexpected_bytes = 0
         self._completed: collections.deque[Handle] = collections.deque()
@@ -182,8 +182,8 @@ class Transport(ABC):
     def _deliver_data(self, peer: int, stream: int, seq: int, chunk: int, nbytes: int,
                       payload: Buffer | None) -> None:
         """A whole, checked Data frame arrived: either already written into the posted
-        receive's buffer (payload None) or held in `payload` (copied to a posted buffer,
-        or kept until one is posted)."""
+        receive's buffer (payload None) or held in `payload`, a buffer the transport gives
+        away (copied to a posted buffer, or kept as it is until one is posted)."""
         self.bytes_received += nbytes
         q = self._posted.get((peer, stream))
         if q:
@@ -203,7 +203,7 @@ class Transport(ABC):
             raise DTMError(E.RECEIVE_BUFFER_FULL,
                            f"{self.peer_name(peer)} sent {self._unexpected_bytes} bytes that no receive was posted "
                            f"for yet (stream {stream}); the limit is {self.max_unexpected} bytes")
-        self._unexpected[(peer, stream)].append((seq, chunk, bytes(payload)))
+        self._unexpected[(peer, stream)].append((seq, chunk, payload))
 
     def _deliver_control(self, peer: int, msg_type: MsgType, stream: int, payload: bytes) -> None:
         if self._control is None:
