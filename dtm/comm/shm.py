@@ -343,6 +343,12 @@ class ShmTransport(TcpTransport):
             self.shared_bytes_sent += self.bytes_sent - before
         return h
 
+    def discard(self, peer: int, stream: int) -> None:
+        before = self.bytes_sent
+        super().discard(peer, stream)
+        if stream == P2P_STREAM and peer in self._channel_conns:
+            self.shared_bytes_sent -= before - self.bytes_sent
+
     def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
         """Move the channels' frames, then the sockets'. While it waits for a peer whose
         frames come through a channel, the rank sleeps on its futex word in slices of

@@ -168,6 +168,7 @@ class TcpTransport(Transport):
         if dropped:  # the stream's sequence numbers go on from the first frame dropped
             c.out = collections.deque(item for item in c.out if item.started or item.handle.stream != stream)
             c.seq_out[stream] = dropped[0].seq
+            self.bytes_sent -= sum(v.nbytes for item in dropped for v in item.views)
 
     def _conn_for(self, peer: int, stream: int) -> Connection | None:
         """The connection frames of `stream` to `peer` travel on."""
