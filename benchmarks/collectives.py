@@ -76,16 +76,10 @@ def dtm_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     comm = Communicator(transport, chunk_bytes=opts["chunk"])
     check = comm.all_reduce(np.full(1000, rank + 1, np.float32))
     assert (check == n * (n + 1) / 2).all(), "all_reduce gave a wrong sum"
-
-    def sendrecv(x):
-        if rank % 2 == 0:
-            comm.send(x, rank + 1)
-            comm.recv(rank + 1, out=x)
-        else:
-            comm.recv(rank - 1, out=x)
-            comm.send(x, rank - 1)
-
-    op = sendrecv if opts["op"] == "sendrecv" else (lambda x: comm.all_reduce(x, out=x))
+    if opts["op"] == "sendrecv":
+        op = ping_pong(rank, comm.send, lambda x, peer: comm.recv(peer, out=x))
+    else:
+        op = lambda x: comm.all_reduce(x, out=x)  # noqa: E731
     serve(rank, q_cmd, q_out, op, comm.barrier, np.zeros)
     comm.close()
 
@@ -106,18 +100,24 @@ def gloo_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     check = torch.full((1000,), float(rank + 1))
     dist.all_reduce(check)
     assert bool((check == n * (n + 1) / 2).all()), "all_reduce gave a wrong sum"
-
-    def sendrecv(x):
-        if rank % 2 == 0:
-            dist.send(x, rank + 1)
-            dist.recv(x, rank + 1)
-        else:
-            dist.recv(x, rank - 1)
-            dist.send(x, rank - 1)
-
-    op = sendrecv if opts["op"] == "sendrecv" else dist.all_reduce
+    op = ping_pong(rank, dist.send, dist.recv) if opts["op"] == "sendrecv" else dist.all_reduce
     serve(rank, q_cmd, q_out, op, dist.barrier, lambda k, dtype: torch.zeros(k))
     dist.destroy_process_group()
+
+
+def ping_pong(rank: int, send, recv):
+    """One round trip between ranks 2k and 2k+1 (`send(x, peer)`, `recv(x, peer)` into x):
+    the even rank sends first, the odd one sends the tensor back."""
+    peer = rank ^ 1
+
+    def op(x):
+        if rank % 2 == 0:
+            send(x, peer)
+            recv(x, peer)
+        else:
+            recv(x, peer)
+            send(x, peer)
+    return op
 
 
 def serve(rank, q_cmd, q_out, op, barrier, zeros) -> None:

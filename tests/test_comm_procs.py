@@ -377,12 +377,15 @@ def test_an_interrupted_collective_is_cancelled_on_every_rank(kind):
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
-def test_an_interrupted_recv_cancels_the_transfer(kind):
-    outcomes, _ = run_mesh(kind, 2, "cancelled_recv")
-    assert outcomes[0][:2] == ("ok", "interrupted")
-    status, (name, code, message, _), _ = outcomes[1]
+@pytest.mark.parametrize("scenario,interrupted,told", [("cancelled_recv", 0, 1), ("cancelled_send", 1, 0)])
+def test_an_interrupted_transfer_is_cancelled(kind, scenario, interrupted, told):
+    """A recv or a send interrupted from outside: the other side fails with its Cancel."""
+    outcomes, _ = run_mesh(kind, 2, scenario)
+    assert outcomes[interrupted][:2] == ("ok", "interrupted")
+    status, (name, code, message, _), _ = outcomes[told]
     assert (status, code) == ("err", ErrorCode.COLLECTIVE_ABORTED), message
-    assert "rank 0 cancelled point-to-point transfer 0 with this rank: interrupted by KeyboardInterrupt" in message
+    assert (f"rank {interrupted} cancelled point-to-point transfer 0 with this rank: interrupted by "
+            "KeyboardInterrupt") in message
 
 
 def test_corrupted_data_frame_is_a_checksum_error():
@@ -417,15 +420,6 @@ def test_sigkill_mid_send_gives_peer_lost_to_the_receiver(kind):
     assert status == "err" and code is ErrorCode.PEER_LOST, message
     assert "recv from rank 1" in message
     assert 0 < when - killed_at < KILL_BOUND_S
-
-
-@pytest.mark.parametrize("kind", ["tcp", "shm"])
-def test_an_interrupted_send_fails_the_receiver(kind):
-    outcomes, _ = run_mesh(kind, 2, "cancelled_send")
-    assert outcomes[1][:2] == ("ok", "interrupted")
-    status, (name, code, message, _), _ = outcomes[0]
-    assert (status, code) == ("err", ErrorCode.COLLECTIVE_ABORTED), message
-    assert "rank 1 cancelled point-to-point transfer 0 with this rank: interrupted by KeyboardInterrupt" in message
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])

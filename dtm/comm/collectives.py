@@ -214,11 +214,16 @@ class Communicator:
         peers = [r for r in g.ranks if r != self.rank]
         self.transport.notify(peers, g.stream, MsgType.ERROR, parts)
 
-    def _cancel(self, peers: Sequence[int], stream: int, seq: int, cause: BaseException) -> None:
-        """Tell `peers` that this rank abandons transfer `seq` of `stream` because it was
-        interrupted (Ctrl-C, a signal handler's exception, ...), not because it failed."""
+    def _interrupted(self, what: str, peers: Sequence[int], stream: int, seq: int, cause: BaseException) -> None:
+        """This rank abandons transfer `seq` of `stream` because it was interrupted from
+        outside (Ctrl-C, a signal handler's exception, ...), not because it failed: drop
+        what it had not begun to send them, tell `peers` with a Cancel, fail the transport."""
         reason = f"interrupted by {type(cause).__name__}" + (f": {cause}" if str(cause) else "")
+        for peer in peers:  # so the Cancel does not wait behind the rest of the data
+            self.transport.discard(peer, stream)
         self.transport.notify(peers, stream, MsgType.CANCEL, Cancel(seq, reason).parts())
+        self.transport.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by "
+                                              f"{type(cause).__name__}"))
 
     # --- running one collective ----------------------------------------------------------------
 
@@ -244,8 +249,7 @@ class Communicator:
             self.transport.fail(err)
             raise
         except BaseException as e:  # interrupted from outside (Ctrl-C, exit): a Cancel, and on it goes
-            self._cancel([r for r in g.ranks if r != self.rank], g.stream, seq, e)
-            self.transport.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
+            self._interrupted(what, [r for r in g.ranks if r != self.rank], g.stream, seq, e)
             raise
         self.ops_done += 1
 
@@ -508,9 +512,7 @@ class Communicator:
         except DTMError:
             raise  # PeerLost, or the receiver's Cancel or Error: `wait` failed the transport already
         except BaseException as e:  # interrupted from outside: the receiver would wait for the rest
-            tp.discard(peer, P2P_STREAM)  # so the Cancel does not wait behind the data
-            self._cancel([peer], P2P_STREAM, seq, e)
-            tp.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
+            self._interrupted(what, [peer], P2P_STREAM, seq, e)
             raise
 
     def recv(self, src: int, group: Sequence[int] | None = None, *, out: np.ndarray | None = None,
@@ -543,8 +545,7 @@ class Communicator:
             raise
         except BaseException as e:  # interrupted from outside (Ctrl-C, exit): the sender learns it
             transfer = self._p2p_seq_in[peer] - 1 if waiter.done else self._p2p_seq_in[peer]
-            self._cancel([peer], P2P_STREAM, transfer, e)
-            self.transport.fail(CollectiveAborted(f"{what} on rank {self.rank} was interrupted by {type(e).__name__}"))
+            self._interrupted(what, [peer], P2P_STREAM, transfer, e)
             raise
         finally:
             self._p2p_waiter.pop(peer, None)

@@ -36,13 +36,12 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
-from ..protocol.frame import MsgType
 from . import reduction, segment
 from .algorithms import split
 from .calls import mismatch_message, same_call
 from .channel import Channel, Channels
 from .tcp import TcpTransport, Connection, connect_mesh
-from .transport import P2P_STREAM, Buffer, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
+from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
 
 SLOT_BYTES = 1 << 20        # one member's share of a round
 CHANNEL_BYTES = 1 << 20     # the ring of each point-to-point channel (one per ordered pair of ranks)
@@ -317,9 +316,8 @@ class ShmTransport(TcpTransport):
                                       self.timeout)
             for peer, tcp in self._conns.items():
                 if peer in self.local:
-                    self._channel_conns[peer] = Connection(peer, _Duplex(self._channels.to[peer],
-                                                                    self._channels.frm[peer]),
-                                                      tcp.version, tcp.max_send, tcp.name, 0, 0)
+                    duplex = _Duplex(self._channels.to[peer], self._channels.frm[peer])
+                    self._channel_conns[peer] = Connection(peer, duplex, tcp.version, tcp.max_send, tcp.name, 0, 0)
 
     def workspace(self, ranks: tuple[int, ...]) -> Workspace | None:
         """The group's workspace; None when the group spans hosts or this CPU is not supported."""
@@ -336,18 +334,10 @@ class ShmTransport(TcpTransport):
             return self._channel_conns[peer]
         return super()._conn_for(peer, stream)
 
-    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer]) -> Handle:
-        before = self.bytes_sent
-        h = super().send(peer, stream, msg_type, parts)
-        if stream == P2P_STREAM and peer in self._channel_conns:
-            self.shared_bytes_sent += self.bytes_sent - before
-        return h
-
-    def discard(self, peer: int, stream: int) -> None:
-        before = self.bytes_sent
-        super().discard(peer, stream)
-        if stream == P2P_STREAM and peer in self._channel_conns:
-            self.shared_bytes_sent -= before - self.bytes_sent
+    def _count_sent(self, c: Connection, nbytes: int) -> None:
+        super()._count_sent(c, nbytes)
+        if not c.polled:  # a channel, not a socket
+            self.shared_bytes_sent += nbytes
 
     def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
         """Move the channels' frames, then the sockets'. While it waits for a peer whose

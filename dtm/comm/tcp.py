@@ -157,7 +157,7 @@ class TcpTransport(Transport):
         h = Handle(peer, stream, "send")
         views = [memoryview(header)] + [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
         c.out.append(_Out([v for v in views if v.nbytes], h, seq))
-        self.bytes_sent += HEADER_SIZE + length
+        self._count_sent(c, HEADER_SIZE + length)
         return h  # sent by the next wait or poll, together with the frames queued after it
 
     def discard(self, peer: int, stream: int) -> None:
@@ -168,7 +168,11 @@ class TcpTransport(Transport):
         if dropped:  # the stream's sequence numbers go on from the first frame dropped
             c.out = collections.deque(item for item in c.out if item.started or item.handle.stream != stream)
             c.seq_out[stream] = dropped[0].seq
-            self.bytes_sent -= sum(v.nbytes for item in dropped for v in item.views)
+            self._count_sent(c, -sum(v.nbytes for item in dropped for v in item.views))
+
+    def _count_sent(self, c: Connection, nbytes: int) -> None:
+        """Count bytes queued on `c` (negative: taken back) in the transport's figures."""
+        self.bytes_sent += nbytes
 
     def _conn_for(self, peer: int, stream: int) -> Connection | None:
         """The connection frames of `stream` to `peer` travel on."""

@@ -239,7 +239,6 @@ class JoinMesh(Message):
                       _str_ok("host", self.host), not self.host and "host is empty", _str_ok("node", self.node))
 
 
-
 @dataclass(frozen=True)
 class Member:
     """One rank of a MeshView; its rank is its index in `members`."""
@@ -331,7 +330,6 @@ class Heartbeat(Message):
                       _str_ok("last_op", self.last_op))
 
 
-
 @dataclass(frozen=True)
 class Leave(Message):
     """A rank leaves the mesh on purpose (a rank that vanishes without it has failed)."""
@@ -343,7 +341,6 @@ class Leave(Message):
 
     def _check(self) -> str | None:
         return _str_ok("reason", self.reason)
-
 
 
 # --- collectives and point-to-point ------------------------------------------------------------
@@ -507,7 +504,6 @@ class Error(Message):
         return cls(err.code.value, text, rank)
 
 
-
 @dataclass(frozen=True)
 class Cancel(Message):
     """Abandon collective (or P2P transfer) `seq` of this stream; the peers stop sending its
@@ -520,7 +516,6 @@ class Cancel(Message):
 
     def _check(self) -> str | None:
         return _str_ok("reason", self.reason)
-
 
 
 MESSAGES: dict[MsgType, type[Message]] = {
