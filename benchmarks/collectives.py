@@ -13,6 +13,14 @@ itself in a network namespace of its own (`unshare -n`) when it may, else gloo i
 Goals (issue 6): TCP >= 1.0x gloo busbw from 1 MiB up; shared memory >= 2x gloo; 8-byte
 latency no worse than gloo.
 
+The `floor` backend is the same pipelined ring written in C (`tcp_floor.c`) over plain
+loopback sockets: no frame headers, no checksum, no Python. It is what the kernel's two
+copies of every byte and the additions cost on this host, the least any TCP all_reduce
+pays. `floor-crc` adds what DTM's frames must carry (spec 9.1): a CRC32C of every chunk,
+computed by the sender and checked by the receiver with the crc32c package's own routine.
+So floor-crc is the most DTM over TCP can reach, and DTM / floor-crc is the cost of the rest
+(headers, Python).
+
 `--op sendrecv` measures point-to-point instead: ranks 2k and 2k+1 play ping-pong (2k sends
 and then receives the tensor back, 2k+1 receives and sends it back); the time is a round
 trip and algbw = 2 * bytes / time.
@@ -20,11 +28,13 @@ trip and algbw = 2 * bytes / time.
     python benchmarks/collectives.py                       # 4K .. 256M, 2 and 4 ranks
     python benchmarks/collectives.py --sizes 8 1M 16M --ranks 2 --iters 5   # a quick run
     python benchmarks/collectives.py --op sendrecv --ranks 2
+    python benchmarks/collectives.py --sizes 16M 64M --ranks 4 --backends gloo tcp floor floor-crc
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing as mp
 import os
 import shutil
@@ -32,10 +42,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-BACKENDS = ("gloo", "tcp", "shm")
+BACKENDS = ("gloo", "tcp", "shm", "floor", "floor-crc")
+FLOOR_SOURCE = Path(__file__).with_name("tcp_floor.c")
 DEFAULT_SIZES = ["8", "4K", "64K", "1M", "16M", "64M", "256M"]
 
 
@@ -105,6 +117,51 @@ def gloo_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     dist.destroy_process_group()
 
 
+def package_crc32c() -> ctypes.c_void_p:
+    """The address of the crc32c package's hardware CRC32C routine, for C code; checked
+    against the package's Python function."""
+    import crc32c
+    import crc32c._crc32c as ext
+    try:
+        routine = ctypes.CDLL(ext.__file__)._crc32c_hw_adler
+    except AttributeError:
+        raise SystemExit("floor-crc: this crc32c package has no _crc32c_hw_adler (x86-64 only)") from None
+    routine.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_ulong]
+    routine.restype = ctypes.c_uint32
+    probe = b"123456789"
+    assert routine(0xFFFFFFFF, probe, len(probe)) ^ 0xFFFFFFFF == crc32c.crc32c(probe), "not the CRC32C routine"
+    return ctypes.cast(routine, ctypes.c_void_p)
+
+
+def floor_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
+    import socket
+    from dtm.compiler.build import load
+    ring = load(Path(opts["floor_library"])).floor_all_reduce
+    ring.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_long, ctypes.c_void_p]
+    ring.restype = ctypes.c_int
+    crc = package_crc32c() if kind == "floor-crc" else None
+    listener = socket.create_server(("127.0.0.1", 0))
+    q_port.put((rank, listener.getsockname()[1]))
+    addresses = q_addrs.get(timeout=120)
+    right = socket.create_connection(tuple(addresses[(rank + 1) % n]), timeout=120)  # the backlog takes it
+    listener.settimeout(120)
+    left, _ = listener.accept()
+    for s in (left, right):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setblocking(False)
+
+    def all_reduce(x: np.ndarray) -> None:
+        rc = ring(left.fileno(), right.fileno(), x.ctypes.data, x.size, rank, n, opts["chunk"] // 4, crc)
+        if rc:
+            raise OSError(-rc, os.strerror(-rc))
+
+    check = np.full(1000, rank + 1, np.float32)
+    all_reduce(check)
+    assert (check == n * (n + 1) / 2).all(), "all_reduce gave a wrong sum"
+    serve(rank, q_cmd, q_out, all_reduce, lambda: all_reduce(np.zeros(n, np.float32)), np.zeros)
+
+
 def ping_pong(rank: int, send, recv):
     """One round trip between ranks 2k and 2k+1 (`send(x, peer)`, `recv(x, peer)` into x):
     the even rank sends first, the odd one sends the tensor back."""
@@ -148,7 +205,7 @@ class Group:
         q_port, self.q_out = ctx.Queue(), ctx.Queue()
         q_addrs = [ctx.Queue() for _ in range(n)]
         self.q_cmd = [ctx.Queue() for _ in range(n)]
-        target = gloo_worker if backend == "gloo" else dtm_worker
+        target = {"gloo": gloo_worker, "floor": floor_worker, "floor-crc": floor_worker}.get(backend, dtm_worker)
         self.procs = [ctx.Process(target=target, args=(backend, r, n, q_port, q_addrs[r], self.q_cmd[r], self.q_out,
                                                        opts), daemon=True) for r in range(n)]
         for p in self.procs:
@@ -181,7 +238,7 @@ def report(op: str, n: int, sizes: list[int], times: dict[str, dict[int, float]]
     backends = [b for b in BACKENDS if b in times]
     head = f"{'size':>6}"
     for b in backends:
-        head += f" | {b + ' time':>12} {'algbw':>7} {'busbw':>7}" + ("" if b == "gloo" else f" {'x gloo':>6}")
+        head += f" | {b + ' time':>14} {'algbw':>7} {'busbw':>7}" + ("" if b == "gloo" else f" {'x gloo':>6}")
     what = "all_reduce" if op == "all_reduce" else "send/recv ping-pong (time: a round trip)"
     print(f"\n{what} f32, {n} ranks (time: median of the slowest rank; bandwidth in GB/s)")
     print(head)
@@ -190,7 +247,7 @@ def report(op: str, n: int, sizes: list[int], times: dict[str, dict[int, float]]
         for b in backends:
             t = times[b][s]
             alg = moved * s / t / 1e9
-            row += f" | {t * 1e6:>10.0f}us {alg:>7.3f} {alg * factor:>7.3f}"
+            row += f" | {t * 1e6:>12.0f}us {alg:>7.3f} {alg * factor:>7.3f}"
             if b != "gloo":
                 row += f" {times['gloo'][s] / t:>6.2f}" if "gloo" in times else f" {'-':>6}"
         print(row, flush=True)
@@ -214,7 +271,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, with K/M/G suffixes")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--backends", nargs="+", default=None, choices=BACKENDS,
+                    help="default: all (floor only measures all_reduce)")
     ap.add_argument("--iters", type=int, default=100, help="iterations at small sizes (fewer for large ones)")
     ap.add_argument("--chunk", type=parse_size, default=1 << 20, help="DTM's largest Data frame over TCP")
     ap.add_argument("--slot", type=parse_size, default=1 << 20, help="DTM's shared-memory slot per rank")
@@ -222,9 +280,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.op == "sendrecv" and any(n % 2 for n in args.ranks):
         ap.error("--op sendrecv pairs ranks 2k and 2k+1: give even rank counts")
+    if args.backends is None:
+        args.backends = [b for b in BACKENDS if not b.startswith("floor") or args.op == "all_reduce"]
+    elif any(b.startswith("floor") for b in args.backends) and args.op != "all_reduce":
+        ap.error("the floor backends measure all_reduce only")
     in_own_netns()
     sizes = [parse_size(s) for s in args.sizes]
     opts = {"chunk": args.chunk, "slot": args.slot, "op": args.op}
+    if any(b.startswith("floor") for b in args.backends):  # built once here, loaded by each rank
+        from dtm.compiler.build import build
+        opts["floor_library"] = str(build(FLOOR_SOURCE.read_text(), "tcp_floor",
+                                          ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared")))
     print(f"host: {os.cpu_count()} cores; {'own network namespace' if os.environ.get('DTM_BENCH_NETNS') else 'host'}"
           f" loopback; DTM chunk {show_size(args.chunk)}, shm slot {show_size(args.slot)}")
     for n in args.ranks:
