@@ -20,7 +20,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dtm.comm import pump
+from dtm.comm.transport import DATA_HEADER
 from dtm.errors import ErrorCode
+from dtm.protocol.frame import HEADER_SIZE, MsgType
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 COMM = dict(small_bytes=4 << 10, chunk_bytes=8 << 10)
@@ -45,6 +48,7 @@ def correctness(comm, rank, n):
     out["bf16"] = comm.all_reduce(data(rank, (30_000,), BF16))
     out["max_i32"] = comm.all_reduce((data(rank, (9_000,), np.float32) * 4).astype(np.int32), op="max")
     out["avg_f16"] = comm.all_reduce(data(rank, (7,), np.float16), op="avg")
+    out["avg_f64"] = comm.all_reduce(data(rank, (20_001,), np.float64), op="avg")
     x = data(rank, (12, n * 700), np.float32)
     out["gather"] = comm.all_gather(x, dim=1)
     out["rs"] = comm.reduce_scatter(x, op="sum", dim=1)
@@ -69,6 +73,7 @@ def correctness(comm, rank, n):
         out["sub"] = comm.all_reduce(data(rank, (10_000,), np.float32), group=sub)
     if n == 4 and rank in (1, 2):
         out["sub"] = comm.all_gather(data(rank, (2, 3), np.float32), group=[2, 1])
+    out["pump_runs"] = getattr(comm.transport, "pump_runs", 0)
     return out
 
 
@@ -82,21 +87,8 @@ def mismatch(comm, rank, n):
 
 
 def corrupt(comm, rank, n):
-    """Rank 1 damages its first Data frame after its CRC was computed: bytes hurt in transit."""
-    if rank == 1:
-        from dtm.comm import tcp
-        from dtm.protocol.frame import MsgType
-        real = tcp.encode_header
-
-        def damaging(msg_type, parts, **kw):
-            header = real(msg_type, parts, **kw)
-            if msg_type is MsgType.DATA and parts[-1].nbytes and not damaging.done:
-                parts[-1][0] ^= 0xFF
-                damaging.done = True
-            return header
-
-        damaging.done = False
-        tcp.encode_header = damaging
+    """An all_reduce whose first Data frame from rank 1 a proxy damages on the way
+    (`_corrupting_proxy`)."""
     comm.all_reduce(np.ones(10_000, np.float32))
 
 
@@ -275,8 +267,8 @@ def run_mesh(kind: str, n: int, scenario: str, *, timeout: float = 20.0, between
     try:
         ports = dict(q_port.get(timeout=60) for _ in range(n))
 
-        def release(r: int) -> None:
-            q_addrs[r].put([("127.0.0.1", ports[j]) for j in range(n)])
+        def release(r: int, addresses: list | None = None) -> None:
+            q_addrs[r].put(addresses or [("127.0.0.1", ports[j]) for j in range(n)])
 
         if between is not None:
             between(ports, release)
@@ -334,6 +326,10 @@ def test_collectives_match_numpy(kind, n):
         np.testing.assert_array_equal(res[r]["bf16"], bf)
         np.testing.assert_array_equal(res[r]["max_i32"], np.max(ints, axis=0))
         np.testing.assert_array_equal(res[r]["avg_f16"], f16)
+        np.testing.assert_allclose(res[r]["avg_f64"], np.mean(each(data, (20_001,), np.float64), axis=0), rtol=1e-12)
+        assert res[r]["avg_f64"].tobytes() == res[0]["avg_f64"].tobytes()
+        if kind == "tcp" and pump.ring_pump() is not None:  # f32 sums and the f64 avg ran in C
+            assert res[r]["pump_runs"] >= 2, res[r]["pump_runs"]
         np.testing.assert_array_equal(res[r]["gather"], np.concatenate(xs, axis=1))
         np.testing.assert_allclose(res[r]["rs"], np.split(total, n, axis=1)[r], rtol=1e-6)
         np.testing.assert_array_equal(res[r]["bcast"], data(n - 1, (40_000,), np.float64))
@@ -388,8 +384,56 @@ def test_an_interrupted_transfer_is_cancelled(kind, scenario, interrupted, told)
             "KeyboardInterrupt") in message
 
 
-def test_corrupted_data_frame_is_a_checksum_error():
-    outcomes, _ = run_mesh("tcp", 2, "corrupt")
+def _corrupting_proxy(port: int) -> int:
+    """A port that forwards one connection to `port` and flips the first tensor byte of
+    the first Data frame the connecting side sends: bytes hurt in transit."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def copy(src: socket.socket, dst: socket.socket, damage: bool) -> None:
+        try:
+            forward(src, dst, damage)
+        except OSError:  # the ranks closed the connection (reset, broken pipe)
+            pass
+
+    def forward(src: socket.socket, dst: socket.socket, damage: bool) -> None:
+        seen = bytearray()  # the stream so far, to find frame headers in
+        frame, target = 0, None
+        while data := src.recv(1 << 16):
+            start = len(seen)
+            seen += data
+            while target is None and len(seen) >= frame + HEADER_SIZE:
+                length = int.from_bytes(seen[frame + 16:frame + 24], "little")
+                if damage and seen[frame + 6] == MsgType.DATA and length > DATA_HEADER.size:
+                    target = frame + HEADER_SIZE + DATA_HEADER.size
+                frame += HEADER_SIZE + length
+            if target is not None and start <= target < len(seen):
+                data = bytearray(data)
+                data[target - start] ^= 0xFF
+                target = -1
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+
+    def serve() -> None:
+        with listener:
+            near, _ = listener.accept()
+        far = socket.create_connection(("127.0.0.1", port))
+        threading.Thread(target=copy, args=(far, near, False), daemon=True).start()
+        copy(near, far, True)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+@pytest.mark.parametrize("ring_pump", ["1", "0"])
+def test_corrupted_data_frame_is_a_checksum_error(ring_pump, monkeypatch):
+    """Over TCP, with the ring in C (ring_pump.c) and in Python."""
+    monkeypatch.setenv("DTM_RING_PUMP", ring_pump)
+
+    def through_proxy(ports, release):  # rank 1 connects to rank 0 through the proxy
+        release(0)
+        release(1, [("127.0.0.1", _corrupting_proxy(ports[0])), ("127.0.0.1", ports[1])])
+
+    outcomes, _ = run_mesh("tcp", 2, "corrupt", between=through_proxy)
     status, (name, code, message, _), _ = outcomes[0]
     assert (status, name, code) == ("err", "ChecksumError", ErrorCode.CHECKSUM_MISMATCH), message
     assert "rank 1" in message and "CRC32C" in message
@@ -434,7 +478,7 @@ def test_a_large_send_completes_while_the_sender_is_idle(kind):
 def _hello_with_wrong_token(port: int) -> str:
     """Open a connection as a peer would, answer the challenge with a wrong token, and
     return the code of the Error the rank sends back."""
-    from dtm.protocol.frame import FrameDecoder, MsgType
+    from dtm.protocol.frame import FrameDecoder
     from dtm.protocol.handshake import Handshake
     from dtm.protocol.messages import Error, Hello, decode_message, encode_message
     from dtm.protocol.caps import level_caps
@@ -473,7 +517,7 @@ def _garbage(port: int, data: bytes) -> None:
 
 
 def test_wrong_token_and_garbage_are_dropped_and_the_mesh_still_forms():
-    from dtm.protocol.frame import MsgType, encode_header
+    from dtm.protocol.frame import encode_header
     seen = {}
 
     def poke(ports, release):

@@ -17,6 +17,7 @@ more than the copies themselves on a small machine).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -64,6 +65,39 @@ def recv_all(link: Link, frm: int, buf: np.ndarray, step: int) -> list[Handle]:
 
 # --- all_reduce, reduce_scatter, all_gather: the pipelined ring -----------------------------
 
+@dataclass(frozen=True)
+class RingReceive:
+    """One chunk a ring rank receives from its left neighbour: elements [a, b) of the
+    flat buffers, at step t of the reduce-scatter (`reduce`: combined into the work
+    buffer; on its last step, finished) or of the all-gather; `forward`: passed on to
+    the right neighbour once it has landed."""
+
+    reduce: bool
+    t: int
+    a: int
+    b: int
+    forward: bool
+    finish: bool
+
+
+def ring_schedule(n: int, i: int, bounds: list[tuple[int, int]], step: int, own: int,
+                  mode: str) -> tuple[list[tuple[int, int]], list[RingReceive]]:
+    """The chunks ring rank `i` of `n` sends first (one block, before anything arrives),
+    and what it receives, in the order its left neighbour sends them: step-major, then
+    chunk order. At step t of the reduce-scatter rank i receives block i+own-t-2 (mod n),
+    of the all-gather block i+own-t-1. Every received chunk is passed on, except those of
+    the last step (of the all-gather; of the reduce-scatter in mode "reduce_scatter")."""
+    blk = lambda b: bounds[b % n]  # noqa: E731
+    reduce_steps = n - 1 if mode in ("all_reduce", "reduce_scatter") else 0
+    gather_steps = n - 1 if mode in ("all_reduce", "all_gather") else 0
+    first = chunks(*blk(i + own - 1), step) if reduce_steps else chunks(*blk(i + own), step)
+    plan = [RingReceive(True, t, a, b, t < reduce_steps - 1 or gather_steps > 0, t == reduce_steps - 1)
+            for t in range(reduce_steps) for a, b in chunks(*blk(i + own - t - 2), step)]
+    plan += [RingReceive(False, t, a, b, t < gather_steps - 1, False)
+             for t in range(gather_steps) for a, b in chunks(*blk(i + own - t - 1), step)]
+    return first, plan
+
+
 def ring(link: Link, bounds: list[tuple[int, int]], step: int, *, work: np.ndarray | None = None,
          op: str = "sum", out: np.ndarray, own: int, mode: str, tmp: list[np.ndarray] = ()) -> None:
     """One pipelined ring pass over the n blocks `bounds` of the flat buffers.
@@ -74,24 +108,16 @@ def ring(link: Link, bounds: list[tuple[int, int]], step: int, *, work: np.ndarr
     same without the all-gather, `out` is block (me + own) alone. mode "all_gather": `out`
     already holds block (me + own), the all-gather fills the rest.
 
-    Blocks are cut into chunks of `step` elements, and each chunk moves on as soon as it
-    arrives (and is reduced), so the reduction of one chunk overlaps the transfer of the
-    next. The reduce-scatter receives into the buffers of `tmp` (two or more, of `step`
-    elements of the work dtype), each re-posted as soon as its chunk is reduced. `work` may
-    be `out` itself (same dtype, all_reduce in place). At step t of the reduce-scatter rank i sends block i+own-t-1 and receives block
-    i+own-t-2 (mod n); of the all-gather it sends i+own-t and receives i+own-t-1.
+    Blocks are cut into chunks of `step` elements (`ring_schedule` says which), and each
+    chunk moves on as soon as it arrives (and is reduced), so the reduction of one chunk
+    overlaps the transfer of the next. The reduce-scatter receives into the buffers of
+    `tmp` (two or more, of `step` elements of the work dtype), each re-posted as soon as
+    its chunk is reduced. `work` may be `out` itself (same dtype, all_reduce in place).
     """
     n, i = link.n, link.me
     right, left = (i + 1) % n, (i - 1) % n
-    blk = lambda b: bounds[b % n]  # noqa: E731
-    reduce_steps = n - 1 if mode in ("all_reduce", "reduce_scatter") else 0
-    gather_steps = n - 1 if mode in ("all_reduce", "all_gather") else 0
-    final_block = (i + own) % n
-    out_base = blk(final_block)[0] if mode == "reduce_scatter" else 0  # `out` holds only the own block
-
-    # The receives, in the order the left neighbour sends: step-major, then chunk order.
-    plan = [("rs", t, a, b) for t in range(reduce_steps) for a, b in chunks(*blk(i + own - t - 2), step)]
-    plan += [("ag", t, a, b) for t in range(gather_steps) for a, b in chunks(*blk(i + own - t - 1), step)]
+    out_base = bounds[(i + own) % n][0] if mode == "reduce_scatter" else 0  # `out` holds only the own block
+    first, plan = ring_schedule(n, i, bounds, step, own, mode)
     handles: list[Handle] = []
     free = list(tmp)
     in_place = work is out
@@ -100,36 +126,34 @@ def ring(link: Link, bounds: list[tuple[int, int]], step: int, *, work: np.ndarr
     def post() -> None:
         nonlocal cursor
         while cursor < len(plan):
-            kind, t, a, b = plan[cursor]
-            if kind == "rs":
+            r = plan[cursor]
+            if r.reduce:
                 if not free:
                     return
-                tmp = free.pop()
-                handles.append(link.recv(left, tmp[:b - a], on_done=lambda t=t, a=a, b=b, tmp=tmp: reduced(t, a, b, tmp)))
+                buf = free.pop()
+                handles.append(link.recv(left, buf[:r.b - r.a], on_done=lambda r=r, buf=buf: reduced(r, buf)))
             else:
-                handles.append(link.recv(left, out[a:b], on_done=lambda t=t, a=a, b=b: gathered(t, a, b)))
+                handles.append(link.recv(left, out[r.a:r.b], on_done=lambda r=r: gathered(r)))
             cursor += 1
 
-    def reduced(t: int, a: int, b: int, tmp: np.ndarray) -> None:
-        reduction.combine(op, tmp[:b - a], work[a:b], out=work[a:b])
-        free.append(tmp)
-        if t < reduce_steps - 1:
-            handles.append(link.send(right, work[a:b]))
-        else:  # block (i + own) is complete on this rank: the only place it is finished
-            acc = work[a:b]
-            mine = acc if in_place else out[a - out_base:b - out_base]
-            reduction.finish(op, acc, n, mine)
-            if gather_steps:
-                handles.append(link.send(right, mine))
+    def reduced(r: RingReceive, buf: np.ndarray) -> None:
+        a, b = r.a, r.b
+        reduction.combine(op, buf[:b - a], work[a:b], out=work[a:b])
+        free.append(buf)
+        sent = work[a:b]
+        if r.finish:  # block (i + own) is complete on this rank: the only place it is finished
+            sent = work[a:b] if in_place else out[a - out_base:b - out_base]
+            reduction.finish(op, work[a:b], n, sent)
+        if r.forward:
+            handles.append(link.send(right, sent))
         post()
 
-    def gathered(t: int, a: int, b: int) -> None:
-        if t < gather_steps - 1:
-            handles.append(link.send(right, out[a:b]))
+    def gathered(r: RingReceive) -> None:
+        if r.forward:
+            handles.append(link.send(right, out[r.a:r.b]))
 
-    first = blk(i + own - 1) if reduce_steps else blk(i + own)
-    src = work if reduce_steps else out
-    handles += [link.send(right, src[a:b]) for a, b in chunks(*first, step)]
+    src = work if mode != "all_gather" else out
+    handles += [link.send(right, src[a:b]) for a, b in first]
     post()
     link.wait(handles)  # the callbacks append the later sends and receives to `handles`
 

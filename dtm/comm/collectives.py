@@ -282,7 +282,13 @@ class Communicator:
                 alg.recursive_doubling(link, work, op, step, self._scratch(0, work.dtype, work.size))
                 reduction.finish(op, work, n, flat)
             else:
-                alg.ring(link, alg.split(work.size, n), step, work=work, op=op, out=flat, own=1, mode="all_reduce",
+                bounds = alg.split(work.size, n)
+                first, plan = alg.ring_schedule(n, g.me, bounds, step, 1, "all_reduce")
+                if work is flat and self.transport.ring_all_reduce(
+                        g.ranks[(g.me - 1) % n], g.ranks[(g.me + 1) % n], g.stream, link.seq, link.start, work, first,
+                        plan, op, n, link.what):
+                    return
+                alg.ring(link, bounds, step, work=work, op=op, out=flat, own=1, mode="all_reduce",
                          tmp=self._ring_tmp(work.dtype, step))
 
         self._run(g, "all_reduce", x, body, reduce_op=op)

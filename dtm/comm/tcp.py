@@ -17,13 +17,20 @@ Data frame whose receive is posted is read with `recv_into` straight into its nu
 Every frame's CRC32C is checked before its bytes are used (`ChecksumError`), every length
 is bounded before a buffer is allocated, and a peer whose connection ends without a Leave
 frame is reported as `PeerLost` at once.
+
+The ring pass of an f32 or f64 all_reduce (sum, avg) runs in C (`ring_all_reduce`,
+`ring_pump.c`): the same frames, read and written without Python's per-frame work, which
+on a small machine is what decides whether DTM keeps up with gloo. Python hands the pump
+the two connections at a frame boundary and takes them back the same way.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import logging
+import os
 import select
 import socket
 import time
@@ -33,12 +40,14 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.caps import level_caps
-from ..protocol.errors import ProtocolError, StaleEpochError
+from ..protocol.errors import ChecksumError, ProtocolError, StaleEpochError
 from ..protocol.frame import HEADER_SIZE, MAX_PAYLOAD, FrameHeader, MsgType, decode_header, encode_header, \
     verify_payload
 from ..protocol.handshake import Handshake
 from ..protocol.messages import MIN_MAX_PAYLOAD, Leave, decode_message
-from .transport import DATA_HEADER, DEFAULT_TIMEOUT_S, Buffer, Handle, PeerLost, Transport
+from . import pump
+from .algorithms import RingReceive
+from .transport import DATA_HEADER, DEFAULT_TIMEOUT_S, Buffer, Handle, PeerLost, Transport, byte_view
 
 log = logging.getLogger("dtm.comm")
 
@@ -106,6 +115,8 @@ class Connection:
         self.closed: str | None = None         # why the connection is gone
         self.writing = False                   # registered for POLLOUT
         self.polled = sock.fileno() >= 0       # a socket in the poller, not a shared-memory channel
+        self.pump_reads = False                # the ring pump reads it now: Python does not
+        self.pump_writes = False               # the ring pump writes it now: Python does not
 
 
 class TcpTransport(Transport):
@@ -121,6 +132,7 @@ class TcpTransport(Transport):
         self._conns: dict[int, Connection] = {}
         self._by_fd: dict[int, Connection] = {}
         self._closed = 0  # connections lost or closed
+        self.pump_runs = 0  # ring passes run by ring_pump.c
         for peer, (sock, hs) in conns.items():
             _tune(sock)
             # The handshake numbered the control stream's first frames: the connecting side sent 2 Hellos.
@@ -228,7 +240,7 @@ class TcpTransport(Transport):
     def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
         sent = 0
         for c in self._conns.values():
-            if c.out and c.closed is None:
+            if c.out and c.closed is None and not c.pump_writes:
                 try:
                     sent += self._flush(c, op)
                 except PeerLost:
@@ -249,9 +261,9 @@ class TcpTransport(Transport):
             if c is None:
                 self._refuse()
                 continue
-            if ev & select.POLLOUT:
+            if ev & select.POLLOUT and not c.pump_writes:
                 self._flush(c, op)
-            if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            if ev & (select.POLLIN | select.POLLHUP | select.POLLERR) and not c.pump_reads:
                 self._read(c, op)
 
     def _refuse(self) -> None:
@@ -264,8 +276,9 @@ class TcpTransport(Transport):
                     addr[0], addr[1], self.world_size)
         sock.close()
 
-    def _read(self, c: Connection, op: str) -> None:
-        """Read and deliver everything c's socket has now."""
+    def _read(self, c: Connection, op: str, exact: bool = False) -> None:
+        """Read and deliver everything c's socket has now; with `exact`, only up to the
+        end of the frame c is in, so that the next frame stays in the socket."""
         try:
             while c.closed is None:
                 if c.dest is not None:  # a payload, straight into its buffer
@@ -286,6 +299,8 @@ class TcpTransport(Transport):
                     pass
                 if c.dest is not None or c.skip:
                     continue
+                if exact and self._at_boundary(c):
+                    return
                 if c.rstart == c.rend:
                     c.rstart = c.rend = 0
                 elif c.rend == len(c.rbuf):  # keep the partial frame, make room after it
@@ -294,7 +309,7 @@ class TcpTransport(Transport):
                     c.rstart = 0
                 # A bounded read: the bytes after a Data header should land in their own
                 # buffer, not here (where they would be copied once more).
-                n = c.sock.recv_into(memoryview(c.rbuf)[c.rend:c.rend + READ_AHEAD])
+                n = c.sock.recv_into(memoryview(c.rbuf)[c.rend:c.rend + (self._need(c) if exact else READ_AHEAD)])
                 if n == 0:
                     return self._eof(c, op)
                 c.rend += n
@@ -306,6 +321,34 @@ class TcpTransport(Transport):
         except OSError as e:
             self._lost(c, f"reading failed: {e.strerror or e}")
             raise PeerLost(c.peer, op, c.closed) from None
+
+    @staticmethod
+    def _at_boundary(c: Connection) -> bool:
+        return c.header is None and c.dest is None and not c.skip and c.rstart == c.rend
+
+    @staticmethod
+    def _need(c: Connection) -> int:
+        """The bytes c's read buffer lacks for `_parse` to take the next step."""
+        avail = c.rend - c.rstart
+        if c.header is None:
+            return HEADER_SIZE - avail
+        return (DATA_HEADER.size if c.header.msg_type is MsgType.DATA else c.header.length) - avail
+
+    def _to_boundary(self, c: Connection, op: str, deadline: float) -> None:
+        """Read and deliver the rest of the frame c is in the middle of, and nothing after it."""
+        poller = select.poll()
+        poller.register(c.fd, select.POLLIN)
+        while True:
+            self._read(c, op, exact=True)
+            if c.closed is not None:
+                raise PeerLost(c.peer, op, c.closed)
+            if self._at_boundary(c):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DTMError(E.TIMEOUT, f"{op} on rank {self.rank}: waited {self.timeout:.1f} s for the rest of a "
+                                          f"frame from {c.name}")
+            poller.poll(max(1, int(min(left, 1.0) * 1000)))
 
     def _parse(self, c: Connection, op: str) -> bool:
         """Take one frame (or the start of a large payload) from c's read buffer; False
@@ -420,6 +463,161 @@ class TcpTransport(Transport):
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    # --- the ring all_reduce in C (pump.py) ------------------------------------------------------
+
+    def ring_all_reduce(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
+                        first: Sequence[tuple[int, int]], plan: Sequence[RingReceive], op: str, n: int,
+                        what: str) -> bool:
+        """Run one all_reduce ring pass in `ring_pump.c` (see `Transport.ring_all_reduce`).
+
+        The pump takes the left connection at a frame boundary (Python first reads the rest
+        of any frame it is in, exactly) with the Data frames of this collective that
+        already arrived, and the right one with nothing queued. While it runs, Python keeps
+        off what it does (reading the left, writing the right: `pump_reads`, `pump_writes`)
+        and, between its calls, serves the rest, the right connection's reading included
+        (a Cancel or Error from that neighbour ends the pump's call), checks
+        the deadline, and takes each frame the pump hands back (a control frame, or one it
+        did not expect), exactly as `_read` would. On any error the pump's half-sent and
+        half-read frames become Python's, so the connections stay in step."""
+        loaded = pump.ring_pump() if op in ("sum", "avg") and work.dtype in (np.float32, np.float64) else None
+        cl, cr = self._conns.get(left), self._conns.get(right)
+        if (loaded is None or cl is None or cr is None or not (cl.polled and cr.polled) or cr.out
+                or cl.closed is not None or cr.closed is not None):
+            return False
+        fn, crc = loaded
+        deadline = time.monotonic() + self.timeout
+        self._to_boundary(cl, what, deadline)
+        item = work.itemsize
+        recv_off = np.array([r.a * item for r in plan], np.int64)
+        recv_len = np.array([(r.b - r.a) * item for r in plan], np.int64)
+        recv_flags = np.array([pump.RECV_REDUCE * r.reduce + pump.RECV_FORWARD * r.forward
+                               + pump.RECV_FINISH * r.finish for r in plan], np.int64)
+        send_off = np.zeros(len(first) + len(plan), np.int64)
+        send_len = np.zeros_like(send_off)
+        send_off[:len(first)] = [a * item for a, _ in first]
+        send_len[:len(first)] = [(b - a) * item for a, b in first]
+        pre = np.zeros(len(plan), np.int64)
+        taken: list[Buffer] = []  # payloads that arrived before the pump ran, kept alive while it reads them
+        tmp = self._ring_scratch(int(recv_len.max()))
+        watch = np.array([c.fd for c in self._conns.values() if c.polled and c.closed is None and c is not cl]
+                         + ([self.listener.fileno()] if self.listener is not None else []), np.int32)
+        prefix = encode_header(MsgType.COLLECTIVE_START, [start], epoch=self.epoch, stream=stream,
+                               seq=cr.seq_out[stream], version=cr.version) + start
+        cr.seq_out[stream] += 1
+        self._count_sent(cr, len(prefix))
+        i64 = lambda a: a.ctypes.data_as(pump.I64P)  # noqa: E731
+        s = pump.PumpState(
+            left=cl.fd, right=cr.fd, nwatch=len(watch), slice_ms=pump.SLICE_MS,
+            watch=watch.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), crc=crc, item=item,
+            divide_by=n if op == "avg" else 0, out_version=tuple(cr.version), in_version=tuple(cl.version),
+            stream=stream, epoch=self.epoch, coll_seq=seq, base=work.ctypes.data, tmp=tmp.ctypes.data,
+            prefix=ctypes.cast(ctypes.c_char_p(prefix), ctypes.c_void_p), prefix_len=len(prefix),
+            nrecv=len(plan), nsend=len(first), recv_off=i64(recv_off), recv_len=i64(recv_len),
+            recv_flags=i64(recv_flags), pre=i64(pre), send_off=i64(send_off), send_len=i64(send_len))
+        cl.pump_reads = cr.pump_writes = True
+        self.pump_runs += 1
+        try:
+            while True:
+                self._ring_take_early(cl, stream, s, pre, byte_view(work), taken)
+                s.seq_in, s.seq_out = cl.seq_in[stream], cr.seq_out[stream]
+                status = fn(ctypes.byref(s))
+                cl.seq_in[stream], cr.seq_out[stream] = s.seq_in, s.seq_out
+                self._count_sent(cr, s.bytes_out)
+                self.bytes_received += s.bytes_in
+                s.bytes_out = s.bytes_in = 0
+                if status == pump.DONE:
+                    return True
+                if status == pump.HANDOFF:  # a frame for Python: its header bytes are in rhdr
+                    head = bytes(s.rhdr[:s.rhlen])
+                    s.rhlen = 0
+                    cl.rbuf[:len(head)] = head
+                    cl.rstart, cl.rend = 0, len(head)
+                    self._to_boundary(cl, what, deadline)
+                elif status == pump.YIELD:
+                    if time.monotonic() >= deadline:
+                        raise DTMError(E.TIMEOUT, f"{what} on rank {self.rank}: waited {self.timeout:.1f} s for "
+                                                  f"{cl.name} and {cr.name}")
+                    self._progress(time.monotonic(), (), what)  # every other connection
+                elif status == pump.LEFT_CLOSED:
+                    self._eof(cl, what)
+                    raise PeerLost(left, what, cl.closed)
+                elif status in (pump.LEFT_ERROR, pump.RIGHT_ERROR):
+                    c, doing = (cl, "reading") if status == pump.LEFT_ERROR else (cr, "sending")
+                    if c is cr and cr is not cl:  # what the right neighbour said before it went (Cancel, Error)
+                        self._read(cr, what)
+                    self._lost(c, f"{doing} failed: {os.strerror(s.err)}")
+                    raise PeerLost(c.peer, what, c.closed)
+                else:
+                    assert status == pump.BAD_CRC, status
+                    e = ChecksumError(f"DATA frame (stream {stream}, seq {s.seq_in - 1}, "
+                                      f"{DATA_HEADER.size + recv_len[s.rh]} payload bytes): CRC32C is "
+                                      f"{s.crc_got:#010x}, the header says {s.crc_want:#010x}")
+                    self._lost(cl, str(e))
+                    raise e.at(cl.name, what)
+        except BaseException:
+            self._ring_hand_back(s, cl, cr, stream, prefix, work, tmp)
+            raise
+        finally:
+            cl.pump_reads = cr.pump_writes = False
+
+    def _ring_scratch(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self, "_pump_tmp", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._pump_tmp = np.empty(nbytes, np.uint8)
+        return buf
+
+    def _ring_take_early(self, c: Connection, stream: int, s: pump.PumpState, pre: np.ndarray, work: memoryview,
+                         taken: list) -> None:
+        """Give the pump the Data frames of this collective that Python has read (and
+        checked) already, as the payloads of its next receives."""
+        stash = self._unexpected.get((c.peer, stream))
+        j = s.rh
+        while stash:
+            got_seq, got_chunk, payload = stash.popleft()
+            self._unexpected_bytes -= len(payload)
+            into = work[s.recv_off[j]:s.recv_off[j] + s.recv_len[j]] if j < len(pre) else work[:0]
+            self._check_chunk(Handle(c.peer, stream, "recv", into, s.coll_seq, j), got_seq, got_chunk, len(payload))
+            view = np.frombuffer(payload, np.uint8)
+            taken.append(view)
+            pre[j] = view.ctypes.data
+            j += 1
+
+    def _ring_hand_back(self, s: pump.PumpState, cl: Connection, cr: Connection, stream: int, prefix: bytes,
+                        work: np.ndarray, tmp: np.ndarray) -> None:
+        """The pump stops for good mid-collective: queue the rest of its half-sent frame
+        (and the CollectiveStart, if it never left) first in Python's queue, and make its
+        half-read frame Python's, so both connections stay in step for what follows
+        (an Error, a Cancel, Leave)."""
+        if cr.closed is None:
+            if s.prefix_sent < s.prefix_len:
+                item = _Out([memoryview(prefix)[s.prefix_sent:]], Handle(cr.peer, stream, "send"),
+                            cr.seq_out[stream] - 1)
+                item.started = s.prefix_sent > 0
+                cr.out.appendleft(item)
+            elif s.soff:
+                frame = memoryview(bytes(s.shdr))
+                payload = byte_view(work)[s.send_off[s.sh]:s.send_off[s.sh] + s.send_len[s.sh]]
+                views = [frame[s.soff:]] if s.soff < pump.FRAMING else []
+                views.append(payload[max(0, s.soff - pump.FRAMING):])
+                item = _Out(views, Handle(cr.peer, stream, "send"), s.seq_out - 1)
+                item.started = True
+                cr.out.appendleft(item)
+        if cl.closed is None and s.rhlen:
+            if s.rhlen < pump.FRAMING or not s.roff:  # only header bytes: Python parses them again
+                if s.rhlen >= HEADER_SIZE:
+                    cl.seq_in[stream] -= 1
+                cl.rbuf[:s.rhlen] = bytes(s.rhdr[:s.rhlen])
+                cl.rstart, cl.rend = 0, s.rhlen
+            else:  # in the payload: Python reads the rest into a buffer of its own, then checks it
+                nbytes = s.recv_len[s.rh]
+                flags = s.recv_flags[s.rh]
+                got = tmp if flags & pump.RECV_REDUCE else byte_view(work)[s.recv_off[s.rh]:]
+                cl.header = decode_header(bytes(s.rhdr[:HEADER_SIZE]), max_payload=self.max_payload)
+                cl.chunk_header = DATA_HEADER.unpack(bytes(s.rhdr[HEADER_SIZE:pump.FRAMING]))
+                cl.dest = _fresh(nbytes)
+                cl.dest[:s.roff] = memoryview(got)[:s.roff]
+                cl.dest_pos, cl.direct = s.roff, False
 
     # --- closing -------------------------------------------------------------------------------
 

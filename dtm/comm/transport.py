@@ -253,6 +253,15 @@ class Transport(ABC):
             self.fail(e)
             raise
 
+    def ring_all_reduce(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
+                        first: Sequence[tuple[int, int]], plan: Sequence, op: str, n: int, what: str) -> bool:
+        """Run a whole all_reduce ring pass of a group of `n` natively, if this transport
+        can: send the CollectiveStart `start` and then the chunks `first` to `right`,
+        receive `plan` (`algorithms.ring_schedule`) from `left`, reducing in place in
+        `work` with `op`, in exactly the frames `algorithms.ring` would use. False: it
+        cannot here, and the caller runs `algorithms.ring`."""
+        return False
+
     def discard(self, peer: int, stream: int) -> None:
         """Drop the frames of `stream` queued for `peer` that have not begun to leave (the
         rest of an abandoned transfer), so that a frame queued next goes out at once."""
