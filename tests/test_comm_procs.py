@@ -86,6 +86,27 @@ def mismatch(comm, rank, n):
         comm.all_reduce(x)
 
 
+def mismatch_ring(comm, rank, n):
+    """Ring-sized all_reduces: a sum (over TCP in ring_pump.c) on every rank but the last,
+    which calls max (Python's ring)."""
+    x = np.ones(50_000, np.float32)
+    comm.all_reduce(x)
+    comm.all_reduce(x, op="max" if rank == n - 1 else "sum")
+
+
+def early(comm, rank, n):
+    """Rank 0 reads what its left neighbour sent for an all_reduce before it joins it:
+    those Data frames (and maybe half of one) are Python's when the ring starts."""
+    x = data(rank, (300_000,), np.float32)
+    comm.barrier()
+    waiting = 0
+    if rank == 0:
+        time.sleep(0.5)
+        comm.transport.poll("reading ahead")
+        waiting = sum(len(q) for q in comm.transport._unexpected.values())
+    return comm.all_reduce(x), waiting
+
+
 def corrupt(comm, rank, n):
     """An all_reduce whose first Data frame from rank 1 a proxy damages on the way
     (`_corrupting_proxy`)."""
@@ -209,8 +230,8 @@ def cancelled_recv(comm, rank, n):
         return "not told"
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, corrupt, killed, killed_sender, send_then_idle, served,
-                                     severed, cancelled, cancelled_recv, cancelled_send)}
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_ring, early, corrupt, killed, killed_sender,
+                                     send_then_idle, served, severed, cancelled, cancelled_recv, cancelled_send)}
 
 
 class _Records(logging.Handler):
@@ -360,6 +381,26 @@ def test_mismatch_raises_on_every_rank(kind, n):
         assert status == "err" and code is ErrorCode.COLLECTIVE_MISMATCH, message
         assert "all_gather(dim=0)" in message and "all_reduce(sum)" in message
         assert "test_comm_procs.py:" in message
+
+
+def test_mismatch_in_the_ring_raises_on_every_rank():
+    """Two ranks run the ring in C, the third in Python: all of them name both calls."""
+    outcomes, _ = run_mesh("tcp", 3, "mismatch_ring")
+    assert sorted(outcomes) == [0, 1, 2]
+    for status, (name, code, message, _), _logs in outcomes.values():
+        assert status == "err" and code is ErrorCode.COLLECTIVE_MISMATCH, message
+        assert "all_reduce(max)" in message and "all_reduce(sum)" in message
+
+
+def test_a_ring_takes_the_frames_that_came_before_it():
+    outcomes, _ = run_mesh("tcp", 3, "early")
+    want = np.sum([data(r, (300_000,), np.float32) for r in range(3)], axis=0, dtype=np.float64)
+    for r in range(3):
+        status, (result, waiting), _ = outcomes[r]
+        assert status == "ok"
+        np.testing.assert_allclose(result, want, rtol=1e-6)
+        assert result.tobytes() == outcomes[0][1][0].tobytes()
+    assert outcomes[0][1][1] > 0, "rank 0 read nothing ahead: the test did not test what it says"
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
