@@ -107,6 +107,17 @@ def early(comm, rank, n):
     return comm.all_reduce(x), waiting
 
 
+def outsider_leaves(comm, rank, n):
+    """Ranks 0-2 run ring all_reduces while rank 3, outside their group, leaves the mesh."""
+    if rank == n - 1:
+        time.sleep(0.2)
+        return "left"
+    group = list(range(n - 1))
+    x = data(rank, (400_000,), np.float32)
+    out = [comm.all_reduce(x, group=group) for _ in range(15)]
+    return out[0], out[-1]
+
+
 def corrupt(comm, rank, n):
     """An all_reduce whose first Data frame from rank 1 a proxy damages on the way
     (`_corrupting_proxy`)."""
@@ -230,8 +241,9 @@ def cancelled_recv(comm, rank, n):
         return "not told"
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_ring, early, corrupt, killed, killed_sender,
-                                     send_then_idle, served, severed, cancelled, cancelled_recv, cancelled_send)}
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_ring, early, outsider_leaves, corrupt, killed,
+                                     killed_sender, send_then_idle, served, severed, cancelled, cancelled_recv,
+                                     cancelled_send)}
 
 
 class _Records(logging.Handler):
@@ -401,6 +413,17 @@ def test_a_ring_takes_the_frames_that_came_before_it():
         np.testing.assert_allclose(result, want, rtol=1e-6)
         assert result.tobytes() == outcomes[0][1][0].tobytes()
     assert outcomes[0][1][1] > 0, "rank 0 read nothing ahead: the test did not test what it says"
+
+
+def test_a_ring_goes_on_when_a_rank_outside_its_group_leaves():
+    outcomes, _ = run_mesh("tcp", 4, "outsider_leaves")
+    assert outcomes[3][:2] == ("ok", "left")
+    want = np.sum([data(r, (400_000,), np.float32) for r in range(3)], axis=0, dtype=np.float64)
+    for r in range(3):
+        status, value, _ = outcomes[r]
+        assert status == "ok", value
+        for result in value:
+            np.testing.assert_allclose(result, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])

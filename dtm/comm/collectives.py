@@ -81,7 +81,10 @@ class _Link:
             chunk = self._sent[to]
             self._sent[to] = chunk + 1
             return self.tp.send_data(peer, self.stream, buf, seq=self.seq, chunk=chunk)
-        except PeerLost as e:  # name the collective, not the frame
+        except PeerLost as e:
+            # A peer that left after an error has usually said why (Error, Cancel): that word,
+            # if it already arrived, is the better answer. Else PeerLost, naming the collective.
+            self.tp.poll(self.what)
             raise PeerLost(e.peer, self.what, e.detail) from None
 
     def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None) -> Handle:

@@ -500,16 +500,14 @@ class TcpTransport(Transport):
         pre = np.zeros(len(plan), np.int64)
         taken: list[Buffer] = []  # payloads that arrived before the pump ran, kept alive while it reads them
         tmp = self._ring_scratch(int(recv_len.max()))
-        watch = np.array([c.fd for c in self._conns.values() if c.polled and c.closed is None and c is not cl]
-                         + ([self.listener.fileno()] if self.listener is not None else []), np.int32)
         prefix = encode_header(MsgType.COLLECTIVE_START, [start], epoch=self.epoch, stream=stream,
                                seq=cr.seq_out[stream], version=cr.version) + start
         cr.seq_out[stream] += 1
         self._count_sent(cr, len(prefix))
         i64 = lambda a: a.ctypes.data_as(pump.I64P)  # noqa: E731
         s = pump.PumpState(
-            left=cl.fd, right=cr.fd, nwatch=len(watch), slice_ms=pump.SLICE_MS,
-            watch=watch.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), crc=crc, item=item,
+            left=cl.fd, right=cr.fd, slice_ms=pump.SLICE_MS,
+            crc=crc, item=item,
             divide_by=n if op == "avg" else 0, out_version=tuple(cr.version), in_version=tuple(cl.version),
             stream=stream, epoch=self.epoch, coll_seq=seq, base=work.ctypes.data, tmp=tmp.ctypes.data,
             prefix=ctypes.cast(ctypes.c_char_p(prefix), ctypes.c_void_p), prefix_len=len(prefix),
@@ -517,8 +515,28 @@ class TcpTransport(Transport):
             recv_flags=i64(recv_flags), pre=i64(pre), send_off=i64(send_off), send_len=i64(send_len))
         cl.pump_reads = cr.pump_writes = True
         self.pump_runs += 1
+        watched = -1  # connections closed when `watch` was made
+
+        def lost(c: Connection) -> None:
+            """A neighbour the pump needs is gone. The peer that saw why has usually said so
+            (Error, Cancel): read what the connections hold first, so that its word ends
+            the collective, as it would in Python's ring; else PeerLost."""
+            self._ring_hand_back(s, cl, cr, stream, prefix, work, tmp)
+            cl.pump_reads = cr.pump_writes = False
+            self._progress(time.monotonic(), (), what)
+            raise PeerLost(c.peer, what, c.closed)
+
         try:
             while True:
+                sending = s.prefix_sent < s.prefix_len or s.sh < s.nsend or (recv_flags[s.rh:] & pump.RECV_FORWARD).any()
+                for c, needed in ((cl, s.rh < s.nrecv), (cr, sending)):
+                    if needed and c.closed is not None:  # never hand the pump a closed socket's number
+                        lost(c)
+                if watched != self._closed:  # the other sockets: a readable one ends the pump's call
+                    watch = np.array([c.fd for c in self._conns.values() if c.polled and c.closed is None
+                                      and c is not cl] + ([self.listener.fileno()] if self.listener else []), np.int32)
+                    s.watch = watch.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+                    s.nwatch, watched = len(watch), self._closed
                 self._ring_take_early(cl, stream, s, pre, byte_view(work), taken)
                 s.seq_in, s.seq_out = cl.seq_in[stream], cr.seq_out[stream]
                 status = fn(ctypes.byref(s))
@@ -539,15 +557,14 @@ class TcpTransport(Transport):
                         raise DTMError(E.TIMEOUT, f"{what} on rank {self.rank}: waited {self.timeout:.1f} s for "
                                                   f"{cl.name} and {cr.name}")
                     self._progress(time.monotonic(), (), what)  # every other connection
-                elif status == pump.LEFT_CLOSED:
-                    self._eof(cl, what)
-                    raise PeerLost(left, what, cl.closed)
+                elif status == pump.LEFT_CLOSED:  # Python reads the end itself: Leave, Error, or a death
+                    lost(cl)
                 elif status in (pump.LEFT_ERROR, pump.RIGHT_ERROR):
                     c, doing = (cl, "reading") if status == pump.LEFT_ERROR else (cr, "sending")
                     if c is cr and cr is not cl:  # what the right neighbour said before it went (Cancel, Error)
                         self._read(cr, what)
                     self._lost(c, f"{doing} failed: {os.strerror(s.err)}")
-                    raise PeerLost(c.peer, what, c.closed)
+                    lost(c)
                 else:
                     assert status == pump.BAD_CRC, status
                     e = ChecksumError(f"DATA frame (stream {stream}, seq {s.seq_in - 1}, "
@@ -588,7 +605,7 @@ class TcpTransport(Transport):
         """The pump stops for good mid-collective: queue the rest of its half-sent frame
         (and the CollectiveStart, if it never left) first in Python's queue, and make its
         half-read frame Python's, so both connections stay in step for what follows
-        (an Error, a Cancel, Leave)."""
+        (an Error, a Cancel, Leave). Once: it leaves the pump with nothing in flight."""
         if cr.closed is None:
             if s.prefix_sent < s.prefix_len:
                 item = _Out([memoryview(prefix)[s.prefix_sent:]], Handle(cr.peer, stream, "send"),
@@ -618,6 +635,7 @@ class TcpTransport(Transport):
                 cl.dest = _fresh(nbytes)
                 cl.dest[:s.roff] = memoryview(got)[:s.roff]
                 cl.dest_pos, cl.direct = s.roff, False
+        s.prefix_sent, s.soff, s.rhlen, s.roff = s.prefix_len, 0, 0, 0
 
     # --- closing -------------------------------------------------------------------------------
 
