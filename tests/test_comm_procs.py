@@ -74,6 +74,7 @@ def correctness(comm, rank, n):
     if n == 4 and rank in (1, 2):
         out["sub"] = comm.all_gather(data(rank, (2, 3), np.float32), group=[2, 1])
     out["pump_runs"] = getattr(comm.transport, "pump_runs", 0)
+    out["pump_handoffs"] = getattr(comm.transport, "pump_handoffs", 0)
     return out
 
 
@@ -363,6 +364,8 @@ def test_collectives_match_numpy(kind, n):
         assert res[r]["avg_f64"].tobytes() == res[0]["avg_f64"].tobytes()
         if kind == "tcp" and pump.ring_pump() is not None:  # f32 sums and the f64 avg ran in C
             assert res[r]["pump_runs"] >= 2, res[r]["pump_runs"]
+            # ... and took every Data frame itself: Python saw the CollectiveStarts at most
+            assert res[r]["pump_handoffs"] <= res[r]["pump_runs"], (res[r]["pump_handoffs"], res[r]["pump_runs"])
         np.testing.assert_array_equal(res[r]["gather"], np.concatenate(xs, axis=1))
         np.testing.assert_allclose(res[r]["rs"], np.split(total, n, axis=1)[r], rtol=1e-6)
         np.testing.assert_array_equal(res[r]["bcast"], data(n - 1, (40_000,), np.float64))

@@ -133,6 +133,7 @@ class TcpTransport(Transport):
         self._by_fd: dict[int, Connection] = {}
         self._closed = 0  # connections lost or closed
         self.pump_runs = 0  # ring passes run by ring_pump.c
+        self.pump_handoffs = 0  # frames it gave back to Python (a neighbour's CollectiveStart, about one a pass)
         for peer, (sock, hs) in conns.items():
             _tune(sock)
             # The handshake numbered the control stream's first frames: the connecting side sent 2 Hellos.
@@ -547,6 +548,7 @@ class TcpTransport(Transport):
                 if status == pump.DONE:
                     return True
                 if status == pump.HANDOFF:  # a frame for Python: its header bytes are in rhdr
+                    self.pump_handoffs += 1
                     head = bytes(s.rhdr[:s.rhlen])
                     s.rhlen = 0
                     cl.rbuf[:len(head)] = head
