@@ -285,14 +285,7 @@ class Communicator:
                 alg.recursive_doubling(link, work, op, step, self._scratch(0, work.dtype, work.size))
                 reduction.finish(op, work, n, flat)
             else:
-                bounds = alg.split(work.size, n)
-                first, plan = alg.ring_schedule(n, g.me, bounds, step, 1, "all_reduce")
-                if work is flat and self.transport.ring_all_reduce(
-                        g.ranks[(g.me - 1) % n], g.ranks[(g.me + 1) % n], g.stream, link.seq, link.start, work, first,
-                        plan, op, n, link.what):
-                    return
-                alg.ring(link, bounds, step, work=work, op=op, out=flat, own=1, mode="all_reduce",
-                         tmp=self._ring_tmp(work.dtype, step))
+                self._ring(link, alg.split(work.size, n), step, work=work, op=op, out=flat, own=1, mode="all_reduce")
 
         self._run(g, "all_reduce", x, body, reduce_op=op)
         if n == 1:
@@ -323,8 +316,7 @@ class Communicator:
             bounds = alg.split(work.size, n)
             lo, hi = bounds[g.me]
             mine = np.empty(hi - lo, x.dtype)
-            alg.ring(link, bounds, step, work=work, op=op, out=mine, own=0, mode="reduce_scatter",
-                     tmp=self._ring_tmp(work.dtype, step))
+            self._ring(link, bounds, step, work=work, op=op, out=mine, own=0, mode="reduce_scatter")
             if g.me != dst:
                 link.wait(alg.send_all(link, dst, mine, step))
                 return
@@ -370,8 +362,20 @@ class Communicator:
             buf = self._buffers[key] = np.empty(size, dtype)
         return buf[:size]
 
-    def _ring_tmp(self, dtype: np.dtype, step: int) -> list[np.ndarray]:
-        return [self._scratch(2 + i, dtype, step) for i in range(2)]
+    def _ring(self, link: _Link, bounds: list[tuple[int, int]], step: int, *, out: np.ndarray, own: int, mode: str,
+              work: np.ndarray | None = None, op: str = "sum") -> None:
+        """`algorithms.ring`, or the same pass run by the transport itself where it can
+        (`Transport.ring_pass`: TCP's in C)."""
+        n, me = link.n, link.me
+        first, plan = alg.ring_schedule(n, me, bounds, step, own, mode)
+        buf = out if mode == "all_gather" else work
+        finished = None if buf is out else out  # reduce_scatter: the own block goes to `out`
+        base = bounds[(me + own) % n][0] if mode == "reduce_scatter" else 0
+        if self.transport.ring_pass(link.ranks[(me - 1) % n], link.ranks[(me + 1) % n], link.stream, link.seq,
+                                    link.start, buf, first, plan, op, n, link.what, finished, base):
+            return
+        tmp = [self._scratch(2 + i, work.dtype, step) for i in range(2)] if work is not None else []
+        alg.ring(link, bounds, step, work=work, op=op, out=out, own=own, mode=mode, tmp=tmp)
 
     def all_gather(self, x: np.ndarray, dim: int = 0, group: Sequence[int] | None = None) -> np.ndarray:
         """Every member gets all members' `x` joined along `dim`, in group order."""
@@ -391,8 +395,8 @@ class Communicator:
             if flat.nbytes <= self.small_bytes:
                 alg.direct_all_gather(link, flat, count, step)
             else:
-                alg.ring(link, [(j * count, (j + 1) * count) for j in range(n)], step, out=flat, own=0,
-                         mode="all_gather")
+                self._ring(link, [(j * count, (j + 1) * count) for j in range(n)], step, out=flat, own=0,
+                           mode="all_gather")
 
         self._run(g, "all_gather", x, body, args=f"dim={dim}")
         return _join(gathered, dim)
@@ -416,8 +420,8 @@ class Communicator:
             if self._shared(g, "reduce_scatter", link, blocks.reshape(-1), out.reshape(-1), op=op):
                 return
             step = self._chunk(work.dtype, work.nbytes, n)
-            alg.ring(link, [(j * count, (j + 1) * count) for j in range(n)], step, work=work, op=op,
-                     out=out.reshape(-1), own=0, mode="reduce_scatter", tmp=self._ring_tmp(work.dtype, step))
+            self._ring(link, [(j * count, (j + 1) * count) for j in range(n)], step, work=work, op=op,
+                       out=out.reshape(-1), own=0, mode="reduce_scatter")
 
         self._run(g, "reduce_scatter", x, body, reduce_op=op, args=f"dim={dim}")
         if n == 1:

@@ -1,6 +1,6 @@
-"""The ring all_reduce's frame loop in C (`ring_pump.c`), for the TCP transport.
+"""The ring's frame loop in C (`ring_pump.c`), for the TCP transport.
 
-Python's ring spends about a fifth of a 4-rank all_reduce's CPU on per-frame work around
+Python's ring spends about a quarter of a 4-rank all_reduce's CPU on per-frame work around
 the syscalls; `ring_pump.c` runs the same frames (headers, CRC32C, chunk numbers, the
 reduction) without it. This module builds and loads it, mirrors its state struct, and
 says whether it can be used here:
@@ -10,7 +10,7 @@ says whether it can be used here:
 - a C compiler must be there (the same one the cpu backend uses);
 - DTM_RING_PUMP=0 turns it off (Python's ring then runs, as on any other transport).
 
-`TcpTransport.ring_all_reduce` drives it.
+`TcpTransport.ring_pass` drives it.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class PumpState(ctypes.Structure):
         ("stream", ctypes.c_uint32),
         ("epoch", ctypes.c_uint64), ("coll_seq", ctypes.c_uint64),
         ("base", ctypes.c_void_p), ("tmp", ctypes.c_void_p),
+        ("finished", ctypes.c_void_p), ("finished_base", ctypes.c_int64),
         ("prefix", ctypes.c_void_p), ("prefix_len", ctypes.c_int64),
         ("nrecv", ctypes.c_int64), ("nsend", ctypes.c_int64),
         ("recv_off", I64P), ("recv_len", I64P), ("recv_flags", I64P),

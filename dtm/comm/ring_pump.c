@@ -1,4 +1,5 @@
-/* The frame loop of a ring all_reduce over TCP, in C (dtm/comm/pump.py drives it).
+/* The frame loop of a ring pass over TCP (all_reduce, reduce_scatter, all_gather), in C
+ * (dtm/comm/pump.py; TcpTransport.ring_pass drives it).
  *
  * Python plans the ring (algorithms.ring_schedule) and hands this loop two sockets: the
  * left neighbour's, whose Data frames it reads, and the right neighbour's, to which it
@@ -38,6 +39,8 @@ typedef struct {
     uint32_t stream;
     uint64_t epoch, coll_seq;     /* frame epoch; the collective's seq (chunk header) */
     char *base, *tmp;             /* the work buffer; scratch for one chunk */
+    char *finished;               /* where finished chunks are copied (reduce_scatter's own block), or 0 */
+    int64_t finished_base;        /* the byte offset in base of finished[0] */
     const char *prefix;           /* bytes sent before the first Data frame (the CollectiveStart frame) */
     int64_t prefix_len;
     int64_t nrecv, nsend;         /* receives planned; sends queued (the first block's, then forwards) */
@@ -135,6 +138,7 @@ static void land(pump_t *s, const char *got) {
             for (int64_t j = 0; j < n / 8; j++) a[j] = b[j] + a[j];
             if (flags & RECV_FINISH && s->divide_by) for (int64_t j = 0; j < n / 8; j++) a[j] /= (double)s->divide_by;
         }
+        if (flags & RECV_FINISH && s->finished) memcpy(s->finished + (off - s->finished_base), acc, n);
     } else if (got != acc) {
         memcpy(acc, got, n);
     }
@@ -154,17 +158,11 @@ static int pump_recv(pump_t *s) {
         int reduce = s->recv_flags[s->rh] & RECV_REDUCE;
         char *dst = reduce ? s->tmp : s->base + s->recv_off[s->rh];
         ssize_t k;
-        if (s->rhlen < HEADER) {
-            k = recv(s->left, s->rhdr + s->rhlen, HEADER - s->rhlen, 0);
-        } else if (s->rhlen < FRAMING) {
-            k = recv(s->left, s->rhdr + s->rhlen, FRAMING - s->rhlen, 0);
-        } else {
-            k = recv(s->left, dst + s->roff, n - s->roff, 0);
-        }
-        if (k < 0) return errno == EAGAIN ? 0 : (s->err = errno, -PUMP_LEFT_ERROR);
-        if (k == 0) return -PUMP_LEFT_CLOSED;
-        if (s->rhlen < FRAMING) {
+        if (s->rhlen < FRAMING) {  /* the frame header, then the chunk header */
             int was = s->rhlen;
+            k = recv(s->left, s->rhdr + s->rhlen, (was < HEADER ? HEADER : FRAMING) - was, 0);
+            if (k < 0) return errno == EAGAIN ? 0 : (s->err = errno, -PUMP_LEFT_ERROR);
+            if (k == 0) return -PUMP_LEFT_CLOSED;
             s->rhlen += k;
             if (was < HEADER && s->rhlen == HEADER) {
                 if (!expected_header(s)) return 1;
@@ -176,8 +174,13 @@ static int pump_recv(pump_t *s) {
             }
             continue;
         }
-        s->roff += k;
-        if (s->roff < n) continue;
+        if (s->roff < n) {  /* the payload (a chunk may be empty) */
+            k = recv(s->left, dst + s->roff, n - s->roff, 0);
+            if (k < 0) return errno == EAGAIN ? 0 : (s->err = errno, -PUMP_LEFT_ERROR);
+            if (k == 0) return -PUMP_LEFT_CLOSED;
+            s->roff += k;
+            if (s->roff < n) continue;
+        }
         s->crc_want = get32(s->rhdr + 28);
         s->crc_got = frame_crc(s, s->rhdr, dst, n);
         if (s->crc_got != s->crc_want) return -PUMP_BAD_CRC;

@@ -18,8 +18,9 @@ Every frame's CRC32C is checked before its bytes are used (`ChecksumError`), eve
 is bounded before a buffer is allocated, and a peer whose connection ends without a Leave
 frame is reported as `PeerLost` at once.
 
-The ring pass of an f32 or f64 all_reduce (sum, avg) runs in C (`ring_all_reduce`,
-`ring_pump.c`): the same frames, read and written without Python's per-frame work, which
+The ring passes of all_gather, and of f32 or f64 all_reduce and reduce_scatter (sum, avg),
+run in C (`ring_pass`, `ring_pump.c`): the same frames, read and written without Python's
+per-frame work, which
 on a small machine is what decides whether DTM keeps up with gloo. Python hands the pump
 the two connections at a frame boundary and takes them back the same way.
 """
@@ -465,12 +466,12 @@ class TcpTransport(Transport):
             except OSError:
                 pass
 
-    # --- the ring all_reduce in C (pump.py) ------------------------------------------------------
+    # --- ring passes in C (pump.py) -------------------------------------------------------------
 
-    def ring_all_reduce(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
-                        first: Sequence[tuple[int, int]], plan: Sequence[RingReceive], op: str, n: int,
-                        what: str) -> bool:
-        """Run one all_reduce ring pass in `ring_pump.c` (see `Transport.ring_all_reduce`).
+    def ring_pass(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
+                  first: Sequence[tuple[int, int]], plan: Sequence[RingReceive], op: str, n: int, what: str,
+                  finished: np.ndarray | None = None, finished_base: int = 0) -> bool:
+        """Run one ring pass in `ring_pump.c` (see `Transport.ring_pass`).
 
         The pump takes the left connection at a frame boundary (Python first reads the rest
         of any frame it is in, exactly) with the Data frames of this collective that
@@ -481,7 +482,10 @@ class TcpTransport(Transport):
         the deadline, and takes each frame the pump hands back (a control frame, or one it
         did not expect), exactly as `_read` would. On any error the pump's half-sent and
         half-read frames become Python's, so the connections stay in step."""
-        loaded = pump.ring_pump() if op in ("sum", "avg") and work.dtype in (np.float32, np.float64) else None
+        reduces = any(r.reduce for r in plan)
+        fits = not reduces or (op in ("sum", "avg") and work.dtype in (np.float32, np.float64)
+                               and (finished is None or finished.dtype == work.dtype))
+        loaded = pump.ring_pump() if fits else None
         cl, cr = self._conns.get(left), self._conns.get(right)
         if (loaded is None or cl is None or cr is None or not (cl.polled and cr.polled) or cr.out
                 or cl.closed is not None or cr.closed is not None):
@@ -509,8 +513,10 @@ class TcpTransport(Transport):
         s = pump.PumpState(
             left=cl.fd, right=cr.fd, slice_ms=pump.SLICE_MS,
             crc=crc, item=item,
-            divide_by=n if op == "avg" else 0, out_version=tuple(cr.version), in_version=tuple(cl.version),
-            stream=stream, epoch=self.epoch, coll_seq=seq, base=work.ctypes.data, tmp=tmp.ctypes.data,
+            divide_by=n if op == "avg" and reduces else 0, out_version=tuple(cr.version),
+            in_version=tuple(cl.version), stream=stream, epoch=self.epoch, coll_seq=seq, base=work.ctypes.data,
+            tmp=tmp.ctypes.data, finished=finished.ctypes.data if finished is not None else None,
+            finished_base=finished_base * item,
             prefix=ctypes.cast(ctypes.c_char_p(prefix), ctypes.c_void_p), prefix_len=len(prefix),
             nrecv=len(plan), nsend=len(first), recv_off=i64(recv_off), recv_len=i64(recv_len),
             recv_flags=i64(recv_flags), pre=i64(pre), send_off=i64(send_off), send_len=i64(send_len))

@@ -253,13 +253,16 @@ class Transport(ABC):
             self.fail(e)
             raise
 
-    def ring_all_reduce(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
-                        first: Sequence[tuple[int, int]], plan: Sequence, op: str, n: int, what: str) -> bool:
-        """Run a whole all_reduce ring pass of a group of `n` natively, if this transport
-        can: send the CollectiveStart `start` and then the chunks `first` to `right`,
-        receive `plan` (`algorithms.ring_schedule`) from `left`, reducing in place in
-        `work` with `op`, in exactly the frames `algorithms.ring` would use. False: it
-        cannot here, and the caller runs `algorithms.ring`."""
+    def ring_pass(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
+                  first: Sequence[tuple[int, int]], plan: Sequence, op: str, n: int, what: str,
+                  finished: np.ndarray | None = None, finished_base: int = 0) -> bool:
+        """Run a whole ring pass of a group of `n` natively, if this transport can: send
+        the CollectiveStart `start` and then the chunks `first` of `work` to `right`,
+        receive `plan` (`algorithms.ring_schedule`) from `left` into `work`, reducing with
+        `op` where the plan says, in exactly the frames `algorithms.ring` would use. Each
+        finished chunk is also copied to `finished` (which holds `work`'s elements from
+        `finished_base` on), when given. False: it cannot here, and the caller runs
+        `algorithms.ring`."""
         return False
 
     def discard(self, peer: int, stream: int) -> None:
