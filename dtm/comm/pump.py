@@ -25,13 +25,15 @@ import crc32c
 
 from ..compiler.build import build, load
 from ..errors import DTMError
+from ..protocol.frame import HEADER_SIZE
+from ..protocol.messages import DATA_HEADER_SIZE
 
 log = logging.getLogger("dtm.comm")
 
 SOURCE = Path(__file__).with_name("ring_pump.c")
 FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared")
 SLICE_MS = 50  # the longest one call runs before Python looks at deadlines and signals
-FRAMING = 72   # frame header and chunk header of a Data frame
+FRAMING = HEADER_SIZE + DATA_HEADER_SIZE  # frame header and chunk header of a Data frame (72, as in the C)
 
 # Return values of dtm_ring_pump
 DONE, YIELD, HANDOFF, LEFT_CLOSED, LEFT_ERROR, RIGHT_ERROR, BAD_CRC = range(7)
