@@ -117,30 +117,17 @@ def gloo_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     dist.destroy_process_group()
 
 
-def package_crc32c() -> ctypes.c_void_p:
-    """The address of the crc32c package's hardware CRC32C routine, for C code; checked
-    against the package's Python function."""
-    import crc32c
-    import crc32c._crc32c as ext
-    try:
-        routine = ctypes.CDLL(ext.__file__)._crc32c_hw_adler
-    except AttributeError:
-        raise SystemExit("floor-crc: this crc32c package has no _crc32c_hw_adler (x86-64 only)") from None
-    routine.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_ulong]
-    routine.restype = ctypes.c_uint32
-    probe = b"123456789"
-    assert routine(0xFFFFFFFF, probe, len(probe)) ^ 0xFFFFFFFF == crc32c.crc32c(probe), "not the CRC32C routine"
-    return ctypes.cast(routine, ctypes.c_void_p)
-
-
 def floor_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     import socket
+    from dtm.comm.pump import crc32c_routine
     from dtm.compiler.build import load
     ring = load(Path(opts["floor_library"])).floor_all_reduce
     ring.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                      ctypes.c_long, ctypes.c_void_p]
     ring.restype = ctypes.c_int
-    crc = package_crc32c() if kind == "floor-crc" else None
+    crc = crc32c_routine() if kind == "floor-crc" else None  # DTM's own: the one its C ring calls
+    if kind == "floor-crc" and crc is None:
+        raise SystemExit("floor-crc: this crc32c package has no hardware routine to call from C")
     listener = socket.create_server(("127.0.0.1", 0))
     q_port.put((rank, listener.getsockname()[1]))
     addresses = q_addrs.get(timeout=120)
@@ -288,9 +275,9 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes]
     opts = {"chunk": args.chunk, "slot": args.slot, "op": args.op}
     if any(b.startswith("floor") for b in args.backends):  # built once here, loaded by each rank
+        from dtm.comm.pump import FLAGS
         from dtm.compiler.build import build
-        opts["floor_library"] = str(build(FLOOR_SOURCE.read_text(), "tcp_floor",
-                                          ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared")))
+        opts["floor_library"] = str(build(FLOOR_SOURCE.read_text(), "tcp_floor", FLAGS))
     print(f"host: {os.cpu_count()} cores; {'own network namespace' if os.environ.get('DTM_BENCH_NETNS') else 'host'}"
           f" loopback; DTM chunk {show_size(args.chunk)}, shm slot {show_size(args.slot)}")
     for n in args.ranks:

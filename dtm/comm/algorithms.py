@@ -68,12 +68,11 @@ def recv_all(link: Link, frm: int, buf: np.ndarray, step: int) -> list[Handle]:
 @dataclass(frozen=True)
 class RingReceive:
     """One chunk a ring rank receives from its left neighbour: elements [a, b) of the
-    flat buffers, at step t of the reduce-scatter (`reduce`: combined into the work
-    buffer; on its last step, finished) or of the all-gather; `forward`: passed on to
-    the right neighbour once it has landed."""
+    flat buffers, in the reduce-scatter (`reduce`: combined into the work buffer; `finish`:
+    on its last step, where the chunk's reduction is complete) or the all-gather;
+    `forward`: passed on to the right neighbour once it has landed."""
 
     reduce: bool
-    t: int
     a: int
     b: int
     forward: bool
@@ -91,11 +90,17 @@ def ring_schedule(n: int, i: int, bounds: list[tuple[int, int]], step: int, own:
     reduce_steps = n - 1 if mode in ("all_reduce", "reduce_scatter") else 0
     gather_steps = n - 1 if mode in ("all_reduce", "all_gather") else 0
     first = chunks(*blk(i + own - 1), step) if reduce_steps else chunks(*blk(i + own), step)
-    plan = [RingReceive(True, t, a, b, t < reduce_steps - 1 or gather_steps > 0, t == reduce_steps - 1)
+    plan = [RingReceive(True, a, b, t < reduce_steps - 1 or gather_steps > 0, t == reduce_steps - 1)
             for t in range(reduce_steps) for a, b in chunks(*blk(i + own - t - 2), step)]
-    plan += [RingReceive(False, t, a, b, t < gather_steps - 1, False)
+    plan += [RingReceive(False, a, b, t < gather_steps - 1, False)
              for t in range(gather_steps) for a, b in chunks(*blk(i + own - t - 1), step)]
     return first, plan
+
+
+def ring_out_base(n: int, i: int, bounds: list[tuple[int, int]], own: int, mode: str) -> int:
+    """The element of the flat buffers that `out[0]` is: in mode "reduce_scatter" `out`
+    holds only rank i's own block (i + own), else all of them."""
+    return bounds[(i + own) % n][0] if mode == "reduce_scatter" else 0
 
 
 def ring(link: Link, bounds: list[tuple[int, int]], step: int, *, work: np.ndarray | None = None,
@@ -116,7 +121,7 @@ def ring(link: Link, bounds: list[tuple[int, int]], step: int, *, work: np.ndarr
     """
     n, i = link.n, link.me
     right, left = (i + 1) % n, (i - 1) % n
-    out_base = bounds[(i + own) % n][0] if mode == "reduce_scatter" else 0  # `out` holds only the own block
+    out_base = ring_out_base(n, i, bounds, own, mode)
     first, plan = ring_schedule(n, i, bounds, step, own, mode)
     handles: list[Handle] = []
     free = list(tmp)

@@ -370,9 +370,9 @@ class Communicator:
         first, plan = alg.ring_schedule(n, me, bounds, step, own, mode)
         buf = out if mode == "all_gather" else work
         finished = None if buf is out else out  # reduce_scatter: the own block goes to `out`
-        base = bounds[(me + own) % n][0] if mode == "reduce_scatter" else 0
         if self.transport.ring_pass(link.ranks[(me - 1) % n], link.ranks[(me + 1) % n], link.stream, link.seq,
-                                    link.start, buf, first, plan, op, n, link.what, finished, base):
+                                    link.start, buf, first, plan, op, n, link.what, finished,
+                                    alg.ring_out_base(n, me, bounds, own, mode)):
             return
         tmp = [self._scratch(2 + i, work.dtype, step) for i in range(2)] if work is not None else []
         alg.ring(link, bounds, step, work=work, op=op, out=out, own=own, mode=mode, tmp=tmp)

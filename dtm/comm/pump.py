@@ -67,14 +67,14 @@ class PumpState(ctypes.Structure):
         ("seq_out", ctypes.c_uint64), ("seq_in", ctypes.c_uint64),
         ("shdr", ctypes.c_uint8 * FRAMING), ("rhdr", ctypes.c_uint8 * FRAMING),
         ("bytes_out", ctypes.c_int64), ("bytes_in", ctypes.c_int64),
-        ("crc_got", ctypes.c_uint32), ("crc_want", ctypes.c_uint32),
         ("err", ctypes.c_int32),
     ]
 
 
-def _crc_routine() -> int | None:
-    """The address of the crc32c package's hardware CRC32C routine, checked against the
-    package's own function; None where it has none."""
+def crc32c_routine() -> int | None:
+    """The address of the crc32c package's hardware CRC32C routine (`uint32_t f(uint32_t
+    crc, const unsigned char *data, unsigned long len)`, the register not inverted), checked
+    against the package's own function; None where it has none."""
     if not getattr(crc32c, "hardware_based", False):
         return None
     try:
@@ -95,7 +95,7 @@ def ring_pump() -> tuple[ctypes._CFuncPtr, int] | None:
     """(dtm_ring_pump, the CRC routine's address), or None where the pump cannot run."""
     if os.environ.get("DTM_RING_PUMP", "1") == "0":
         return None
-    crc = _crc_routine()
+    crc = crc32c_routine()
     if crc is None:
         log.info("the ring pump is off: the crc32c package has no hardware routine to call from C")
         return None

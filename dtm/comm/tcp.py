@@ -20,9 +20,9 @@ frame is reported as `PeerLost` at once.
 
 The ring passes of all_gather, and of f32 or f64 all_reduce and reduce_scatter (sum, avg),
 run in C (`ring_pass`, `ring_pump.c`): the same frames, read and written without Python's
-per-frame work, which
-on a small machine is what decides whether DTM keeps up with gloo. Python hands the pump
-the two connections at a frame boundary and takes them back the same way.
+per-frame work, which on a small machine is what decides whether DTM keeps up with gloo.
+Python hands the pump the two connections at a frame boundary and takes them back the
+same way.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.caps import level_caps
-from ..protocol.errors import ChecksumError, ProtocolError, StaleEpochError
+from ..protocol.errors import ProtocolError, StaleEpochError
 from ..protocol.frame import HEADER_SIZE, MAX_PAYLOAD, FrameHeader, MsgType, decode_header, encode_header, \
     verify_payload
 from ..protocol.handshake import Handshake
@@ -135,6 +135,7 @@ class TcpTransport(Transport):
         self._closed = 0  # connections lost or closed
         self.pump_runs = 0  # ring passes run by ring_pump.c
         self.pump_handoffs = 0  # frames it gave back to Python (a neighbour's CollectiveStart, about one a pass)
+        self._pump_tmp = np.empty(0, np.uint8)  # the pump's receive buffer for chunks it reduces
         for peer, (sock, hs) in conns.items():
             _tune(sock)
             # The handshake numbered the control stream's first frames: the connecting side sent 2 Hellos.
@@ -504,7 +505,9 @@ class TcpTransport(Transport):
         send_len[:len(first)] = [(b - a) * item for a, b in first]
         pre = np.zeros(len(plan), np.int64)
         taken: list[Buffer] = []  # payloads that arrived before the pump ran, kept alive while it reads them
-        tmp = self._ring_scratch(int(recv_len.max()))
+        if self._pump_tmp.nbytes < recv_len.max():
+            self._pump_tmp = np.empty(int(recv_len.max()), np.uint8)
+        tmp = self._pump_tmp
         prefix = encode_header(MsgType.COLLECTIVE_START, [start], epoch=self.epoch, stream=stream,
                                seq=cr.seq_out[stream], version=cr.version) + start
         cr.seq_out[stream] += 1
@@ -573,24 +576,27 @@ class TcpTransport(Transport):
                         self._read(cr, what)
                     self._lost(c, f"{doing} failed: {os.strerror(s.err)}")
                     lost(c)
-                else:
+                else:  # the frame Python would have read, checked the way Python checks it
                     assert status == pump.BAD_CRC, status
-                    e = ChecksumError(f"DATA frame (stream {stream}, seq {s.seq_in - 1}, "
-                                      f"{DATA_HEADER.size + recv_len[s.rh]} payload bytes): CRC32C is "
-                                      f"{s.crc_got:#010x}, the header says {s.crc_want:#010x}")
-                    self._lost(cl, str(e))
-                    raise e.at(cl.name, what)
+                    try:
+                        verify_payload(decode_header(bytes(s.rhdr[:HEADER_SIZE]), max_payload=self.max_payload),
+                                       [bytes(s.rhdr[HEADER_SIZE:]), self._ring_landing(s, work, tmp)])
+                    except ProtocolError as e:
+                        self._lost(cl, str(e))
+                        raise e.at(cl.name, what) from None
+                    raise AssertionError("ring_pump.c and verify_payload disagree on a CRC32C")
         except BaseException:
             self._ring_hand_back(s, cl, cr, stream, prefix, work, tmp)
             raise
         finally:
             cl.pump_reads = cr.pump_writes = False
 
-    def _ring_scratch(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self, "_pump_tmp", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._pump_tmp = np.empty(nbytes, np.uint8)
-        return buf
+    @staticmethod
+    def _ring_landing(s: pump.PumpState, work: np.ndarray, tmp: np.ndarray) -> memoryview:
+        """Where the payload of the pump's current receive lands: its scratch, when the
+        chunk is reduced, else its place in `work`."""
+        at, nbytes = s.recv_off[s.rh], s.recv_len[s.rh]
+        return memoryview(tmp)[:nbytes] if s.recv_flags[s.rh] & pump.RECV_REDUCE else byte_view(work)[at:at + nbytes]
 
     def _ring_take_early(self, c: Connection, stream: int, s: pump.PumpState, pre: np.ndarray, work: memoryview,
                          taken: list) -> None:
@@ -635,13 +641,10 @@ class TcpTransport(Transport):
                 cl.rbuf[:s.rhlen] = bytes(s.rhdr[:s.rhlen])
                 cl.rstart, cl.rend = 0, s.rhlen
             else:  # in the payload: Python reads the rest into a buffer of its own, then checks it
-                nbytes = s.recv_len[s.rh]
-                flags = s.recv_flags[s.rh]
-                got = tmp if flags & pump.RECV_REDUCE else byte_view(work)[s.recv_off[s.rh]:]
                 cl.header = decode_header(bytes(s.rhdr[:HEADER_SIZE]), max_payload=self.max_payload)
                 cl.chunk_header = DATA_HEADER.unpack(bytes(s.rhdr[HEADER_SIZE:pump.FRAMING]))
-                cl.dest = _fresh(nbytes)
-                cl.dest[:s.roff] = memoryview(got)[:s.roff]
+                cl.dest = _fresh(s.recv_len[s.rh])
+                cl.dest[:s.roff] = self._ring_landing(s, work, tmp)[:s.roff]
                 cl.dest_pos, cl.direct = s.roff, False
         s.prefix_sent, s.soff, s.rhlen, s.roff = s.prefix_len, 0, 0, 0
 
