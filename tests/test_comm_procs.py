@@ -30,6 +30,7 @@ COMM = dict(small_bytes=4 << 10, chunk_bytes=8 << 10)
 SLOT = 16 << 10
 CHANNEL = 12 << 10  # not a multiple of a frame: frames wrap around the channel's end mid-way
 TOKEN = b"test-cluster-token"
+SUM_SIZES = (0, 3, 250, 50_000, 1_048_579)  # the last over nontemporal.STREAM_BYTES: streamed out of shm
 KILL_BOUND_S = 10.0  # survivors raise PeerLost within this after a rank is killed
 
 
@@ -43,7 +44,7 @@ def data(rank: int, shape, dtype) -> np.ndarray:
 def correctness(comm, rank, n):
     """A bit of everything; the parent checks each result against numpy."""
     out = {}
-    for size in (0, 3, 250, 50_000):
+    for size in SUM_SIZES:
         out[f"sum{size}"] = comm.all_reduce(data(rank, (size,), np.float32))
     out["bf16"] = comm.all_reduce(data(rank, (30_000,), BF16))
     out["max_i32"] = comm.all_reduce((data(rank, (9_000,), np.float32) * 4).astype(np.int32), op="max")
@@ -346,7 +347,7 @@ def test_collectives_match_numpy(kind, n):
     def each(fn, shape, dtype):
         return [fn(r, shape, dtype) for r in range(n)]
 
-    for size in (0, 3, 250, 50_000):
+    for size in SUM_SIZES:
         want = np.sum(each(data, (size,), np.float32), axis=0, dtype=np.float64)
         for r in range(n):
             np.testing.assert_allclose(res[r][f"sum{size}"], want, rtol=1e-6)

@@ -10,8 +10,10 @@ result slot, plus one line of counters per member and a futex word to sleep on. 
 of all_reduce is: every member copies its chunk into its slot and counts `posted`; once
 all have, member i reduces slice i of the chunk over every slot, in group order, into the
 result slot and counts `reduced`; once all have, every member copies the result out and
-counts `consumed`. That is one copy in and one copy out per byte, against the several
-kernel copies of a socket, and the reduction is split across the members. Small chunks
+counts `consumed`. Member i never copies slice i in: only it reads that slice, from its own
+buffer. That is at most one copy in and one copy out per byte, against the several kernel
+copies of a socket, and the reduction is split across the members. Large results are
+copied out with streaming stores (`dtm.comm.nontemporal`). Small chunks
 skip the second step: every member reduces the whole chunk itself (the same operands in
 the same order, so the same bits). The other buffer lets round k+1 start while slow
 members still read round k.
@@ -37,6 +39,7 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
 from . import reduction, segment
+from .nontemporal import STREAM_BYTES, copy_out
 from .algorithms import split
 from .calls import mismatch_message, same_call
 from .channel import Channel, Channels
@@ -199,12 +202,17 @@ class Workspace:
         per = self.slot_bytes // dtype.itemsize
         narrow = reduction.work_dtype(dtype) != dtype
         small = src.nbytes <= SMALL_BYTES
+        streaming = src.nbytes >= STREAM_BYTES
         scratch = np.empty(per if small else -(-per // n), np.float32) if narrow else None
         for k in range(max(1, math.ceil(src.size / per))):
             lo, hi = k * per, min(src.size, (k + 1) * per)
             b = self._begin(what)
             mine = self._slot(b, self.me, dtype, hi - lo)
-            mine[...] = src[lo:hi]
+            a, z = split(hi - lo, n)[self.me]  # the slice this member reduces, when not small
+            if small:
+                mine[...] = src[lo:hi]
+            else:  # the member's own slice is read by itself alone: it stays in src
+                mine[:a], mine[z:] = src[lo:lo + a], src[lo + z:hi]
             self._round(k, b, start, what)
             slots = [self._slot(b, m, dtype, hi - lo) for m in range(n)]
             if small:
@@ -212,21 +220,21 @@ class Workspace:
                     self._combine(op, slots, dst[lo:hi], scratch[:hi - lo] if narrow else None)
                 self._moved(mine.nbytes, (n - 1) * mine.nbytes if dst is not None else 0)
             else:
-                a, z = split(hi - lo, n)[self.me]
+                slots[self.me] = src[lo:hi]
                 result = self._slot(b, n, dtype, hi - lo)
                 self._combine(op, [s[a:z] for s in slots], result[a:z], scratch[:z - a] if narrow else None)
                 self._count(REDUCED)
                 self._wait(REDUCED, self.round + 1, what)
                 if dst is not None:
-                    dst[lo:hi] = result
+                    copy_out(dst[lo:hi], result, streaming)
                 mine_part = (z - a) * dtype.itemsize  # the slice this member reduced for everyone
-                self._moved(mine.nbytes + mine_part,
-                            (n - 1) * mine_part + (mine.nbytes - mine_part if dst is not None else 0))
+                self._moved(mine.nbytes, (n - 1) * mine_part + (mine.nbytes - mine_part if dst is not None else 0))
             self._end()
 
     def _all_gather(self, start, what, src, dst, op, root) -> None:
         dtype, count = src.dtype, src.size
         per = self.slot_bytes // dtype.itemsize
+        streaming = dst.nbytes >= STREAM_BYTES
         for k in range(max(1, math.ceil(count / per))):
             lo, hi = k * per, min(count, (k + 1) * per)
             b = self._begin(what)
@@ -234,7 +242,7 @@ class Workspace:
             self._round(k, b, start, what)
             for m in range(self.n):
                 if m != self.me:
-                    dst[m * count + lo:m * count + hi] = self._slot(b, m, dtype, hi - lo)
+                    copy_out(dst[m * count + lo:m * count + hi], self._slot(b, m, dtype, hi - lo), streaming)
             chunk = (hi - lo) * dtype.itemsize
             self._moved(chunk, (self.n - 1) * chunk)
             self._end()
@@ -247,9 +255,10 @@ class Workspace:
 
     def _all_to_all(self, start, what, src, dst, op, root) -> None:
         count = src.size // self.n
+        streaming = dst.nbytes >= STREAM_BYTES
         for lo, hi, pieces in self._transposed_rounds(start, what, src, count):
             for m, piece in enumerate(pieces):
-                dst[m * count + lo:m * count + hi] = piece
+                copy_out(dst[m * count + lo:m * count + hi], piece, streaming)
 
     def _piece(self, dtype: np.dtype) -> int:
         """Elements of one block per round when a slot holds a piece of each of n blocks."""
@@ -285,7 +294,7 @@ class Workspace:
                 self._moved(chunk, 0)
             self._round(k, b, start, what)
             if self.me != root:
-                dst[lo:hi] = self._slot(b, root, dtype, hi - lo)
+                copy_out(dst[lo:hi], self._slot(b, root, dtype, hi - lo), dst.nbytes >= STREAM_BYTES)
                 self._moved(0, chunk)
             self._end()
 
