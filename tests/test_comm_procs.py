@@ -158,6 +158,7 @@ def cancelled_send(comm, rank, n):
     """Rank 1 is interrupted inside a send that waits for rank 0 to drain it; rank 0,
     which receives late, must fail with its Cancel (the unsent rest of the data is dropped,
     so the Cancel does not wait behind it), not wait for the rest."""
+    comm.barrier()  # the two start together: under load one may return from connecting late
     if rank == 1:
         _interrupt_after(0.3)
         try:
@@ -231,6 +232,7 @@ def cancelled(comm, rank, n):
 
 def cancelled_recv(comm, rank, n):
     """Rank 0 is interrupted in a recv from rank 1; rank 1, which sends late, learns it."""
+    comm.barrier()
     if rank == 0:
         _interrupt_after(0.3)
         try:
