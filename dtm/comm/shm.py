@@ -39,10 +39,10 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
 from . import reduction, segment
-from .nontemporal import STREAM_BYTES, copy_out
 from .algorithms import split
 from .calls import mismatch_message, same_call
 from .channel import Channel, Channels
+from .nontemporal import STREAM_BYTES, copy_out
 from .tcp import TcpTransport, Connection, connect_mesh
 from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
 
@@ -228,6 +228,7 @@ class Workspace:
                 if dst is not None:
                     copy_out(dst[lo:hi], result, streaming)
                 mine_part = (z - a) * dtype.itemsize  # the slice this member reduced for everyone
+                # sent: its chunk but for its own slice, and that slice reduced
                 self._moved(mine.nbytes, (n - 1) * mine_part + (mine.nbytes - mine_part if dst is not None else 0))
             self._end()
 
