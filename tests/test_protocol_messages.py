@@ -53,7 +53,12 @@ def collective_starts(draw):
     op = draw(st.sampled_from(COLLECTIVE_OPS))
     group = tuple(draw(st.lists(u32, min_size=1, max_size=6, unique=True)))
     reduce_op = draw(st.sampled_from(REDUCE_OPS)) if op in ("all_reduce", "reduce_scatter", "reduce") else ""
-    root = draw(st.sampled_from(group)) if op in ("broadcast", "reduce") else -1
+    root = -1
+    if op in ("broadcast", "reduce"):  # a member of the group, in its i32 field
+        root = draw(st.integers(0, 2**31 - 1))
+        others = [r for r in group if r != root]
+        at = draw(st.integers(0, len(others)))
+        group = tuple(others[:at] + [root] + others[at:])
     return CollectiveStart(draw(u64), op, reduce_op, draw(dtypes), draw(shapes), group, root, draw(text))
 
 
@@ -166,6 +171,7 @@ def test_data_travels_without_a_copy():
     (lambda: CollectiveStart(0, "all_gather", "sum", "f32", (), (0,), -1, ""), "takes no reduce_op"),
     (lambda: CollectiveStart(0, "broadcast", "", "f32", (), (0, 1), 2, ""), "root 2 is not in group"),
     (lambda: CollectiveStart(0, "barrier", "", "f32", (), (0, 1), 0, ""), "takes no root"),
+    (lambda: CollectiveStart(0, "reduce", "sum", "f32", (), (0, 2**31), 2**31, ""), "does not fit the i32 root"),
     (lambda: CollectiveStart(0, "barrier", "", "f32", (), (0, 0), -1, ""), "names a rank twice"),
     (lambda: CollectiveStart(0, "scan", "", "f32", (), (0,), -1, ""), "unknown op 'scan'"),
     (lambda: P2PSend(0, 0, "f32", (1,) * 65, ""), "rank 65"),

@@ -372,6 +372,7 @@ class CollectiveStart(Message):
             not 1 <= len(self.group) <= MAX_MEMBERS and f"a group of {len(self.group)} ranks",
             len(set(self.group)) != len(self.group) and f"group {list(self.group)} names a rank twice",
             rooted and self.root not in self.group and f"{self.op} root {self.root} is not in group {list(self.group)}",
+            rooted and self.root >= 1 << 31 and f"{self.op} root {self.root} does not fit the i32 root field",
             not rooted and self.root != -1 and f"{self.op} takes no root (-1), found {self.root}",
             _str_ok("where", self.where))
 
