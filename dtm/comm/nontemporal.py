@@ -5,9 +5,10 @@ writes to memory in a large all_reduce.
 A result of `STREAM_BYTES` or more is bound for memory, not the cache: the ranks' other
 buffers and the segment compete for it. Streaming stores write such a result's lines
 once, where ordinary stores read each line in first. On this project's 2-core machines a
-64 MiB copy in 1 MiB pieces runs at about 20 GB/s so, against 8.5 GB/s with ordinary stores; a 4-rank
-64 MiB all_reduce over shared memory took 85 ms instead of 97 (medians of interleaved runs).
-Smaller results are copied by numpy and stay in the cache for their user.
+64 MiB copy in 1 MiB pieces runs at about 20 GB/s so, against 8.5 GB/s with ordinary
+stores; a 4-rank 64 MiB all_reduce over shared memory took 85 ms instead of 97 (medians
+of interleaved runs). Smaller results are copied by numpy and stay in the cache for
+their user.
 """
 
 from __future__ import annotations
