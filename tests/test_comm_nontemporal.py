@@ -24,13 +24,14 @@ def test_streaming_copy_equals_numpy(nbytes, dst_off, src_off):
     dst_buf = rng.integers(0, 256, size=nbytes + dst_off + 2 * GUARD, dtype=np.uint8)
     want = dst_buf.copy()
     want[GUARD + dst_off:GUARD + dst_off + nbytes] = src_buf[src_off:]
-    nontemporal.copy_out(dst_buf[GUARD + dst_off:GUARD + dst_off + nbytes], src_buf[src_off:], streaming=True)
+    nontemporal.copy_out(dst_buf[GUARD + dst_off:GUARD + dst_off + nbytes], src_buf[src_off:],
+                           result_bytes=nontemporal.STREAM_BYTES)
     np.testing.assert_array_equal(dst_buf, want)
 
 
 def test_a_view_it_cannot_stream_into_is_copied_by_numpy():
     src = np.arange(64, dtype=np.float32)
     dst = np.zeros(128, np.float32)
-    nontemporal.copy_out(dst[::2], src, streaming=True)  # strided: numpy's copy
+    nontemporal.copy_out(dst[::2], src, result_bytes=nontemporal.STREAM_BYTES)  # strided: numpy's copy
     np.testing.assert_array_equal(dst[::2], src)
     assert not dst[1::2].any()

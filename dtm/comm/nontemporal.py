@@ -42,11 +42,11 @@ def _stream_copy() -> ctypes._CFuncPtr | None:
     return fn
 
 
-def copy_out(dst: np.ndarray, src: np.ndarray, streaming: bool) -> None:
-    """dst[...] = src (same dtype and size); with streaming stores when `streaming` (the
-    whole result is large) and both are contiguous."""
-    plain = dst.dtype != src.dtype or dst.size != src.size or not (dst.flags.c_contiguous and src.flags.c_contiguous)
-    fn = None if plain or not streaming else _stream_copy()
+def copy_out(dst: np.ndarray, src: np.ndarray, result_bytes: int) -> None:
+    """dst[...] = src, a piece of a result of `result_bytes` bytes; with streaming stores
+    when that result is large and both pieces are contiguous and alike."""
+    alike = dst.dtype == src.dtype and dst.size == src.size and dst.flags.c_contiguous and src.flags.c_contiguous
+    fn = _stream_copy() if alike and result_bytes >= STREAM_BYTES else None
     if fn is None:
         dst[...] = src
     else:

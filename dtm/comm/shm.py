@@ -42,7 +42,7 @@ from . import reduction, segment
 from .algorithms import split
 from .calls import mismatch_message, same_call
 from .channel import Channel, Channels
-from .nontemporal import STREAM_BYTES, copy_out
+from .nontemporal import copy_out
 from .tcp import TcpTransport, Connection, connect_mesh
 from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
 
@@ -202,7 +202,6 @@ class Workspace:
         per = self.slot_bytes // dtype.itemsize
         narrow = reduction.work_dtype(dtype) != dtype
         small = src.nbytes <= SMALL_BYTES
-        streaming = src.nbytes >= STREAM_BYTES
         scratch = np.empty(per if small else -(-per // n), np.float32) if narrow else None
         for k in range(max(1, math.ceil(src.size / per))):
             lo, hi = k * per, min(src.size, (k + 1) * per)
@@ -226,7 +225,7 @@ class Workspace:
                 self._count(REDUCED)
                 self._wait(REDUCED, self.round + 1, what)
                 if dst is not None:
-                    copy_out(dst[lo:hi], result, streaming)
+                    copy_out(dst[lo:hi], result, dst.nbytes)
                 mine_part = (z - a) * dtype.itemsize  # the slice this member reduced for everyone
                 # sent: its chunk but for its own slice, and that slice reduced
                 self._moved(mine.nbytes, (n - 1) * mine_part + (mine.nbytes - mine_part if dst is not None else 0))
@@ -235,7 +234,6 @@ class Workspace:
     def _all_gather(self, start, what, src, dst, op, root) -> None:
         dtype, count = src.dtype, src.size
         per = self.slot_bytes // dtype.itemsize
-        streaming = dst.nbytes >= STREAM_BYTES
         for k in range(max(1, math.ceil(count / per))):
             lo, hi = k * per, min(count, (k + 1) * per)
             b = self._begin(what)
@@ -243,7 +241,7 @@ class Workspace:
             self._round(k, b, start, what)
             for m in range(self.n):
                 if m != self.me:
-                    copy_out(dst[m * count + lo:m * count + hi], self._slot(b, m, dtype, hi - lo), streaming)
+                    copy_out(dst[m * count + lo:m * count + hi], self._slot(b, m, dtype, hi - lo), dst.nbytes)
             chunk = (hi - lo) * dtype.itemsize
             self._moved(chunk, (self.n - 1) * chunk)
             self._end()
@@ -256,10 +254,9 @@ class Workspace:
 
     def _all_to_all(self, start, what, src, dst, op, root) -> None:
         count = src.size // self.n
-        streaming = dst.nbytes >= STREAM_BYTES
         for lo, hi, pieces in self._transposed_rounds(start, what, src, count):
             for m, piece in enumerate(pieces):
-                copy_out(dst[m * count + lo:m * count + hi], piece, streaming)
+                copy_out(dst[m * count + lo:m * count + hi], piece, dst.nbytes)
 
     def _piece(self, dtype: np.dtype) -> int:
         """Elements of one block per round when a slot holds a piece of each of n blocks."""
@@ -295,7 +292,7 @@ class Workspace:
                 self._moved(chunk, 0)
             self._round(k, b, start, what)
             if self.me != root:
-                copy_out(dst[lo:hi], self._slot(b, root, dtype, hi - lo), dst.nbytes >= STREAM_BYTES)
+                copy_out(dst[lo:hi], self._slot(b, root, dtype, hi - lo), dst.nbytes)
                 self._moved(0, chunk)
             self._end()
 
