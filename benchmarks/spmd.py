@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import dtm  # noqa: E402
 from dtm import Partial, Replicate, Shard  # noqa: E402
-from dtm.runtime.l0 import COLLECTIVES  # noqa: E402
+from dtm.ir.registry import COLLECTIVES  # noqa: E402
 from timing import best_time  # noqa: E402
 
 

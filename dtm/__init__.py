@@ -13,10 +13,11 @@ from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, flo
 from .functional import *  # noqa: F401,F403 - torch-style dtm.cat, dtm.where, dtm.softmax, ...
 from . import functional, nn, optim  # noqa: E402
 from . import parallel  # noqa: E402
-from .parallel import (Mesh, Partial, Replicate, Shard, all_gather, all_reduce, all_to_all,  # noqa: E402
-                       broadcast, devices, distribute, reduce_scatter, shard_map)
-from . import distributed  # noqa: E402 - dtm.distributed.all_reduce, ...: collectives between processes
-from .distributed import barrier, recv, send  # noqa: E402 - between processes only (no in-process form)
+from .parallel import Mesh, Partial, Replicate, Shard, devices, distribute, shard_map  # noqa: E402
+from . import distributed  # noqa: E402 - the collectives: recorded in a shard_map, or between processes
+from .distributed import (all_gather, all_reduce, all_to_all, barrier, broadcast, recv,  # noqa: E402
+                          reduce_scatter, send)
+from . import debug  # noqa: E402 - dtm.debug.count_kernels(...), as the README shows
 from .comm import CollectiveMismatch, PeerLost  # noqa: E402 - what a failed collective raises
 from .protocol import ChecksumError  # noqa: E402
 from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E402
@@ -27,4 +28,4 @@ bool = bool_  # noqa: A001 - dtm.bool, as torch.bool
 float = float32  # noqa: A001
 int = int32  # noqa: A001
 
-__all__ = ["ir", "nn", "optim", "functional", "parallel", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]
+__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]

@@ -19,13 +19,12 @@ from typing import Any, Callable
 from .compiler.passes import PASSES, compile_func, dump
 from .ir.module import Module
 from .runtime.backend import get_backend
+from .tensor import jit
 
 
 def _module(fn: Callable | Module, args: tuple) -> Module:
     if isinstance(fn, Module):
         return fn
-    from .tensor import jit
-
     return (fn if isinstance(fn, jit) else jit(fn)).ir(*args)
 
 

@@ -9,6 +9,10 @@ the same code for the same fault.
 from __future__ import annotations
 
 import enum
+import os
+import sys
+
+_DTM_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class ErrorCode(str, enum.Enum):
@@ -126,3 +130,16 @@ class TensorError(DTMError):
 
     def __str__(self) -> str:
         return (f"{self.where}: " if self.where else "") + f"{self.code.value}: {self.message}"
+
+
+def user_line() -> str | None:
+    """"file:line" of the innermost frame outside the dtm package: the user's own code."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_DTM_DIR):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else None
+
+
+def user_error(code: ErrorCode, message: str) -> TensorError:
+    """A mistake in the user's tensor code, reported at the user's own line."""
+    return TensorError(code, message, user_line())

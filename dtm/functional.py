@@ -19,7 +19,7 @@ from .errors import ErrorCode
 from .ir.dtypes import numpy_dtype
 from .ir.types import TensorType
 from .tensor import (DEFAULT_FLOAT, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
-                     normalize_dim, result_type)
+                     normalize_dim, result_type, tensor)
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -49,8 +49,6 @@ def as_tensor(x: Any, dtype=None) -> Tensor:
     if isinstance(x, (bool, int, float, np.generic)):
         d = dtype if dtype is not None else result_type(x)
         return _scalar(_convert_scalar(x.item() if isinstance(x, np.generic) else x, d), d)
-    from .tensor import tensor
-
     return tensor(x, dtype=dtype)
 
 
@@ -944,5 +942,5 @@ for _name, _fn in _METHODS.items():
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "builtins", "namedtuple", "np", "Any", "Sequence", "ErrorCode", "TensorType", "Tensor",
     "apply", "as_dtype", "bool_", "error", "float32", "int64", "is_grad_enabled", "result_type", "numpy_dtype",
-    "normalize_dim",
+    "normalize_dim", "tensor",
     "DEFAULT_FLOAT", "MinMax")]

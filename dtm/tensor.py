@@ -2,26 +2,32 @@
 
 Every op on a Tensor checks its types at once (with the op's type rule from the registry,
 so a mistake is reported at the user's line) and records a node. `realize()`, `.numpy()`
-or `.item()` turn the pending nodes into one IR function (`capture`) and hand it to a
-backend (`cpu` by default; `DTM_BACKEND` or the `backend=` argument chooses). Realized tensors
-keep their graph while they require grad, so `backward()` (autograd.py) can capture the
-forward program and differentiate it as IR.
+or `.item()` turn the pending nodes into one IR function (`capture`) and hand it to the
+runtime (`dtm.runtime.execute.run`), which picks the executor from what the function holds:
+one device (the `cpu` backend by default; `DTM_BACKEND` or the `backend=` argument
+chooses), or the devices of the mesh its distributed values are on. Realized tensors keep
+their graph while they require grad, so `backward()` can capture the forward program and
+differentiate it as IR (dtm.compiler.autodiff).
 
-This file holds the Tensor class, capture and realize, creation functions, dtypes and
-promotion, and `jit`. The ops themselves are in functional.py; Tensor methods delegate.
+A distributed tensor (made by dtm.parallel) records its mesh and placements like its
+dtype: they become the shardings of the captured IR's values (spec 2.7).
+
+This file holds the Tensor class, capture, realize and backward, creation functions,
+dtypes and promotion, and `jit`. The ops themselves are in functional.py, which attaches
+the Tensor's operators and op methods (`x + y`, `x.sum()`) from its `_METHODS` table.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import ErrorCode, TensorError
+from .compiler.autodiff import grad
+from .compiler.spmd import FREE, propagate_shardings, resolve_free
+from .errors import ErrorCode, user_error as error
 from .ir import DTYPES, DType
 from .ir.attrs import normalize_attrs
 from .ir.dtypes import Kind, numpy_dtype
@@ -30,9 +36,8 @@ from .ir.module import Func, Module, Op, Value
 from .ir.registry import REGISTRY
 from .ir.typerules import TypeRuleError
 from .ir.types import TensorType
-from .runtime.backend import get_backend
-
-_DTM_DIR = os.path.dirname(os.path.abspath(__file__))
+from .runtime import execute
+from .runtime.mesh import DeviceMesh, Shards
 
 # --- dtypes -------------------------------------------------------------------------------
 
@@ -63,7 +68,7 @@ def as_dtype(d: Any) -> DType:
     try:
         return dtype_of_numpy(np.dtype(d))
     except (TypeError, KeyError):
-        raise TensorError(ErrorCode.UNKNOWN_DTYPE, f"unknown dtype {d!r}", user_line()) from None
+        raise error(ErrorCode.UNKNOWN_DTYPE, f"unknown dtype {d!r}") from None
 
 
 def _category(d: DType) -> int:
@@ -114,21 +119,6 @@ def result_type(*xs: Any) -> DType:
     return _combine(tiers[0], _combine(tiers[1], tiers[2]))
 
 
-# --- where the user called from -----------------------------------------------------------
-
-
-def user_line() -> str | None:
-    """"file:line" of the innermost frame outside the dtm package: the user's own code."""
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_DTM_DIR):
-        f = f.f_back
-    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else None
-
-
-def error(code: ErrorCode, message: str) -> TensorError:
-    return TensorError(code, message, user_line())
-
-
 # --- grad mode and tracing ----------------------------------------------------------------
 
 class _State(threading.local):
@@ -163,29 +153,18 @@ def is_grad_enabled() -> bool:
 
 # --- the Tensor ---------------------------------------------------------------------------
 
-class Shards:
-    """The value of a distributed tensor (dtm.parallel): mesh rank r holds pieces[r], laid
-    out by `placements` over `mesh` (spec 2.7)."""
-
-    __slots__ = ("mesh", "placements", "pieces")
-
-    def __init__(self, mesh, placements: tuple, pieces: list):
-        self.mesh, self.placements, self.pieces = mesh, tuple(placements), list(pieces)
-
-    def numpy(self) -> np.ndarray:
-        """The whole value, assembled on the host (on a process mesh: gathered from every
-        process, so every rank calls this)."""
-        return self.mesh.assemble(self.pieces, self.placements)
-
-
 class Tensor:
     """A lazy n-dimensional array. `_op` is None for a leaf (data, or a jit placeholder
     when `_buffer` is None too); otherwise the tensor is the result of `_op` applied to
     `_inputs` with `_attrs`, computed once into `_buffer` by realize().
 
-    A distributed tensor (dtm.parallel) has a `_mesh`, taken from its inputs or its value
-    (a `Shards`), and `_placements`: its value's layout once realized, else the layout the
-    user pinned with redistribute (None: propagation decides)."""
+    A distributed tensor (dtm.parallel) has a `_mesh` (a DeviceMesh), taken from its inputs
+    or its value (a `Shards`), and `_placements`: its value's layout once realized, else the
+    layout the user pinned with redistribute (None: propagation decides).
+
+    The methods below are the Tensor's own; its operators and op methods (`+`, `@`, `[]`,
+    `sum`, `reshape`, `softmax`, ...) are the functions of functional.py, attached from the
+    one table at its end (`_METHODS`)."""
 
     __slots__ = ("type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "_mesh",
                  "_placements", "__weakref__")
@@ -237,9 +216,7 @@ class Tensor:
         tensor given a whole array keeps its layout: the array is split over its mesh."""
         self._snapshot()
         if type(array) is not Shards and self._mesh is not None:
-            from .parallel.dtensor import split
-
-            array = split(np.asarray(array), self._mesh, self._placements)
+            array = self._mesh.split(np.asarray(array), self._placements)
         self._buffer, self._op, self._inputs, self._attrs = array, None, (), {}
         self._mesh, self._placements = (array.mesh, array.placements) if type(array) is Shards else (None, None)
 
@@ -355,10 +332,10 @@ class Tensor:
 
     __hash__ = object.__hash__
 
-    # -- autograd (autograd.py does the work) --
+    # -- autograd --
     def backward(self, gradient: "Tensor | None" = None) -> None:
-        from .autograd import backward
-
+        """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad (a
+        non-scalar tensor needs `gradient`, the seed), as torch.Tensor.backward does."""
         backward(self, gradient)
 
     def detach(self) -> "Tensor":
@@ -369,33 +346,56 @@ class Tensor:
         t._placements = self._placements
         return t
 
-    # -- distribution (dtm.parallel.distribute does the work) --
+    # -- distribution (dtm.distribute makes a distributed tensor) --
     @property
     def placements(self) -> tuple | None:
-        """One placement per mesh axis of a distributed tensor (None for a plain one)."""
-        from .parallel.dtensor import placements_of
-
-        return placements_of(self)
+        """One placement per mesh axis of a distributed tensor (None for a plain one): its
+        value's, the pinned ones, or (pending and unpinned) what propagation gives it."""
+        if self._mesh is None:
+            return None
+        if self._placements is not None and FREE not in self._placements:
+            return self._placements
+        module, _ = capture([self])
+        return propagate_shardings(module, "main").result_types[0][1].placements
 
     @property
-    def device_mesh(self):
+    def device_mesh(self) -> DeviceMesh | None:
         """The mesh of a distributed tensor (None for a plain one)."""
         return self._mesh
 
     def redistribute(self, placements) -> "Tensor":
-        from .parallel.dtensor import redistribute
-
-        return redistribute(self, placements)
+        """The same value laid out by `placements` on the same mesh (lazy; the partitioner
+        picks the collectives, spec 2.9). Differentiable. With a {axis: placement} dict, the
+        axes it does not name keep what propagation gives them."""
+        if self._mesh is None:
+            raise error(ErrorCode.INVALID_PLACEMENT, f"redistribute: {self._describe()} is not distributed; use "
+                        "dtm.distribute(t, mesh, placements)")
+        pl = self._mesh.placements(placements, self.type, f"redistribute({self._describe()})", rest=FREE)
+        out = apply("reshape", self, shape=self.shape)
+        out._placements = pl
+        return out
 
     def full_tensor(self) -> "Tensor":
-        from .parallel.dtensor import full_tensor
+        """A plain tensor with the whole value (lazy and differentiable, like every op)."""
+        if self._mesh is None:
+            return self
+        out = apply("reshape", self, shape=self.shape)
+        out._mesh = out._placements = None
+        return out
 
-        return full_tensor(self)
+    def local_shards(self) -> list["Tensor | None"]:
+        """Each mesh rank's piece, as plain tensors, in rank order. On a process mesh
+        (runtime L1) a process holds only its own rank's piece: the others are None
+        (full_tensor() or numpy() gathers the whole value, every rank calling it)."""
+        self.realize()
+        if type(self._buffer) is not Shards:
+            return [Tensor.from_numpy(self._buffer)]
+        return [Tensor.from_numpy(p) if p is not None else None for p in self._buffer.pieces]
 
-    def local_shards(self) -> list["Tensor"]:
-        from .parallel.dtensor import local_shards
-
-        return local_shards(self)
+    def _describe(self) -> str:
+        """"tensor f32[8, 4]", with the placements of a distributed tensor when known."""
+        layout = f" {list(self._placements)}" if self._placements is not None else ""
+        return f"tensor {self.type}{layout}"
 
 
 # --- recording ops ------------------------------------------------------------------------
@@ -503,9 +503,7 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
                 [index[id(t)] for t in outputs])
     module = Module()
     module.funcs[name] = func
-    if mesh is not None:  # the mesh the shardings name (one per program: dtm.parallel checks)
-        from .parallel.dtensor import resolve_free
-
+    if mesh is not None:  # the mesh the shardings name (one per program: the runtime checks)
         module.meshes[mesh.ir().name] = mesh.ir()
         resolve_free(module, name)  # axes a redistribute left open get what propagation gives
     return module, param_tensors + extra
@@ -527,21 +525,91 @@ def realize(*tensors: Tensor, backend: str | None = None) -> None:
     module, params = capture(pending)
     if any(p._buffer is None for p in params):
         raise error(ErrorCode.UNDEFINED_VALUE, "this tensor depends on a dtm.jit placeholder and cannot be realized")
-    if module.meshes:  # a distributed program: every device runs its part
-        from .parallel.dtensor import run_distributed
-
-        results = run_distributed(module, "main", params)
-    else:
-        results = get_backend(backend).run(module, "main", [p._buffer for p in params])
+    results = execute.run(module, "main", [p._buffer for p in params], backend)
     for t, r in zip(pending, results):
-        if type(r) is Shards:
-            if t._mesh is None:  # a plain tensor computed by a distributed program (full_tensor)
-                r = r.numpy()
-            else:
-                t._placements = r.placements
-        t._buffer = r
+        _take(t, r)
         if not t.requires_grad:
             t._inputs = ()  # nothing will differentiate through it: free the graph
+
+
+def _take(t: Tensor, value) -> None:
+    """Give pending tensor t its computed value: a distributed one keeps the pieces (and
+    learns their layout); a plain one computed by a distributed program (full_tensor), the
+    whole array."""
+    if type(value) is Shards:
+        if t._mesh is None:
+            value = value.numpy()
+        else:
+            t._placements = value.placements
+    t._buffer = value
+
+
+# --- backward -----------------------------------------------------------------------------
+
+def _frontier(root: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """Walk the graph of tensors that require grad: the leaves that require grad, and the
+    pending tensors that do not (computed first, so no gradient flows through them)."""
+    leaves, pending_consts, seen = [], [], set()
+    stack = [root]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if not t.requires_grad:
+            if t._buffer is None:
+                pending_consts.append(t)
+            continue
+        if t._op is None:
+            leaves.append(t)
+            continue
+        stack.extend(t._inputs)
+    return leaves, pending_consts
+
+
+def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None = None) -> None:
+    """Capture the program that computed `loss` as IR, differentiate it with the compiler's
+    autodiff transform (so the backward pass is IR too, and fuses and shards like anything
+    else), run both in one program and accumulate `.grad` on the leaves. On a mesh, each
+    gradient is brought to its leaf's placements (an all_reduce for a replicated leaf of
+    sharded data, a reduce_scatter for a sharded one) before the program is partitioned."""
+    if not loss.requires_grad:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "backward(): this tensor does not require grad "
+                    "(no input has requires_grad=True, or it was computed under no_grad)")
+    if gradient is None and loss.numel() != 1:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): a gradient is needed for a non-scalar output {loss.type}")
+    _, consts = _frontier(loss)
+    realize(*consts)
+    # Recompute requires-grad intermediates, so autodiff sees every op between leaves and loss.
+    module, params = capture([loss], keep=lambda t: t.requires_grad and t._op is not None)
+    wrt = [i for i, p in enumerate(params) if p.requires_grad and p._op is None]
+    inputs = [p._buffer for p in params]
+    if gradient is not None:
+        g = gradient if isinstance(gradient, Tensor) else Tensor.from_numpy(np.asarray(gradient))
+        if g.type != loss.type:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g.type}, the output is {loss.type}")
+        inputs.append(g.realize()._buffer)
+    name = grad(module, "main", wrt, seed="ones" if gradient is None else "param")
+    f = module.funcs[name]
+    for k, i in enumerate(wrt, start=1):  # results: loss, then one gradient per wrt
+        leaf = params[i]
+        if leaf._mesh is not None:
+            f.result_types[k] = (f.result_types[k][0], leaf._mesh.sharding(leaf.placements))
+    results = execute.run(module, name, inputs, backend)
+    if loss._buffer is None:
+        _take(loss, results[0])
+    for i, g in zip(wrt, results[1:]):
+        leaf = params[i]
+        if type(g) is not Shards:
+            g = Tensor.from_numpy(g)
+        else:
+            g = Tensor(leaf.type, buffer=g) if leaf._mesh is not None else Tensor.from_numpy(g.numpy())
+        if leaf.grad is None:
+            leaf.grad = g
+        elif type(leaf.grad._buffer) is np.ndarray and type(g._buffer) is np.ndarray:
+            leaf.grad = Tensor.from_numpy(leaf.grad.numpy() + g._buffer)
+        else:
+            leaf.grad = (leaf.grad + g).realize()
 
 
 # --- creation -----------------------------------------------------------------------------
@@ -734,24 +802,14 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
             return traced.module
         if view != "local":
             raise error(ErrorCode.ATTRIBUTE_VALUE, f"jit.ir: view is \"global\" or \"local\", not {view!r}")
-        from .parallel.dtensor import local_view
-
-        return local_view(traced.module, "main", rank)
+        return execute.local_view(traced.module, "main", rank)
 
     def __call__(self, *args):
         traced = self._trace(args)
-        if traced.module.meshes:  # distributed arguments or weights: run on their mesh's devices
-            from .parallel.dtensor import run_distributed
-
-            tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
-            for t in tensors:
-                t.realize()
-            results = run_distributed(traced.module, "main", tensors)
-            outs = [Tensor(t, buffer=r) for (t, _), r in zip(traced.module.funcs["main"].result_types, results)]
-            return tuple(outs) if traced.out_is_tuple else outs[0]
-        inputs = [a.numpy() for a in args if isinstance(a, Tensor)] + [t.numpy() for t in traced.captured]
-        results = get_backend(self.backend).run(traced.module, "main", inputs)
-        outs = [Tensor.from_numpy(r) for r in results]
+        tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
+        results = execute.run(traced.module, "main", [t.realize()._buffer for t in tensors], self.backend)
+        outs = [Tensor(t, buffer=r) if type(r) is Shards else Tensor.from_numpy(r)
+                for (t, _), r in zip(traced.module.funcs["main"].result_types, results)]
         return tuple(outs) if traced.out_is_tuple else outs[0]
 
 

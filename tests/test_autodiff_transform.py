@@ -16,6 +16,7 @@ from dtm.compiler import autodiff
 from dtm.compiler.autodiff import NON_DIFFERENTIABLE, VJP, AutodiffError, grad
 from dtm.errors import DTMError, ErrorCode as E
 from dtm.ir.symbolic import sym
+from dtm.ref.collectives import result as collective_result
 from dtm.ref.context import RefContext
 from dtm.ref.interpreter import run
 
@@ -339,24 +340,26 @@ def test_dynamic_slice():
 # --- collectives on several ranks ----------------------------------------------------------
 
 class ThreadComm:
-    """The smallest in-process device group: `exchange` gathers every member's contribution."""
+    """The smallest in-process device group: every member's contribution is gathered, then
+    each computes its result with the reference's meaning of the collective."""
 
     def __init__(self):
         self.cond = threading.Condition()
         self.slots: dict = {}
         self.seq: dict = {}
 
-    def exchange(self, op, group, rank, x, timeout):
+    def collective(self, name, attrs, x, group, index, rank, timeout):
         with self.cond:
             n = self.seq.get((rank, group), 0)
             self.seq[(rank, group)] = n + 1
             slot = self.slots.setdefault((group, n), {})
-            slot[rank] = (op, np.array(x, copy=True))
+            slot[rank] = (name, np.array(x, copy=True))
             self.cond.notify_all()
             if not self.cond.wait_for(lambda: len(slot) == len(group), timeout):
-                raise TimeoutError(f"rank {rank}: {op} timed out")
+                raise TimeoutError(f"rank {rank}: {name} timed out")
             assert len({o for o, _ in slot.values()}) == 1, slot
-            return [slot[r][1] for r in group]
+            xs = [slot[r][1] for r in group]
+        return collective_result(name, attrs, xs, index)
 
 
 def run_ranks(module, func, per_rank_inputs):

@@ -4,8 +4,10 @@ all_to_all, broadcast over mesh axes) give what numpy computes here from the spe
 definitions (2.6, 3.11); (b) distribute / redistribute / full_tensor round-trip a tensor with
 an uneven dim; (c) one AdamW step of a small GPT-2 under FSDP=4 (all_gather before use,
 reduce_scatter of the gradients) gives the loss and weights of the same step on one device,
-computed in the test process. One launch does all three, to start processes once. Run as a
-script, this file is one rank's side: (a) and (b) assert on every rank, rank 0 writes (c)."""
+computed in the test process; (d) a hand-written local-view program with barrier, send, recv
+and an all_gather of q8_0 blocks runs over the processes as the reference runs it on threads.
+One launch does all four, to start processes once. Run as a script, this file is one rank's
+side: (a), (b) and (d) assert on every rank, rank 0 writes (c)."""
 
 from __future__ import annotations
 
@@ -90,6 +92,41 @@ def check_round_trip(rank: int) -> None:
     np.testing.assert_array_equal(x.full_tensor().numpy(), a)
 
 
+def local_program(rank: int) -> str:
+    """Rank `rank`'s local view on the dp=2 x tp=2 mesh: a barrier, its x sent to its tp peer
+    and the peer's received, and the q8_0 blocks of x gathered over dp."""
+    peer = 1 - rank % 2
+    return f"""dtm 1.0
+
+mesh @m[dp = 2, tp = 2]
+
+func @f(%x: f32[2, 32]) -> (f32[2, 32], q8_0[4, 32]) {{
+  barrier {{mesh = @m, axes = ["dp", "tp"]}}
+  send %x {{mesh = @m, axes = ["tp"], dst = {peer}}}
+  %r = recv {{mesh = @m, axes = ["tp"], src = {peer}}} : f32[2, 32]
+  %q = cast %x {{to = q8_0}} : q8_0[2, 32]
+  %g = all_gather %q {{mesh = @m, axes = ["dp"], dim = 0}} : q8_0[4, 32]
+  return %r, %g
+}}
+"""
+
+
+def check_local_program(rank: int) -> None:
+    """(d): over processes (L1's `ProcessComm`), each rank gets its tp peer's x and the q8_0
+    blocks of both dp ranks' x as the reference quantizes them, in group order."""
+    import dtm.ir as ir
+    from dtm.ir import DTYPES
+    from dtm.ref import quantize
+    from dtm.runtime import l1
+
+    xs = [np.random.default_rng(r).standard_normal((2, 32)).astype(np.float32) for r in range(4)]
+    got = l1.executor().run(ir.verify(ir.parse(local_program(rank))), "f", [xs[rank]])
+    np.testing.assert_array_equal(got[0], xs[rank ^ 1])
+    t = rank % 2  # the dp group of (dp, tp) = (d, t) is ranks t and 2 + t
+    np.testing.assert_array_equal(got[1], np.concatenate([quantize(xs[t], DTYPES["q8_0"]),
+                                                          quantize(xs[2 + t], DTYPES["q8_0"])]))
+
+
 def rank_main(out: str) -> None:
     import dtm
     from dtm.parallel import fsdp
@@ -97,6 +134,7 @@ def rank_main(out: str) -> None:
     pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S)
     check_shard_map(pg.rank)
     check_round_trip(pg.rank)
+    check_local_program(pg.rank)
     model, step = _model_and_step()
     m = model()
     params = list(m.parameters())

@@ -11,10 +11,10 @@ import pytest
 
 import dtm
 import dtm.ir as ir
+from dtm.compiler.spmd import bucket_all_reduces
 from dtm.models.gpt2 import MLP, GPT2, Block, GPT2Config
 from dtm.nn.functional import cross_entropy
 from dtm.parallel import DDP, GPT2_PLAN, fsdp, tensor_parallel
-from dtm.parallel.ddp import bucket_all_reduces
 from dtm.runtime.l0 import L0Executor
 
 CONFIG = GPT2Config(vocab_size=101, n_positions=16, n_embd=32, n_layer=1, n_head=4)  # 101 rows: uneven shards

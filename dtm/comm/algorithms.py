@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from . import reduction
+from ..ref import reduction
 from .transport import Handle
 
 

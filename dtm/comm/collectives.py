@@ -38,8 +38,8 @@ from ..ir.dtypes import DTYPES, from_numpy, numpy_dtype
 from ..protocol.errors import ProtocolError
 from ..protocol.frame import MsgType
 from ..protocol.messages import Cancel, CollectiveStart, Error, P2PSend
+from ..ref import reduction
 from . import algorithms as alg
-from . import reduction
 from .calls import call_site, encode_start, group_stream, mismatch_message, same_call, seq_of
 from .transport import P2P_STREAM, CollectiveAborted, CollectiveMismatch, Handle, PeerLost, Transport
 

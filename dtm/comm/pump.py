@@ -8,9 +8,11 @@ says whether it can be used here:
 - the crc32c package must expose its hardware routine (`_crc32c_hw_adler`, x86-64 with
   SSE4.2), which the C code calls so that DTM computes every CRC32C with that one package;
 - a C compiler must be there (the same one the cpu backend uses);
-- DTM_RING_PUMP=0 turns it off (Python's ring then runs, as on any other transport).
+- DTM_RING_PUMP=0 turns it off (Python's ring then runs, as on any other transport);
+- the pass must be one the C code can compute (`can_run`).
 
-`TcpTransport.ring_pass` drives it.
+`RingPassState` turns a ring plan (`algorithms.ring_schedule`) into the pump's state and
+keeps the arrays that state points into alive; `TcpTransport.ring_pass` drives it.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
 import crc32c
+import numpy as np
 
 from ..compiler.build import build, load
 from ..errors import DTMError
 from ..protocol.frame import HEADER_SIZE
 from ..protocol.messages import DATA_HEADER_SIZE
+from .algorithms import RingReceive
+from .transport import byte_view
 
 log = logging.getLogger("dtm.comm")
 
@@ -107,3 +113,106 @@ def ring_pump() -> tuple[ctypes._CFuncPtr, int] | None:
     fn.argtypes = [ctypes.POINTER(PumpState)]
     fn.restype = ctypes.c_int
     return fn, crc
+
+
+def can_run(op: str, dtype: np.dtype, reduces: bool, finished_dtype: np.dtype | None = None) -> bool:
+    """Whether ring_pump.c can compute a ring pass over elements of `dtype`: one that only
+    moves chunks always; one that reduces only with sum or avg on f32 or f64 (`land` adds
+    4- or 8-byte floats and divides finished chunks), whose finished chunks are copied to a
+    buffer of the same dtype (`finished_dtype`; None: no such copy)."""
+    return not reduces or (op in ("sum", "avg") and dtype in (np.float32, np.float64)
+                           and (finished_dtype is None or finished_dtype == dtype))
+
+
+class RingPassState:
+    """One ring pass as ring_pump.c runs it: its `PumpState` (`state`, made by `begin`) and
+    everything that state points into, kept alive as long as this object, that is while the
+    pump runs (the C code reads and writes them between its calls).
+
+    The plan in bytes of `work`, per receive: `recv_off`, `recv_len`, `recv_flags`
+    (RECV_* bits) and `pre` (the address of a payload Python took before the pump ran, see
+    `take`; 0: the pump reads it); per send: `send_off`, `send_len`, the first block's
+    chunks and then room for each receive the pump passes on."""
+
+    def __init__(self, work: np.ndarray, first: Sequence[tuple[int, int]], plan: Sequence[RingReceive]):
+        item = work.itemsize
+        self.work, self.reduces = work, any(r.reduce for r in plan)
+        self.recv_off = np.array([r.a * item for r in plan], np.int64)
+        self.recv_len = np.array([(r.b - r.a) * item for r in plan], np.int64)
+        self.recv_flags = np.array([RECV_REDUCE * r.reduce + RECV_FORWARD * r.forward + RECV_FINISH * r.finish
+                                    for r in plan], np.int64)
+        self.send_off = np.zeros(len(first) + len(plan), np.int64)
+        self.send_len = np.zeros_like(self.send_off)
+        self.send_off[:len(first)] = [a * item for a, _ in first]
+        self.send_len[:len(first)] = [(b - a) * item for a, b in first]
+        self.nfirst = len(first)
+        self.pre = np.zeros(len(plan), np.int64)
+        self.early: list[np.ndarray] = []  # the payloads `pre` points at
+        self.watch_fds = np.zeros(0, np.int32)
+        self.prefix, self.tmp, self.finished = b"", np.empty(0, np.uint8), None
+        self.state = PumpState()  # zeroed until `begin` fills it
+
+    def largest_receive(self) -> int:
+        """The bytes of the largest receive: what the scratch for reduced chunks must hold."""
+        return int(self.recv_len.max())
+
+    def begin(self, *, left: int, right: int, crc: int, op: str, n: int, stream: int, epoch: int, seq: int,
+              out_version: tuple[int, int], in_version: tuple[int, int], prefix: bytes, tmp: np.ndarray,
+              finished: np.ndarray | None, finished_base: int) -> None:
+        """Fill `state` for a pass of a group of `n` reducing with `op`: it reads the
+        socket `left` and writes `right` (file descriptors), sends `prefix` (the
+        CollectiveStart frame) before its first Data frame and reduces each received chunk
+        from `tmp` (at least `largest_receive` bytes). `finished` holds `work`'s elements
+        from `finished_base` on; the other arguments are the frames' header fields."""
+        self.prefix, self.tmp, self.finished = prefix, tmp, finished
+        item = self.work.itemsize
+        i64 = lambda a: a.ctypes.data_as(I64P)  # noqa: E731
+        self.state = PumpState(
+            left=left, right=right, slice_ms=SLICE_MS,
+            crc=crc, item=item,
+            divide_by=n if op == "avg" and self.reduces else 0, out_version=tuple(out_version),
+            in_version=tuple(in_version), stream=stream, epoch=epoch, coll_seq=seq, base=self.work.ctypes.data,
+            tmp=tmp.ctypes.data, finished=finished.ctypes.data if finished is not None else None,
+            finished_base=finished_base * item,
+            prefix=ctypes.cast(ctypes.c_char_p(prefix), ctypes.c_void_p), prefix_len=len(prefix),
+            nrecv=len(self.recv_off), nsend=self.nfirst, recv_off=i64(self.recv_off), recv_len=i64(self.recv_len),
+            recv_flags=i64(self.recv_flags), pre=i64(self.pre), send_off=i64(self.send_off),
+            send_len=i64(self.send_len))
+
+    def watch(self, fds: Sequence[int]) -> None:
+        """The other sockets: one turning readable ends the pump's call (YIELD)."""
+        self.watch_fds = np.array(fds, np.int32)
+        self.state.watch = self.watch_fds.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.state.nwatch = len(self.watch_fds)
+
+    def take(self, j: int, payload: np.ndarray) -> None:
+        """Receive j's payload arrived before the pump ran: the pump reads it from there."""
+        self.early.append(payload)
+        self.pre[j] = payload.ctypes.data
+
+    def call(self, fn: ctypes._CFuncPtr) -> int:
+        """One call of `dtm_ring_pump` (`fn`, from `ring_pump()`): its status (DONE, ...)."""
+        return fn(ctypes.byref(self.state))
+
+    def receiving(self) -> bool:
+        """The pump still reads the left connection."""
+        return self.state.rh < self.state.nrecv
+
+    def sending(self) -> bool:
+        """The pump still writes the right connection: bytes queued, or chunks to pass on."""
+        s = self.state
+        return s.prefix_sent < s.prefix_len or s.sh < s.nsend or bool((self.recv_flags[s.rh:] & RECV_FORWARD).any())
+
+    def landing(self) -> memoryview:
+        """Where the payload of the current receive lands: the scratch, when the chunk is
+        reduced, else its place in `work`."""
+        s = self.state
+        at, nbytes = s.recv_off[s.rh], s.recv_len[s.rh]
+        if s.recv_flags[s.rh] & RECV_REDUCE:
+            return memoryview(self.tmp)[:nbytes]
+        return byte_view(self.work)[at:at + nbytes]
+
+    def sending_payload(self) -> memoryview:
+        """The payload of the Data frame being sent (send number `state.sh`)."""
+        s = self.state
+        return byte_view(self.work)[s.send_off[s.sh]:s.send_off[s.sh] + s.send_len[s.sh]]

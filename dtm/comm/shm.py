@@ -38,7 +38,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
-from . import reduction, segment
+from ..ref import reduction
+from . import segment
 from .algorithms import split
 from .calls import mismatch_message, same_call
 from .channel import Channel, Channels

@@ -482,10 +482,8 @@ class TcpTransport(Transport):
         (a Cancel or Error from that neighbour ends the pump's call), checks
         the deadline, and takes each frame the pump hands back (a control frame, or one it
         did not expect), exactly as `_read` would. On any error the pump's half-sent and
-        half-read frames become Python's, so the connections stay in step."""
-        reduces = any(r.reduce for r in plan)
-        fits = not reduces or (op in ("sum", "avg") and work.dtype in (np.float32, np.float64)
-                               and (finished is None or finished.dtype == work.dtype))
+        half-read frames become Python's, so the connections stay in step (`_PumpedPass`)."""
+        fits = pump.can_run(op, work.dtype, any(r.reduce for r in plan), None if finished is None else finished.dtype)
         loaded = pump.ring_pump() if fits else None
         cl, cr = self._conns.get(left), self._conns.get(right)
         if (loaded is None or cl is None or cr is None or not (cl.polled and cr.polled) or cr.out
@@ -494,159 +492,30 @@ class TcpTransport(Transport):
         fn, crc = loaded
         deadline = time.monotonic() + self.timeout
         self._to_boundary(cl, what, deadline)
-        item = work.itemsize
-        recv_off = np.array([r.a * item for r in plan], np.int64)
-        recv_len = np.array([(r.b - r.a) * item for r in plan], np.int64)
-        recv_flags = np.array([pump.RECV_REDUCE * r.reduce + pump.RECV_FORWARD * r.forward
-                               + pump.RECV_FINISH * r.finish for r in plan], np.int64)
-        send_off = np.zeros(len(first) + len(plan), np.int64)
-        send_len = np.zeros_like(send_off)
-        send_off[:len(first)] = [a * item for a, _ in first]
-        send_len[:len(first)] = [(b - a) * item for a, b in first]
-        pre = np.zeros(len(plan), np.int64)
-        taken: list[Buffer] = []  # payloads that arrived before the pump ran, kept alive while it reads them
-        if self._pump_tmp.nbytes < recv_len.max():
-            self._pump_tmp = np.empty(int(recv_len.max()), np.uint8)
-        tmp = self._pump_tmp
+        ring = pump.RingPassState(work, first, plan)
+        tmp = self._pump_scratch(ring.largest_receive())
+        prefix = self._pump_prefix(cr, stream, start)
+        ring.begin(left=cl.fd, right=cr.fd, crc=crc, op=op, n=n, stream=stream, epoch=self.epoch, seq=seq,
+                   out_version=cr.version, in_version=cl.version, prefix=prefix, tmp=tmp, finished=finished,
+                   finished_base=finished_base)
+        _PumpedPass(self, ring, cl, cr, stream, what, deadline).run(fn)
+        return True
+
+    def _pump_scratch(self, nbytes: int) -> np.ndarray:
+        """The pump's receive buffer for the chunks it reduces, kept for the next pass (fresh
+        pages cost more than reusing these)."""
+        if self._pump_tmp.nbytes < nbytes:
+            self._pump_tmp = np.empty(nbytes, np.uint8)
+        return self._pump_tmp
+
+    def _pump_prefix(self, cr: Connection, stream: int, start: bytes) -> bytes:
+        """The CollectiveStart frame the pump sends to `cr` before its first Data frame,
+        numbered and counted as `send` would."""
         prefix = encode_header(MsgType.COLLECTIVE_START, [start], epoch=self.epoch, stream=stream,
                                seq=cr.seq_out[stream], version=cr.version) + start
         cr.seq_out[stream] += 1
         self._count_sent(cr, len(prefix))
-        i64 = lambda a: a.ctypes.data_as(pump.I64P)  # noqa: E731
-        s = pump.PumpState(
-            left=cl.fd, right=cr.fd, slice_ms=pump.SLICE_MS,
-            crc=crc, item=item,
-            divide_by=n if op == "avg" and reduces else 0, out_version=tuple(cr.version),
-            in_version=tuple(cl.version), stream=stream, epoch=self.epoch, coll_seq=seq, base=work.ctypes.data,
-            tmp=tmp.ctypes.data, finished=finished.ctypes.data if finished is not None else None,
-            finished_base=finished_base * item,
-            prefix=ctypes.cast(ctypes.c_char_p(prefix), ctypes.c_void_p), prefix_len=len(prefix),
-            nrecv=len(plan), nsend=len(first), recv_off=i64(recv_off), recv_len=i64(recv_len),
-            recv_flags=i64(recv_flags), pre=i64(pre), send_off=i64(send_off), send_len=i64(send_len))
-        cl.pump_reads = cr.pump_writes = True
-        self.pump_runs += 1
-        watched = -1  # connections closed when `watch` was made
-
-        def lost(c: Connection) -> None:
-            """A neighbour the pump needs is gone. The peer that saw why has usually said so
-            (Error, Cancel): read what the connections hold first, so that its word ends
-            the collective, as it would in Python's ring; else PeerLost."""
-            self._ring_hand_back(s, cl, cr, stream, prefix, work, tmp)
-            cl.pump_reads = cr.pump_writes = False
-            self._progress(time.monotonic(), (), what)
-            raise PeerLost(c.peer, what, c.closed)
-
-        try:
-            while True:
-                sending = s.prefix_sent < s.prefix_len or s.sh < s.nsend or (recv_flags[s.rh:] & pump.RECV_FORWARD).any()
-                for c, needed in ((cl, s.rh < s.nrecv), (cr, sending)):
-                    if needed and c.closed is not None:  # never hand the pump a closed socket's number
-                        lost(c)
-                if watched != self._closed:  # the other sockets: a readable one ends the pump's call
-                    watch = np.array([c.fd for c in self._conns.values() if c.polled and c.closed is None
-                                      and c is not cl] + ([self.listener.fileno()] if self.listener else []), np.int32)
-                    s.watch = watch.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-                    s.nwatch, watched = len(watch), self._closed
-                self._ring_take_early(cl, stream, s, pre, byte_view(work), taken)
-                s.seq_in, s.seq_out = cl.seq_in[stream], cr.seq_out[stream]
-                status = fn(ctypes.byref(s))
-                cl.seq_in[stream], cr.seq_out[stream] = s.seq_in, s.seq_out
-                self._count_sent(cr, s.bytes_out)
-                self.bytes_received += s.bytes_in
-                s.bytes_out = s.bytes_in = 0
-                if status == pump.DONE:
-                    return True
-                if status == pump.HANDOFF:  # a frame for Python: its header bytes are in rhdr
-                    self.pump_handoffs += 1
-                    head = bytes(s.rhdr[:s.rhlen])
-                    s.rhlen = 0
-                    cl.rbuf[:len(head)] = head
-                    cl.rstart, cl.rend = 0, len(head)
-                    self._to_boundary(cl, what, deadline)
-                elif status == pump.YIELD:
-                    if time.monotonic() >= deadline:
-                        raise DTMError(E.TIMEOUT, f"{what} on rank {self.rank}: waited {self.timeout:.1f} s for "
-                                                  f"{cl.name} and {cr.name}")
-                    self._progress(time.monotonic(), (), what)  # every other connection
-                elif status == pump.LEFT_CLOSED:  # Python reads the end itself: Leave, Error, or a death
-                    lost(cl)
-                elif status in (pump.LEFT_ERROR, pump.RIGHT_ERROR):
-                    c, doing = (cl, "reading") if status == pump.LEFT_ERROR else (cr, "sending")
-                    if c is cr and cr is not cl:  # what the right neighbour said before it went (Cancel, Error)
-                        self._read(cr, what)
-                    self._lost(c, f"{doing} failed: {os.strerror(s.err)}")
-                    lost(c)
-                else:  # the frame Python would have read, checked the way Python checks it
-                    assert status == pump.BAD_CRC, status
-                    try:
-                        verify_payload(decode_header(bytes(s.rhdr[:HEADER_SIZE]), max_payload=self.max_payload),
-                                       [bytes(s.rhdr[HEADER_SIZE:]), self._ring_landing(s, work, tmp)])
-                    except ProtocolError as e:
-                        self._lost(cl, str(e))
-                        raise e.at(cl.name, what) from None
-                    raise AssertionError("ring_pump.c and verify_payload disagree on a CRC32C")
-        except BaseException:
-            self._ring_hand_back(s, cl, cr, stream, prefix, work, tmp)
-            raise
-        finally:
-            cl.pump_reads = cr.pump_writes = False
-
-    @staticmethod
-    def _ring_landing(s: pump.PumpState, work: np.ndarray, tmp: np.ndarray) -> memoryview:
-        """Where the payload of the pump's current receive lands: its scratch, when the
-        chunk is reduced, else its place in `work`."""
-        at, nbytes = s.recv_off[s.rh], s.recv_len[s.rh]
-        return memoryview(tmp)[:nbytes] if s.recv_flags[s.rh] & pump.RECV_REDUCE else byte_view(work)[at:at + nbytes]
-
-    def _ring_take_early(self, c: Connection, stream: int, s: pump.PumpState, pre: np.ndarray, work: memoryview,
-                         taken: list) -> None:
-        """Give the pump the Data frames of this collective that Python has read (and
-        checked) already, as the payloads of its next receives."""
-        stash = self._unexpected.get((c.peer, stream))
-        j = s.rh
-        while stash:
-            got_seq, got_chunk, payload = stash.popleft()
-            self._unexpected_bytes -= len(payload)
-            into = work[s.recv_off[j]:s.recv_off[j] + s.recv_len[j]] if j < len(pre) else work[:0]
-            self._check_chunk(Handle(c.peer, stream, "recv", into, s.coll_seq, j), got_seq, got_chunk, len(payload))
-            view = np.frombuffer(payload, np.uint8)
-            taken.append(view)
-            pre[j] = view.ctypes.data
-            j += 1
-
-    def _ring_hand_back(self, s: pump.PumpState, cl: Connection, cr: Connection, stream: int, prefix: bytes,
-                        work: np.ndarray, tmp: np.ndarray) -> None:
-        """The pump stops for good mid-collective: queue the rest of its half-sent frame
-        (and the CollectiveStart, if it never left) first in Python's queue, and make its
-        half-read frame Python's, so both connections stay in step for what follows
-        (an Error, a Cancel, Leave). Once: it leaves the pump with nothing in flight."""
-        if cr.closed is None:
-            if s.prefix_sent < s.prefix_len:
-                item = _Out([memoryview(prefix)[s.prefix_sent:]], Handle(cr.peer, stream, "send"),
-                            cr.seq_out[stream] - 1)
-                item.started = s.prefix_sent > 0
-                cr.out.appendleft(item)
-            elif s.soff:
-                frame = memoryview(bytes(s.shdr))
-                payload = byte_view(work)[s.send_off[s.sh]:s.send_off[s.sh] + s.send_len[s.sh]]
-                views = [frame[s.soff:]] if s.soff < pump.FRAMING else []
-                views.append(payload[max(0, s.soff - pump.FRAMING):])
-                item = _Out(views, Handle(cr.peer, stream, "send"), s.seq_out - 1)
-                item.started = True
-                cr.out.appendleft(item)
-        if cl.closed is None and s.rhlen:
-            if s.rhlen < pump.FRAMING or not s.roff:  # only header bytes: Python parses them again
-                if s.rhlen >= HEADER_SIZE:
-                    cl.seq_in[stream] -= 1
-                cl.rbuf[:s.rhlen] = bytes(s.rhdr[:s.rhlen])
-                cl.rstart, cl.rend = 0, s.rhlen
-            else:  # in the payload: Python reads the rest into a buffer of its own, then checks it
-                cl.header = decode_header(bytes(s.rhdr[:HEADER_SIZE]), max_payload=self.max_payload)
-                cl.chunk_header = DATA_HEADER.unpack(bytes(s.rhdr[HEADER_SIZE:pump.FRAMING]))
-                cl.dest = _fresh(s.recv_len[s.rh])
-                cl.dest[:s.roff] = self._ring_landing(s, work, tmp)[:s.roff]
-                cl.dest_pos, cl.direct = s.roff, False
-        s.prefix_sent, s.soff, s.rhlen, s.roff = s.prefix_len, 0, 0, 0
+        return prefix
 
     # --- closing -------------------------------------------------------------------------------
 
@@ -684,6 +553,179 @@ class TcpTransport(Transport):
             self.listener = None
 
 
+# --- a ring pass in C: Python's part between the pump's calls -----------------------------------
+
+class _PumpedPass:
+    """One ring pass that ring_pump.c runs on two connections of `transport` (see
+    `TcpTransport.ring_pass`), and Python's part in it: between the pump's calls it serves
+    each status the pump returns, and on an error it takes both connections back. A class
+    of its own so that the pass's state (`ring`, the neighbours, the deadline) lives in one
+    place rather than in every method's arguments; it reaches into the transport as the
+    transport's own methods would."""
+
+    def __init__(self, transport: TcpTransport, ring: pump.RingPassState, cl: Connection, cr: Connection,
+                 stream: int, what: str, deadline: float):
+        self.transport, self.ring, self.cl, self.cr = transport, ring, cl, cr
+        self.stream, self.what, self.deadline = stream, what, deadline
+        self.watched = -1  # the transport's count of closed connections when the watch list was made
+
+    def run(self, fn: ctypes._CFuncPtr) -> None:
+        """Call the pump (`fn`) until the pass is done, serving each status it returns."""
+        cl, cr = self.cl, self.cr
+        cl.pump_reads = cr.pump_writes = True
+        self.transport.pump_runs += 1
+        try:
+            while True:
+                self._prepare_call()
+                status = self._call(fn)
+                if status == pump.DONE:
+                    return
+                self._serve(status)
+        except BaseException:
+            self._hand_back()
+            raise
+        finally:
+            cl.pump_reads = cr.pump_writes = False
+
+    def _prepare_call(self) -> None:
+        """Before each call: never hand the pump a closed socket's number, tell it which
+        other sockets to watch, and give it what Python read of this collective."""
+        t, ring = self.transport, self.ring
+        for c, needed in ((self.cl, ring.receiving()), (self.cr, ring.sending())):
+            if needed and c.closed is not None:
+                self._neighbour_gone(c)
+        if self.watched != t._closed:  # the other sockets: a readable one ends the pump's call
+            ring.watch([c.fd for c in t._conns.values() if c.polled and c.closed is None and c is not self.cl]
+                       + ([t.listener.fileno()] if t.listener else []))
+            self.watched = t._closed
+        self._take_early()
+
+    def _take_early(self) -> None:
+        """Give the pump the Data frames of this collective that Python has read (and
+        checked) already, as the payloads of its next receives."""
+        t, ring, s = self.transport, self.ring, self.ring.state
+        work = byte_view(ring.work)
+        stash = t._unexpected.get((self.cl.peer, self.stream))
+        j = s.rh
+        while stash:
+            got_seq, got_chunk, payload = stash.popleft()
+            t._unexpected_bytes -= len(payload)
+            into = work[s.recv_off[j]:s.recv_off[j] + s.recv_len[j]] if j < len(ring.pre) else work[:0]
+            t._check_chunk(Handle(self.cl.peer, self.stream, "recv", into, s.coll_seq, j), got_seq, got_chunk,
+                           len(payload))
+            ring.take(j, np.frombuffer(payload, np.uint8))
+            j += 1
+
+    def _call(self, fn: ctypes._CFuncPtr) -> int:
+        """One call of the pump: the connections' frame numbers go in and come back, and
+        the bytes it moved are counted in the transport's figures."""
+        t, cl, cr, s, stream = self.transport, self.cl, self.cr, self.ring.state, self.stream
+        s.seq_in, s.seq_out = cl.seq_in[stream], cr.seq_out[stream]
+        status = self.ring.call(fn)
+        cl.seq_in[stream], cr.seq_out[stream] = s.seq_in, s.seq_out
+        t._count_sent(cr, s.bytes_out)
+        t.bytes_received += s.bytes_in
+        s.bytes_out = s.bytes_in = 0
+        return status
+
+    def _serve(self, status: int) -> None:
+        """What a call that did not finish the pass asks of Python."""
+        if status == pump.HANDOFF:
+            self._take_handoff()
+        elif status == pump.YIELD:
+            self._serve_others()
+        elif status == pump.LEFT_CLOSED:  # Python reads the end itself: Leave, Error, or a death
+            self._neighbour_gone(self.cl)
+        elif status in (pump.LEFT_ERROR, pump.RIGHT_ERROR):
+            self._socket_failed(status)
+        else:
+            self._bad_crc(status)
+
+    def _take_handoff(self) -> None:
+        """A frame for Python: its header bytes are in rhdr; Python reads the rest of it,
+        and nothing after it, and takes it as `_read` would."""
+        t, cl, s = self.transport, self.cl, self.ring.state
+        t.pump_handoffs += 1
+        head = bytes(s.rhdr[:s.rhlen])
+        s.rhlen = 0
+        cl.rbuf[:len(head)] = head
+        cl.rstart, cl.rend = 0, len(head)
+        t._to_boundary(cl, self.what, self.deadline)
+
+    def _serve_others(self) -> None:
+        """The pump yielded (its time slice ended, another socket turned readable or a
+        signal came): check the deadline and serve every other connection."""
+        t = self.transport
+        if time.monotonic() >= self.deadline:
+            raise DTMError(E.TIMEOUT, f"{self.what} on rank {t.rank}: waited {t.timeout:.1f} s for "
+                                      f"{self.cl.name} and {self.cr.name}")
+        t._progress(time.monotonic(), (), self.what)
+
+    def _socket_failed(self, status: int) -> None:
+        """Reading the left or writing the right socket failed (`state.err`)."""
+        t, cl, cr = self.transport, self.cl, self.cr
+        c, doing = (cl, "reading") if status == pump.LEFT_ERROR else (cr, "sending")
+        if c is cr and cr is not cl:  # what the right neighbour said before it went (Cancel, Error)
+            t._read(cr, self.what)
+        t._lost(c, f"{doing} failed: {os.strerror(self.ring.state.err)}")
+        self._neighbour_gone(c)
+
+    def _bad_crc(self, status: int) -> None:
+        """The frame's CRC32C does not match: check it the way Python checks every frame,
+        so that the error is the one Python's ring would raise."""
+        assert status == pump.BAD_CRC, status
+        t, cl, s = self.transport, self.cl, self.ring.state
+        try:
+            verify_payload(decode_header(bytes(s.rhdr[:HEADER_SIZE]), max_payload=t.max_payload),
+                           [bytes(s.rhdr[HEADER_SIZE:]), self.ring.landing()])
+        except ProtocolError as e:
+            t._lost(cl, str(e))
+            raise e.at(cl.name, self.what) from None
+        raise AssertionError("ring_pump.c and verify_payload disagree on a CRC32C")
+
+    def _neighbour_gone(self, c: Connection) -> None:
+        """A neighbour the pump needs is gone. The peer that saw why has usually said so
+        (Error, Cancel): read what the connections hold first, so that its word ends
+        the collective, as it would in Python's ring; else PeerLost."""
+        self._hand_back()
+        self.cl.pump_reads = self.cr.pump_writes = False
+        self.transport._progress(time.monotonic(), (), self.what)
+        raise PeerLost(c.peer, self.what, c.closed)
+
+    def _hand_back(self) -> None:
+        """The pump stops for good mid-collective: queue the rest of its half-sent frame
+        (and the CollectiveStart, if it never left) first in Python's queue, and make its
+        half-read frame Python's, so both connections stay in step for what follows
+        (an Error, a Cancel, Leave). Once: it leaves the pump with nothing in flight."""
+        s, cl, cr, stream = self.ring.state, self.cl, self.cr, self.stream
+        if cr.closed is None:
+            if s.prefix_sent < s.prefix_len:
+                item = _Out([memoryview(self.ring.prefix)[s.prefix_sent:]], Handle(cr.peer, stream, "send"),
+                            cr.seq_out[stream] - 1)
+                item.started = s.prefix_sent > 0
+                cr.out.appendleft(item)
+            elif s.soff:
+                frame = memoryview(bytes(s.shdr))
+                views = [frame[s.soff:]] if s.soff < pump.FRAMING else []
+                views.append(self.ring.sending_payload()[max(0, s.soff - pump.FRAMING):])
+                item = _Out(views, Handle(cr.peer, stream, "send"), s.seq_out - 1)
+                item.started = True
+                cr.out.appendleft(item)
+        if cl.closed is None and s.rhlen:
+            if s.rhlen < pump.FRAMING or not s.roff:  # only header bytes: Python parses them again
+                if s.rhlen >= HEADER_SIZE:
+                    cl.seq_in[stream] -= 1
+                cl.rbuf[:s.rhlen] = bytes(s.rhdr[:s.rhlen])
+                cl.rstart, cl.rend = 0, s.rhlen
+            else:  # in the payload: Python reads the rest into a buffer of its own, then checks it
+                cl.header = decode_header(bytes(s.rhdr[:HEADER_SIZE]), max_payload=self.transport.max_payload)
+                cl.chunk_header = DATA_HEADER.unpack(bytes(s.rhdr[HEADER_SIZE:pump.FRAMING]))
+                cl.dest = _fresh(s.recv_len[s.rh])
+                cl.dest[:s.roff] = self.ring.landing()[:s.roff]
+                cl.dest_pos, cl.direct = s.roff, False
+        s.prefix_sent, s.soff, s.rhlen, s.roff = s.prefix_len, 0, 0, 0
+
+
 # --- forming the mesh -------------------------------------------------------------------------------
 
 class _Pending:
@@ -715,115 +757,157 @@ def connect_mesh(rank: int, world_size: int, addresses: Sequence[tuple[str, int]
         listener = listen(*addresses[rank])
     names = [f"rank {r} at {h}:{p}" for r, (h, p) in enumerate(addresses)]
     start = time.monotonic()
-    deadline = start + timeout
-    caps = int(level_caps(LEVEL))
+    mesh = _MeshForming(rank, world_size, addresses, names, token, listener, start + timeout, max_payload)
+    while len(mesh.done) < world_size - 1:
+        now = time.monotonic()
+        if now >= mesh.deadline:
+            raise mesh.give_up(now - start)
+        mesh.start_connects(now)
+        mesh.serve(mesh.wait())
+        mesh.expire()
+    return transport_class(rank, world_size, mesh.done, listener=listener, epoch=epoch, timeout=timeout,
+                           max_payload=max_payload, names=names, **kw)
 
-    def handshake(role: str) -> Handshake:
-        return Handshake(role, token, level=LEVEL, caps=caps, rank=rank, name=names[rank], max_payload=max_payload)
 
-    done: dict[int, tuple[socket.socket, Handshake]] = {}
-    pending: list[_Pending] = []
-    retry_at = {r: 0.0 for r in range(rank)}  # lower ranks to connect to, and when to try next
-    if listener is not None:
-        listener.setblocking(False)
+class _MeshForming:
+    """`connect_mesh` under way: the connections in their handshake (`pending`), those
+    that finished it (`done`, by the peer's rank), and the lower ranks not connected yet,
+    with when to try each next (`retry_at`). Every socket is non-blocking; one poll loop
+    moves all the handshakes, so a peer that is slow or silent holds up no other."""
 
-    def drop(p: _Pending, err: Exception) -> None:
+    def __init__(self, rank: int, world_size: int, addresses: Sequence[tuple[str, int]], names: Sequence[str],
+                 token: bytes, listener: socket.socket | None, deadline: float, max_payload: int):
+        self.rank, self.world_size, self.addresses, self.names = rank, world_size, addresses, names
+        self.token, self.listener, self.deadline, self.max_payload = token, listener, deadline, max_payload
+        self.caps = int(level_caps(LEVEL))
+        self.done: dict[int, tuple[socket.socket, Handshake]] = {}
+        self.pending: list[_Pending] = []
+        self.retry_at = {r: 0.0 for r in range(rank)}  # lower ranks to connect to, and when to try next
+        if listener is not None:
+            listener.setblocking(False)
+
+    def _handshake(self, role: str) -> Handshake:
+        return Handshake(role, self.token, level=LEVEL, caps=self.caps, rank=self.rank, name=self.names[self.rank],
+                         max_payload=self.max_payload)
+
+    def give_up(self, waited: float) -> DTMError:
+        """The deadline passed: close what is in its handshake; the TIMEOUT to raise."""
+        for p in self.pending:
+            p.sock.close()
+        missing = [self.names[r] for r in range(self.world_size) if r != self.rank and r not in self.done]
+        return DTMError(E.TIMEOUT, f"forming the mesh, rank {self.rank} waited {waited:.1f} s for "
+                                   f"{', '.join(missing)}")
+
+    def start_connects(self, now: float) -> None:
+        """Start a connection to each lower rank whose time to try has come."""
+        for r, when in list(self.retry_at.items()):
+            if when <= now:
+                del self.retry_at[r]
+                s = socket.socket(socket.AF_INET6 if ":" in self.addresses[r][0] else socket.AF_INET,
+                                  socket.SOCK_STREAM)
+                s.setblocking(False)
+                err = s.connect_ex(tuple(self.addresses[r]))
+                p = _Pending(s, self._handshake("connect"), self.deadline, self.names[r], r)
+                self.pending.append(p)
+                if err not in (0, errno.EINPROGRESS):
+                    self._drop(p, OSError(err, "connect failed"))
+
+    def wait(self) -> list[tuple[int, int]]:
+        """The (fd, events) of the sockets ready, waiting at most until the next deadline or retry."""
+        poller = select.poll()
+        if self.listener is not None:
+            poller.register(self.listener.fileno(), select.POLLIN)
+        for p in self.pending:
+            poller.register(p.sock.fileno(), select.POLLIN | (select.POLLOUT if p.out or not p.connected else 0))
+        wake = min([self.deadline] + list(self.retry_at.values()) + [p.deadline for p in self.pending])
+        return poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1)
+
+    def serve(self, events: list[tuple[int, int]]) -> None:
+        """Accept the connections waiting, and move the handshake of each ready socket."""
+        by_fd = {p.sock.fileno(): p for p in self.pending}  # as polled: an accept may reuse a dropped one's fd
+        for fd, ev in events:
+            if self.listener is not None and fd == self.listener.fileno():
+                self._accept()
+                continue
+            p = by_fd.get(fd)
+            if p is not None and p in self.pending:
+                self._advance(p, ev)
+
+    def _accept(self) -> None:
+        """Take a connection from a higher rank (or anyone), to go through its handshake;
+        past MAX_HANDSHAKING at once, the oldest such one is dropped."""
+        try:
+            s, addr = self.listener.accept()
+        except OSError:
+            return
+        s.setblocking(False)
+        accepted = [q for q in self.pending if q.target is None]
+        if len(accepted) >= MAX_HANDSHAKING:
+            self._drop(accepted[0], DTMError(E.TIMEOUT, f"more than {MAX_HANDSHAKING} connections in their handshake"))
+        hello_by = min(self.deadline, time.monotonic() + HELLO_TIMEOUT_S)
+        self.pending.append(_Pending(s, self._handshake("accept"), hello_by, f"{addr[0]}:{addr[1]}", None))
+
+    def _advance(self, p: _Pending, ev: int) -> None:
+        """Move p's handshake as far as its socket allows (`ev`: its poll events)."""
+        try:
+            if not p.connected:
+                err = p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err:
+                    raise OSError(err, "connect failed")
+                p.connected = True
+                for frame in p.hs.start():
+                    p.out += frame
+            if p.out:
+                n = p.sock.send(p.out)
+                del p.out[:n]
+            if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                _handshake_read(p, self.max_payload)
+            if p.hs.done and not p.out:
+                self._finish(p)
+        except BlockingIOError:
+            return
+        except (ProtocolError, OSError) as e:
+            if p.target is not None and isinstance(e, ProtocolError) and e.code is E.AUTH_FAILED:
+                try:  # tell the peer why, then give up: this rank cannot join with its token
+                    p.sock.send(p.hs.error_frame(e))
+                except OSError:
+                    pass
+                for q in self.pending:
+                    q.sock.close()
+                raise e.at(self.names[p.target], "forming the mesh") from None
+            self._drop(p, e)
+
+    def _finish(self, p: _Pending) -> None:
+        """p's handshake is over: keep the connection if the peer is the rank it should be."""
+        peer, rank = p.hs.peer.rank, self.rank
+        if p.target is not None and peer != p.target:
+            raise ProtocolError(E.UNEXPECTED_MESSAGE, f"expected rank {p.target}, the peer says it is rank {peer}")
+        if p.target is None and not (rank < peer < self.world_size and peer not in self.done):
+            raise ProtocolError(E.UNEXPECTED_MESSAGE, f"a peer claiming rank {peer} connected; rank {rank} accepts "
+                                                      f"ranks {rank + 1} to {self.world_size - 1}, once each")
+        self.pending.remove(p)
+        self.done[peer] = (p.sock, p.hs)
+
+    def expire(self) -> None:
+        """Drop the accepted connections that did not finish their handshake in time."""
+        for p in [p for p in self.pending if p.target is None and time.monotonic() >= p.deadline]:
+            self._drop(p, DTMError(E.TIMEOUT, f"no handshake within {HELLO_TIMEOUT_S:g} s"))
+
+    def _drop(self, p: _Pending, err: Exception) -> None:
+        """Close a connection that failed; a lower rank's is tried again a little later."""
         if p.target is None:
-            log.warning("rank %d: dropped the connection from %s: %s", rank, p.addr, err)
+            log.warning("rank %d: dropped the connection from %s: %s", self.rank, p.addr, err)
         else:  # usually the peer is not listening yet
-            log.debug("rank %d: connecting to %s failed, trying again: %s", rank, p.addr, err)
+            log.debug("rank %d: connecting to %s failed, trying again: %s", self.rank, p.addr, err)
         if isinstance(err, ProtocolError) and p.connected:
             try:
                 p.sock.send(p.hs.error_frame(err))
             except OSError:
                 pass
         p.sock.close()
-        pending.remove(p)
+        self.pending.remove(p)
         if p.target is not None:  # try that rank again
-            retry_at[p.target] = time.monotonic() + 0.05
-
-    while len(done) < world_size - 1:
-        now = time.monotonic()
-        if now >= deadline:
-            for p in pending:
-                p.sock.close()
-            missing = [names[r] for r in range(world_size) if r != rank and r not in done]
-            raise DTMError(E.TIMEOUT, f"forming the mesh, rank {rank} waited {now - start:.1f} s for "
-                                      f"{', '.join(missing)}")
-        for r, when in list(retry_at.items()):  # start connections to lower ranks
-            if when <= now:
-                del retry_at[r]
-                s = socket.socket(socket.AF_INET6 if ":" in addresses[r][0] else socket.AF_INET, socket.SOCK_STREAM)
-                s.setblocking(False)
-                err = s.connect_ex(tuple(addresses[r]))
-                p = _Pending(s, handshake("connect"), deadline, names[r], r)
-                pending.append(p)
-                if err not in (0, errno.EINPROGRESS):
-                    drop(p, OSError(err, "connect failed"))
-        poller = select.poll()
-        if listener is not None:
-            poller.register(listener.fileno(), select.POLLIN)
-        for p in pending:
-            poller.register(p.sock.fileno(), select.POLLIN | (select.POLLOUT if p.out or not p.connected else 0))
-        wake = min([deadline] + list(retry_at.values()) + [p.deadline for p in pending])
-        events = poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1)
-        by_fd = {p.sock.fileno(): p for p in pending}
-        for fd, ev in events:
-            if listener is not None and fd == listener.fileno():
-                try:
-                    s, addr = listener.accept()
-                except OSError:
-                    continue
-                s.setblocking(False)
-                accepted = [q for q in pending if q.target is None]
-                if len(accepted) >= MAX_HANDSHAKING:
-                    drop(accepted[0], DTMError(E.TIMEOUT, f"more than {MAX_HANDSHAKING} connections in their handshake"))
-                pending.append(_Pending(s, handshake("accept"), min(deadline, time.monotonic() + HELLO_TIMEOUT_S),
-                                        f"{addr[0]}:{addr[1]}", None))
-                continue
-            p = by_fd.get(fd)
-            if p is None or p not in pending:
-                continue
-            try:
-                if not p.connected:
-                    err = p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                    if err:
-                        raise OSError(err, "connect failed")
-                    p.connected = True
-                    for frame in p.hs.start():
-                        p.out += frame
-                if p.out:
-                    n = p.sock.send(p.out)
-                    del p.out[:n]
-                if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                    _handshake_read(p, max_payload)
-                if p.hs.done and not p.out:
-                    peer = p.hs.peer.rank
-                    if p.target is not None and peer != p.target:
-                        raise ProtocolError(E.UNEXPECTED_MESSAGE, f"expected rank {p.target}, the peer says it is "
-                                                                  f"rank {peer}")
-                    if p.target is None and not (rank < peer < world_size and peer not in done):
-                        raise ProtocolError(E.UNEXPECTED_MESSAGE, f"a peer claiming rank {peer} connected; rank "
-                                                                  f"{rank} accepts ranks {rank + 1} to "
-                                                                  f"{world_size - 1}, once each")
-                    pending.remove(p)
-                    done[peer] = (p.sock, p.hs)
-            except BlockingIOError:
-                continue
-            except (ProtocolError, OSError) as e:
-                if p.target is not None and isinstance(e, ProtocolError) and e.code is E.AUTH_FAILED:
-                    try:  # tell the peer why, then give up: this rank cannot join with its token
-                        p.sock.send(p.hs.error_frame(e))
-                    except OSError:
-                        pass
-                    for q in pending:
-                        q.sock.close()
-                    raise e.at(names[p.target], "forming the mesh") from None
-                drop(p, e)
-        for p in [p for p in pending if p.target is None and time.monotonic() >= p.deadline]:
-            drop(p, DTMError(E.TIMEOUT, f"no handshake within {HELLO_TIMEOUT_S:g} s"))
-    return transport_class(rank, world_size, done, listener=listener, epoch=epoch, timeout=timeout,
-                           max_payload=max_payload, names=names, **kw)
+            self.retry_at[p.target] = time.monotonic() + 0.05
 
 
 def _handshake_read(p: _Pending, max_payload: int) -> None:

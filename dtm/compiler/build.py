@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
 from .c_runtime import SOURCE as RUNTIME_SOURCE
+from .render_c import render_unit
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
@@ -162,8 +163,6 @@ def load_kernel(source: str, name: str = "kernel", needs_runtime: bool = False, 
 def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
     """The kernels `funcs` (render_c.CFunction), built a few per translation unit, units
     compiled in parallel; their ctypes functions, in order."""
-    from .render_c import render_unit
-
     if not funcs:
         return []
     if any(f.needs_runtime for f in funcs):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ..ir.dtypes import DType
-from ..ir.symbolic import Dim, SymDim
+from ..ir.symbolic import Dim, SymDim, format_dim
 
 
 class _Index:
@@ -350,8 +350,6 @@ class Kernel:
 # --- printing -----------------------------------------------------------------------------
 
 def _fmt_type(p: Param) -> str:
-    from ..ir.symbolic import format_dim
-
     return f"{p.dtype}[{', '.join(format_dim(d) for d in p.shape)}]"
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ..ir.module import Func, Op, Value
 from ..ir.registry import REGISTRY, Category
+from ..ir.symbolic import format_dim
 from .views import MOVES, strided_view
 
 NATIVE = frozenset(("bool", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "f32", "f64"))
@@ -108,8 +109,6 @@ class Schedule:
     consts: list[Op]
 
     def __str__(self) -> str:
-        from ..ir.symbolic import format_dim
-
         names = _names(self.func)
         lines = [f"schedule of @{self.func.name}: {len(self.groups)} kernel(s)"]
         for i, g in enumerate(self.groups):

@@ -36,6 +36,7 @@ from ..errors import DTMError, ErrorCode as E
 from ..ir.builder import FuncBuilder
 from ..ir.dtypes import i64
 from ..ir.module import Op, Value
+from ..ir.registry import REGISTRY
 from ..ir.symbolic import Dim, dim_add, dim_sub, is_static
 from ..ir.types import TensorType
 
@@ -728,8 +729,6 @@ def _broadcast(b, op, cts):
 
 def check_rules() -> None:
     """Every registry op has a rule or is declared non-differentiable (not both)."""
-    from ..ir.registry import REGISTRY
-
     missing = [n for n in REGISTRY if n not in VJP and n not in NON_DIFFERENTIABLE]
     both = [n for n in VJP if n in NON_DIFFERENTIABLE]
     if missing or both:

@@ -10,7 +10,8 @@
 from .builder import Builder, FuncBuilder, sharding, tensor_type
 from .diagnostics import IRError, render
 from .dtypes import DTYPES, DType
-from .encoding import decode, encode
+from .decoding import decode
+from .encoding import encode
 from .module import Func, Module, Op, Task, Value
 from .parser import parse
 from .printer import format

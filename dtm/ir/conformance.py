@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from ..errors import ErrorCode
 from .diagnostics import IRError
-from .encoding import decode, encode
+from .decoding import decode
+from .encoding import encode
 from .parser import parse
 from .printer import format as format_module
 from .verifier import verify

@@ -102,6 +102,10 @@ _NUMPY = {
 }
 _FROM_NUMPY = {v: k for k, v in _NUMPY.items()}
 
+# Floats narrower than f32 (f16, bf16, f8e4m3, f8e5m2), as numpy dtypes: every computation
+# on them (reference ops, reductions of collectives) runs in f32 and rounds once at the end.
+NARROW_FLOATS = frozenset(_NUMPY[d.name] for d in DTYPES.values() if d.is_float and d.bits < 32)
+
 
 def numpy_dtype(dtype: DType) -> np.dtype:
     """The numpy dtype holding one element of `dtype` (quantized types have none)."""

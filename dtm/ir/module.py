@@ -8,8 +8,11 @@ equality of canonical encodings.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+from .encoding import encode
+from .printer import format as format_module
 from .types import Mesh, Sharding, TensorType
 from .version import SPEC_VERSION
 
@@ -103,24 +106,14 @@ class Module:
         self.funcs: dict[str, Func] = {}
         self.tasks: dict[str, Task] = {}
 
-    # encoding and printer import this module, so they are imported where used.
-
     def hash(self) -> str:
         """Hex sha256 of the canonical encoding."""
-        import hashlib
-
-        from .encoding import encode
-
         return hashlib.sha256(encode(self)).hexdigest()
 
     def __eq__(self, other: object) -> bool:
-        from .encoding import encode
-
         return isinstance(other, Module) and encode(self) == encode(other)
 
     __hash__ = None  # mutable
 
     def __str__(self) -> str:
-        from .printer import format
-
-        return format(self)
+        return format_module(self)

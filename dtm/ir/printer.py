@@ -9,13 +9,16 @@ with no name (or a clashing one) gets the next free number.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from .attrs import format_attrs
-from .module import Func, Module, Value
 from .registry import REGISTRY, TASK_ATTRS
 from .types import Sharding, TensorType
 from .version import SPEC_VERSION
 from .versioning import check_target
+
+if TYPE_CHECKING:  # the printer only reads a module's fields; module.py imports it for str(module)
+    from .module import Func, Module, Value
 
 
 def _typed(t: TensorType, sh: Sharding | None) -> str:

@@ -237,6 +237,10 @@ _op("store_put", C.STORE, ("x",), R.no_result_rule, "store x under `key`, replac
 _op("call", C.CALL, ("*args",), R.call_rule, "call function `callee`; results are its results",
     (A("callee", K.FUNC),), results=-1, quant_ok=True)
 
+# The collectives (barrier included), in registry order: every layer that runs or names them
+# (the reference, L0, L1, the wire's CollectiveStart) reads this tuple.
+COLLECTIVES: tuple[str, ...] = tuple(n for n, d in REGISTRY.items() if d.category is C.COLLECTIVE)
+
 # Attributes of a module-level task declaration (not an op: it names a function to run).
 TASK_ATTRS: dict[str, AttrSpec] = {a.name: a for a in (
     A("inputs", K.STRINGS), A("outputs", K.STRINGS), A("after", K.REFS, ()))}

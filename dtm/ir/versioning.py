@@ -8,11 +8,15 @@ op it cannot know.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import ErrorCode as E
 from .diagnostics import IRError
-from .module import Module
 from .registry import REGISTRY
 from .version import SPEC_VERSION
+
+if TYPE_CHECKING:  # module.py imports this file (through the encoder and printer)
+    from .module import Module
 
 
 def check_readable(version: tuple[int, int]) -> None:

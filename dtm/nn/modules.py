@@ -13,6 +13,7 @@ from .. import functional as F
 from ..errors import ErrorCode
 from ..tensor import Tensor, error, no_grad, rand, randn, zeros, ones
 from .functional import cross_entropy, dropout, embedding
+from .weights import load_safetensors, save_safetensors
 
 
 class Parameter(Tensor):
@@ -127,13 +128,9 @@ class Module:
             t._set_value(np.array(arr, dtype=t.numpy().dtype, copy=True))
 
     def save(self, path: str) -> None:
-        from .weights import save_safetensors
-
         save_safetensors(self.state_dict(), path)
 
     def load(self, path: str, strict: bool = True) -> None:
-        from .weights import load_safetensors
-
         self.load_state_dict(load_safetensors(path), strict)
 
     def extra_repr(self) -> str:

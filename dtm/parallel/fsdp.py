@@ -19,7 +19,7 @@ from ..ir.types import Replicate, Shard
 from ..nn import Module
 from ..tensor import error
 from .ddp import shard_batch
-from .dtensor import place, redistribute
+from .dtensor import place
 from .mesh import Mesh
 
 
@@ -32,7 +32,7 @@ def _gather_in_forward(m: Module, axis: str) -> None:
         own = {n: m._parameters[n] for n in names if m._parameters[n] is not None}
         try:
             for n, p in own.items():
-                object.__setattr__(m, n, redistribute(p, {axis: Replicate()}))
+                object.__setattr__(m, n, p.redistribute({axis: Replicate()}))
             return inner(*args, **kwargs)
         finally:
             for n, p in own.items():

@@ -16,21 +16,15 @@ program every distributed value is on one mesh, which the IR calls @mesh.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, Mapping, Sequence
 
-from ..compiler.spmd.layout import assemble, check_sharding, coords
-from ..errors import DTMError, ErrorCode as E
-from ..ir.types import Mesh as IRMesh, Partial, Placement, Replicate, Shard, Sharding, TensorType
+from ..compiler.spmd import FREE
+from ..compiler.spmd.layout import coords
+from ..errors import ErrorCode as E
+from ..ir.types import Partial, Placement, Replicate, Shard
 from ..runtime import l0, process_group
+from ..runtime.mesh import IR_NAME, DeviceMesh
 from ..tensor import error
-
-IR_NAME = "mesh"
-_BY_IR: "weakref.WeakValueDictionary[int, Mesh]" = weakref.WeakValueDictionary()
-# A placement left open by redistribute({axis: ...}): the value keeps on that axis what
-# propagation gives it. Resolved before a program is partitioned; never in the IR.
-FREE = Placement("free")
-BUCKET_BYTES = 25 << 20  # gradient all_reduces merge into flat buffers of about this size (DDP)
 
 
 def devices(n: int | None = None) -> list[l0.Device]:
@@ -42,9 +36,12 @@ def devices(n: int | None = None) -> list[l0.Device]:
     return list(l0.executor().devices)
 
 
-class Mesh:
+class Mesh(DeviceMesh):
     """A named grid of local devices. `shape` maps axis names to sizes, in order; `devices`
-    (default: the first ones) are laid out row-major, the last axis varying fastest."""
+    (default: the first ones) are laid out row-major, the last axis varying fastest. (What
+    the runtime needs of a mesh, placements, splitting and assembling values and running
+    on it, is DeviceMesh's, dtm/runtime/mesh.py; this class is how a user makes and slices
+    one.)"""
 
     def __init__(self, shape: Mapping[str, int] | Sequence[tuple[str, int]], devices: Sequence[Any] | None = None):
         axes = tuple(shape.items()) if isinstance(shape, Mapping) else tuple(tuple(a) for a in shape)
@@ -53,76 +50,16 @@ class Mesh:
         if not axes or bad or len({a for a, _ in axes}) != len(axes):
             raise error(E.INVALID_MESH, f"Mesh({dict(axes)}): a mesh needs at least one axis, axis names that "
                         f"are distinct identifiers and sizes >= 1 (at fault: {bad or 'the axis names'})")
-        self.axes: tuple[tuple[str, int], ...] = axes
-        self.size = math.prod(s for _, s in axes)
-        self.process = _process_group(self.size) if devices is None else None
-        if self.process is not None:  # one mesh rank per process (runtime L1): rank r is process r
-            self.devices = tuple(l0.Device(r, "process") for r in range(self.size))
-            self.bucket_bytes = BUCKET_BYTES
-            self._ir = IRMesh(IR_NAME, axes)
-            _BY_IR[id(self._ir)] = self
+        size = math.prod(s for _, s in axes)
+        process = _process_group(size) if devices is None else None
+        if process is not None:  # one mesh rank per process (runtime L1): rank r is process r
+            super().__init__(axes, tuple(l0.Device(r, "process") for r in range(size)), process)
             return
-        present = l0.executor().devices
-        if devices is None:
-            if self.size > len(present):
-                raise error(E.MESH_TOO_LARGE, f"Mesh({dict(axes)}) needs {self.size} devices, but this process "
-                            f"has {len(present)} ({', '.join(map(str, present))}); call dtm.devices({self.size}) "
-                            f"or set DTM_DEVICES={self.size} first")
-            devices = present[:self.size]
-        ids = tuple(d.index if isinstance(d, l0.Device) else int(d) for d in devices)
-        if len(ids) != self.size or len(set(ids)) != len(ids) or any(not 0 <= i < len(present) for i in ids):
-            raise error(E.MESH_TOO_LARGE, f"Mesh({dict(axes)}) needs {self.size} distinct devices out of the "
-                        f"{len(present)} present, found {list(ids)}")
-        self.devices: tuple[l0.Device, ...] = tuple(present[i] for i in ids)
-        self.bucket_bytes = BUCKET_BYTES
-        self._ir = IRMesh(IR_NAME, axes)
-        _BY_IR[id(self._ir)] = self
-
-    @property
-    def rank(self) -> int | None:
-        """This process's mesh rank on a process mesh; None on a mesh of local devices."""
-        return self.process.rank if self.process is not None else None
-
-    def assemble(self, pieces: Sequence[Any], placements: Sequence[Placement]) -> Any:
-        """The whole value of a distributed tensor from its pieces. On a process mesh only
-        this rank's piece is here: every rank sends its piece to all (one all_gather of
-        the pieces flattened and padded to the largest), so every rank must call this."""
-        sharding = self.sharding(placements)
-        if self.process is None:
-            return assemble(pieces, sharding, self._ir)
-        import numpy as np
-
-        mine = np.asarray(pieces[self.rank], order="C")  # (ascontiguousarray makes a 0-d array 1-d)
-        shapes = self.process.all_gather(np.array([mine.shape], np.int64), dim=0)  # pieces may be uneven
-        sizes = [math.prod(int(d) for d in s) for s in shapes]
-        flat = np.zeros((1, max(sizes)), mine.dtype)
-        flat[0, :mine.size] = mine.reshape(-1)
-        every = self.process.all_gather(flat, dim=0)
-        return assemble([every[r, :n].reshape(tuple(int(d) for d in shapes[r])) for r, n in enumerate(sizes)],
-                        sharding, self._ir)
-
-    @staticmethod
-    def of(ir_mesh: IRMesh) -> "Mesh | None":
-        """The Mesh whose `ir()` is `ir_mesh` (the very object a captured module holds)."""
-        mesh = _BY_IR.get(id(ir_mesh))
-        return mesh if mesh is not None and mesh._ir is ir_mesh else None
-
-    # -- shape --
-    @property
-    def shape(self) -> dict[str, int]:
-        return dict(self.axes)
-
-    @property
-    def axis_names(self) -> tuple[str, ...]:
-        return tuple(a for a, _ in self.axes)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.axes)
+        super().__init__(axes, _local_devices(axes, size, devices))
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """The coordinates of mesh rank `rank` on each axis."""
-        return dict(zip(self.axis_names, coords(self._ir, rank)))
+        return dict(zip(self.axis_names, coords(self.ir(), rank)))
 
     def __getitem__(self, names: str | tuple[str, ...]) -> "Mesh":
         return self.submesh(*((names,) if isinstance(names, str) else names))
@@ -143,49 +80,22 @@ class Mesh:
         members.sort(key=lambda r: [self.coordinates(r)[a] for a in names])
         return Mesh({a: sizes[a] for a in names}, [self.devices[r] for r in members])
 
-    # -- the IR's view --
-    def ir(self) -> IRMesh:
-        return self._ir
 
-    def sharding(self, placements: Sequence[Placement]) -> Sharding:
-        return Sharding(IR_NAME, tuple(placements))
-
-    def placements(self, spec: Any, t: TensorType, what: str, rest: Placement = Replicate()) -> tuple[Placement, ...]:
-        """Checked placements on this mesh for a value `what` of type t, from one placement
-        per axis, a {axis: placement} dict (the axes it does not name get `rest`) or, on a
-        1-D mesh, one placement (Replicate() alone: on every axis). Negative shard dims
-        count from the end."""
-        if isinstance(spec, Placement):
-            spec = (spec,) * (self.ndim if spec.kind == "replicate" else 1)
-        if isinstance(spec, Mapping):
-            unknown = [a for a in spec if a not in self.shape]
-            if unknown:
-                raise error(E.UNKNOWN_MESH_AXIS, f"{what}: placements {dict(spec)} name axes {unknown}, but {self} "
-                            f"has axes {list(self.axis_names)}")
-            spec = tuple(spec.get(a, rest) for a in self.axis_names)
-        if not isinstance(spec, (tuple, list)) or not all(isinstance(p, Placement) for p in spec):
-            raise error(E.INVALID_PLACEMENT, f"{what}: placements {spec!r} on {self}: give dtm.Shard(dim), "
-                        "dtm.Replicate() or dtm.Partial(op), one per mesh axis or as {axis: placement}")
-        out = tuple(Shard(p.arg + t.rank) if p.kind == "shard" and isinstance(p.arg, int) and p.arg < 0 else p
-                    for p in spec)
-        try:
-            known = tuple(Replicate() if p == FREE else p for p in out)
-            check_sharding(what, t, self.sharding(known), {IR_NAME: self._ir})
-        except DTMError as e:
-            raise error(e.code, f"{e.message} ({self!r})") from None
-        return out
-
-    # -- identity --
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mesh) and (self.axes, self.devices) == (other.axes, other.devices)
-
-    def __hash__(self) -> int:
-        return hash((self.axes, self.devices))
-
-    def __repr__(self) -> str:
-        return f"Mesh({dict(self.axes)}, devices=[{', '.join(map(str, self.devices))}])"
-
-    __str__ = __repr__
+def _local_devices(axes: tuple, size: int, devices: Sequence[Any] | None) -> tuple[l0.Device, ...]:
+    """The process's devices a mesh of `size` ranks lays out: the first ones, or those named
+    (as Devices or indices), checked to be distinct and present."""
+    present = l0.executor().devices
+    if devices is None:
+        if size > len(present):
+            raise error(E.MESH_TOO_LARGE, f"Mesh({dict(axes)}) needs {size} devices, but this process "
+                        f"has {len(present)} ({', '.join(map(str, present))}); call dtm.devices({size}) "
+                        f"or set DTM_DEVICES={size} first")
+        devices = present[:size]
+    ids = tuple(d.index if isinstance(d, l0.Device) else int(d) for d in devices)
+    if len(ids) != size or len(set(ids)) != len(ids) or any(not 0 <= i < len(present) for i in ids):
+        raise error(E.MESH_TOO_LARGE, f"Mesh({dict(axes)}) needs {size} distinct devices out of the "
+                    f"{len(present)} present, found {list(ids)}")
+    return tuple(present[i] for i in ids)
 
 
 def _process_group(size: int) -> "process_group.ProcessGroup | None":

@@ -19,24 +19,16 @@ differentiate through the global view instead.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 from ..compiler.spmd.layout import coords, local_type
 from ..errors import ErrorCode as E
 from ..ir.types import Placement
-from ..runtime import l0
-from ..tensor import STATE, Shards, Tensor, capture, error, is_grad_enabled, no_grad, tensor as as_tensor
+from ..runtime.mesh import Shards
+from ..tensor import STATE, Tensor, capture, error, is_grad_enabled, no_grad, tensor as as_tensor
 from .dtensor import distribute
 from .mesh import IR_NAME, Mesh
-
-_CURRENT = threading.local()  # .mesh: the Mesh of the shard_map being traced on this thread
-
-
-def current_mesh() -> Mesh | None:
-    """The mesh of the shard_map whose function is being traced here, if any."""
-    return getattr(_CURRENT, "mesh", None)
 
 
 def _is_spec(s: Any) -> bool:
@@ -89,19 +81,14 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callab
         def rank_inputs(r: int) -> list:
             return [x._buffer.pieces[r] for x in inputs if x is not None] + [c.numpy() for c in per_rank[r][1]]
 
-        if mesh.process is not None:  # runtime L1: this process runs its own rank's function only
-            from ..runtime import l1
-
-            mine = l1.executor().run(modules[mesh.rank], "main", rank_inputs(mesh.rank))
-            outs = [mine if r == mesh.rank else [None] * len(mine) for r in range(mesh.size)]
-        else:
-            outs = l0.executor().run(modules, "main", [rank_inputs(r) for r in range(mesh.size)],
-                                     devices=[d.index for d in mesh.devices])
+        # every rank at once on the mesh's devices (on a process mesh: this process's own)
+        mine = range(mesh.size) if mesh.process is None else (mesh.rank,)
+        outs = mesh.run(modules, "main", [rank_inputs(r) if r in mine else None for r in range(mesh.size)])
         out_is_tuple = next(iter(traced.values()))[2]
         n_out = len(modules[0].funcs["main"].result_types)
         results = []
         for i, spec in enumerate(_specs(out_specs, n_out, "out_specs")):
-            pieces = [outs[r][i] for r in range(mesh.size)]
+            pieces = [outs[r][i] if outs[r] is not None else None for r in range(mesh.size)]
             results.append(_assemble_output(i, pieces, modules, mesh, spec))
         return tuple(results) if out_is_tuple else results[0]
 
@@ -111,15 +98,15 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callab
 def _trace(fn: Callable, mesh: Mesh, args: Sequence, inputs: Sequence, types: Sequence) -> tuple:
     """Trace fn on placeholders of one rank's local argument types into a local-view module."""
     placeholders = [Tensor(t) if t is not None else a for a, t in zip(args, types)]
-    prev_meshes, prev_mesh = STATE.meshes, current_mesh()
+    prev_meshes = STATE.meshes
     STATE.tracing += 1
-    STATE.meshes, _CURRENT.mesh = {IR_NAME: mesh.ir()}, mesh
+    STATE.meshes = {IR_NAME: mesh.ir()}  # collectives in fn record over this mesh (dtm.distributed)
     try:
         with no_grad():
             out = fn(*placeholders)
     finally:
         STATE.tracing -= 1
-        STATE.meshes, _CURRENT.mesh = prev_meshes, prev_mesh
+        STATE.meshes = prev_meshes
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if not outs or not all(isinstance(o, Tensor) for o in outs):
         raise error(E.RETURN_MISMATCH, f"shard_map: the function must return tensors, found {out!r}")
@@ -159,4 +146,4 @@ def _assemble_output(i: int, pieces: list, modules: list, mesh: Mesh, spec: Any)
     return Tensor(t, buffer=Shards(mesh, pl, pieces))
 
 
-__all__ = ["shard_map", "current_mesh"]
+__all__ = ["shard_map"]

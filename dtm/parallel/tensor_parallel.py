@@ -38,7 +38,7 @@ from ..errors import ErrorCode as E
 from ..ir.types import Replicate, Shard
 from ..nn import Embedding, Linear, Module
 from ..tensor import error
-from .dtensor import place, redistribute
+from .dtensor import place
 from .mesh import Mesh
 
 GPT2_PLAN = {
@@ -53,7 +53,7 @@ def _pin_output(m: Module, mesh: Mesh, axis: str) -> None:
     inner = m.forward
 
     def forward(*args, **kwargs):
-        return redistribute(inner(*args, **kwargs), {axis: Replicate()})
+        return inner(*args, **kwargs).redistribute({axis: Replicate()})
 
     object.__setattr__(m, "forward", forward)
 

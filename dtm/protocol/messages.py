@@ -24,6 +24,8 @@ from ..errors import DTMError
 from ..errors import ErrorCode as E
 from ..ir.attrs import MAX_DIM, MAX_RANK
 from ..ir.dtypes import DTYPES
+from ..ir.registry import COLLECTIVES
+from ..ir.types import REDUCE_OPS
 from .caps import MAX_LEVEL, level_caps
 from .errors import ProtocolError
 from .frame import PROTOCOL_VERSION, Buffer, FrameHeader, MsgType, encode_header
@@ -38,8 +40,8 @@ MAX_AXES = 16
 DATA_HEADER_SIZE = 32
 _DATA_HEADER = struct.Struct("<QIIQQ")  # seq, chunk, step, offset, nbytes
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier")
-REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
+# What a CollectiveStart may name: the IR's collectives, and `reduce`, which only the wire has.
+COLLECTIVE_OPS = (*COLLECTIVES, "reduce")
 _REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 _ROOTED = ("broadcast", "reduce")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

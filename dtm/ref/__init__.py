@@ -6,6 +6,7 @@ the oracle every faster backend is tested against.
     outs = run_spmd(module, "f", [[x0, w], [x1, w]], "mesh")   # one thread per rank (L0)
 """
 
+from . import collectives  # noqa: F401 - registers the collectives and send/recv into IMPLS
 from .context import Comm, RefContext
 from .interpreter import run
 from .local_group import LocalGroup, run_spmd

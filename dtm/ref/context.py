@@ -30,12 +30,12 @@ class Comm(Protocol):
     """What the reference ops need from a device group. Ranks are global (row-major over
     the mesh); `group` lists the global ranks of one group in group order."""
 
-    def exchange(self, op: str, group: tuple[int, ...], rank: int, x: np.ndarray,
-                 timeout: float) -> list[np.ndarray]:
-        """Contribute `x` and return every member's contribution, in group order. `op`
-        describes the call (op, attributes, dtype, shape) and must be the same on every
-        member. Blocks until the whole group has contributed; raises DTMError: TIMEOUT after
-        `timeout` seconds, COLLECTIVE_MISMATCH when the members' `op` differ."""
+    def collective(self, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...], index: int, rank: int,
+                   timeout: float) -> np.ndarray | None:
+        """This rank's result of IR collective `name` (with the op's `attrs`) over `group`,
+        of which it is member `index`: what `collectives.result` gives for every member's
+        operand. Blocks until the whole group has called it; raises DTMError: TIMEOUT after
+        `timeout` seconds, COLLECTIVE_MISMATCH when the members' calls differ."""
         ...
 
     def send(self, src: int, dst: int, x: np.ndarray, timeout: float) -> None:
@@ -127,16 +127,24 @@ class RefContext:
     def group(self, mesh: str, axes: Sequence[str]) -> tuple[tuple[int, ...], int]:
         """(global ranks of this rank's group in group order, this rank's index in it)."""
         m = self.mesh(mesh)
-        sizes = dict(m.axes)
         for a in axes:
-            if a not in sizes:
-                raise DTMError(E.UNKNOWN_MESH_AXIS, f"mesh @{mesh} has axes {list(sizes)}, not {a!r}")
-        mine = self.coords(mesh)
-        members = []
-        for combo in itertools.product(*(range(sizes[a]) for a in axes)):  # row-major over axes
-            c = dict(mine, **dict(zip(axes, combo)))
-            members.append(int(np.ravel_multi_index(tuple(c[a] for a, _ in m.axes), tuple(sizes.values()))))
-        return tuple(members), members.index(self.rank)
+            if a not in dict(m.axes):
+                raise DTMError(E.UNKNOWN_MESH_AXIS, f"mesh @{mesh} has axes {[a for a, _ in m.axes]}, not {a!r}")
+        members = group_ranks(m.axes, self.rank, axes)
+        return members, members.index(self.rank)
+
+
+def group_ranks(mesh_axes: Sequence[tuple[str, int]], rank: int, axes: Sequence[str]) -> tuple[int, ...]:
+    """The group of `rank` along `axes` on a mesh of `mesh_axes` (the module docstring's
+    rule): every rank that shares its coordinates off `axes`, row-major over `axes` in the
+    order given."""
+    sizes = dict(mesh_axes)
+    mine = dict(zip(sizes, np.unravel_index(rank, tuple(sizes.values()))))
+    members = []
+    for combo in itertools.product(*(range(sizes[a]) for a in axes)):  # row-major over axes
+        c = dict(mine, **dict(zip(axes, combo)))
+        members.append(int(np.ravel_multi_index(tuple(c[a] for a in sizes), tuple(sizes.values()))))
+    return tuple(members)
 
 
 class _SelfMailbox:

@@ -31,7 +31,7 @@ from ..ir.symbolic import SymDim, format_dim
 from ..ir.types import TensorType
 from . import quant
 from .context import RefContext
-from .ops import IMPLS
+from .ops import IMPLS, register
 
 Bindings = dict[str, int]
 
@@ -93,6 +93,13 @@ def _run(f: Func, inputs: Sequence[np.ndarray], ctx: RefContext) -> list[np.ndar
         x = env[v]
         results.append(x.copy() if any(np.may_share_memory(x, a) for a in inputs) else x)
     return results
+
+
+@register("call")
+def _call(ctx: RefContext, attrs, *args, out_types):
+    """`call` runs another function of the module being run, on the same context: the
+    interpreter's own op (ops.py holds the ops that need no interpreter)."""
+    return tuple(run(ctx.module, attrs["callee"], args, ctx))
 
 
 class _Spec:

@@ -1,70 +1,115 @@
 """An in-process device group for the reference interpreter (conformance level L0): one
-thread per rank of a mesh, each with its own RefContext, exchanging numpy arrays through a
-shared rendezvous.
+thread per rank of a mesh, each with its own RefContext, meeting at every collective.
 
     outs = run_spmd(module, "step", [inputs_rank0, inputs_rank1, ...], "mesh")
 
 Rank r is the row-major index over the mesh's axes (RefContext.group has the group rules).
 A collective completes when every member of the group has called it: the n-th collective a
-rank issues on a group meets the n-th of every other member. Each member contributes a copy
-of its operand and reads all contributions in group order, so reductions run in group order
-and are deterministic. Nothing waits forever: a rank that waits `timeout` seconds raises
-DTMError (TIMEOUT) naming the op, the rank and the ranks that did not arrive, and when one
-rank fails the others stop waiting at once.
+rank issues on a group meets the n-th of every other member (`LocalGroup.meet`, the one
+rendezvous of the ranks of a process, which L0's devices use too). Each member posts its
+operand, computes its own result from all of them in group order (so reductions are
+deterministic), and leaves once every member has finished reading. Nothing waits forever: a
+rank that waits `timeout` seconds raises DTMError (TIMEOUT) naming the op, the rank and the
+ranks that did not arrive, and when one rank fails the others stop waiting at once.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
 from ..ir.module import Module
+from .collectives import describe, result
 from .context import DEFAULT_TIMEOUT_S, Mailbox, RefContext
 from .interpreter import run
 
 
+class Meeting:
+    """One collective of one group: the members' calls, operands and (for algorithms that
+    read each other's partial results) outputs, and how far each member has got."""
+
+    __slots__ = ("what", "inputs", "outputs", "phase", "left")
+
+    def __init__(self, n: int):
+        self.what: list[str | None] = [None] * n
+        self.inputs: list[np.ndarray | None] = [None] * n
+        self.outputs: list[np.ndarray | None] = [None] * n
+        self.phase = [0] * n
+        self.left = 0
+
+
 class LocalGroup:
-    """The `Comm` of ranks that are threads of one process."""
+    """The `Comm` of ranks that are threads of one process: the reference collectives."""
 
     def __init__(self, size: int):
         self.size = size
         self._cond = threading.Condition()
-        self._slots: dict[tuple[tuple[int, ...], int], dict] = {}
-        self._issued: dict[tuple[int, tuple[int, ...]], int] = {}  # (rank, group) -> collectives so far
+        self._meetings: dict[tuple[tuple[int, ...], int], Meeting] = {}
+        self._joined: dict[tuple[int, tuple[int, ...]], int] = {}  # (rank, group) -> collectives so far
         self._mailbox = Mailbox()
         self.aborted: str | None = None
 
-    def exchange(self, op: str, group: tuple[int, ...], rank: int, x: np.ndarray, timeout: float) -> list[np.ndarray]:
+    def collective(self, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...], index: int, rank: int,
+                   timeout: float) -> np.ndarray | None:
+        with self.meet(describe(name, attrs, x), x, group, index, rank, timeout) as (m, _step):
+            return result(name, attrs, m.inputs, index)
+
+    @contextmanager
+    def meet(self, what: str, x: np.ndarray, group: tuple[int, ...], index: int, rank: int,
+             timeout: float) -> Iterator[tuple[Meeting, Callable[[], None]]]:
+        """Join the group's next collective, described by `what`, with operand `x`; yields
+        (the meeting, `step`) once every member has joined and their calls match. `step()`
+        waits until every member has called it as often (between the steps of an algorithm
+        that reads the others' partial results). Leaving waits until no member can still
+        read this one's buffers."""
+        n = len(group)
         deadline = time.monotonic() + timeout
         with self._cond:
-            seq = self._issued.get((rank, group), 0)
-            self._issued[(rank, group)] = seq + 1
-            slot = self._slots.setdefault((group, seq), {"values": {}, "reads": 0})
-            slot["values"][rank] = (op, np.array(x, copy=True))
-            self._cond.notify_all()
-            while len(slot["values"]) < len(group):
-                if self.aborted is not None:
-                    raise DTMError(E.TIMEOUT, f"{op} on rank {rank}: abandoned, {self.aborted}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [r for r in group if r not in slot["values"]]
-                    raise DTMError(E.TIMEOUT, f"{op} on rank {rank}: waited {timeout:g} s for ranks {missing} "
-                                   f"of group {list(group)}")
-                self._cond.wait(left)
-            slot["reads"] += 1
-            if slot["reads"] == len(group):
-                del self._slots[(group, seq)]
-            values = slot["values"]
-        ops = {values[r][0] for r in group}
-        if len(ops) > 1:
-            calls = "; ".join(f"rank {r}: {values[r][0]}" for r in group)
+            seq = self._joined.get((rank, group), 0)
+            self._joined[(rank, group)] = seq + 1
+            m = self._meetings.setdefault((group, seq), Meeting(n))
+            m.what[index], m.inputs[index] = what, x
+            self._wait(m, index, 1, what, group, rank, deadline, timeout)
+        if len(set(m.what)) > 1:
+            calls = "; ".join(f"rank {r}: {w}" for r, w in zip(group, m.what))
             raise DTMError(E.COLLECTIVE_MISMATCH, f"collective #{seq} of group {list(group)} does not match "
                            f"across ranks ({calls})")
-        return [values[r][1] for r in group]
+        phase = [1]
+
+        def step() -> None:
+            phase[0] += 1
+            with self._cond:
+                self._wait(m, index, phase[0], what, group, rank, deadline, timeout)
+
+        try:
+            yield m, step
+            step()  # nobody leaves while another member may still read its buffers
+        finally:
+            with self._cond:
+                m.left += 1
+                if m.left == n:
+                    del self._meetings[(group, seq)]
+
+    def _wait(self, m: Meeting, index: int, phase: int, what: str, group: tuple[int, ...], rank: int,
+              deadline: float, timeout: float) -> None:
+        """Mark member `index` at `phase` and wait until every member is there. Caller holds _cond."""
+        m.phase[index] = phase
+        self._cond.notify_all()
+        while min(m.phase) < phase:
+            if self.aborted is not None:
+                raise DTMError(E.TIMEOUT, f"{what} on rank {rank}: abandoned, {self.aborted}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [group[i] for i, p in enumerate(m.phase) if p < phase]
+                step = "" if phase == 1 else f" (step {phase - 1})"
+                raise DTMError(E.TIMEOUT, f"{what}{step} on rank {rank}: waited {timeout:g} s for ranks {missing} "
+                               f"of group {list(group)}")
+            self._cond.wait(left)
 
     def send(self, src: int, dst: int, x: np.ndarray, timeout: float) -> None:
         self._mailbox.send(src, dst, x, timeout)

@@ -1,4 +1,6 @@
-"""The reference semantics: one numpy implementation per op of the registry.
+"""The reference semantics: one numpy implementation per op of the registry (the
+collectives and point-to-point ops are in collectives.py, `call` in interpreter.py: they
+register into the same table).
 
 `IMPLS[name](ctx, attrs, *inputs, out_types=...)` returns the op's results as a tuple of
 numpy arrays. `attrs` holds every attribute with symbolic dims already evaluated, and
@@ -20,10 +22,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
+from ..ir.dtypes import NARROW_FLOATS
 from ..ir.types import TensorType
 from . import philox, quant
 from .mathfn import erf as _erf_f64
@@ -31,8 +33,6 @@ from .mathfn import erf as _erf_f64
 Impl = Callable[..., tuple]
 IMPLS: dict[str, Impl] = {}
 
-NARROW_FLOATS = frozenset(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16,
-                                                ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2))
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -440,101 +440,9 @@ def _assign(ctx, attrs, target, value, *, out_types):
     return ()
 
 
-# --- collectives and point-to-point --------------------------------------------------------
+# --- checking a value that arrives from outside (store, recv) ------------------------------
 
-def _exchange(ctx, name: str, attrs, x: np.ndarray, what: str) -> tuple[list[np.ndarray], int]:
-    """Every group member's x in group order, and this rank's index in the group."""
-    members, index = ctx.group(attrs["mesh"], attrs["axes"])
-    if len(members) == 1:
-        return [x], 0
-    if ctx.comm is None:
-        raise DTMError(E.INVALID_GROUP, f"{name}: a group of {len(members)} ranks over {list(attrs['axes'])} of "
-                       f"@{attrs['mesh']} needs a device group (RefContext.comm), and this context has none")
-    return ctx.comm.exchange(f"{what} {x.dtype}{list(x.shape)}", members, ctx.rank, x, ctx.timeout), index
-
-
-def _combine(xs: list[np.ndarray], op: str) -> np.ndarray:
-    """Reduce the members' values left to right in group order (so float sums are
-    deterministic); narrow floats in f32; avg is sum / n, for integers truncating."""
-    ws = [_wide(x) for x in xs]
-    fn = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
-    acc = ws[0]
-    for w in ws[1:]:
-        acc = fn(acc, w)
-    if op == "avg" and _is_int(acc):  # the wrapped sum, divided in a wide type (n may not fit i8)
-        wide = np.dtype(np.uint64 if acc.dtype.kind == "u" else np.int64)
-        acc = _trunc_div(acc.astype(wide), np.full((), len(xs), wide)).astype(acc.dtype)
-    elif op == "avg":
-        acc = acc / acc.dtype.type(len(xs))
-    return acc
-
-
-@register("all_reduce")
-def _all_reduce(ctx, attrs, x, *, out_types):
-    xs, _ = _exchange(ctx, "all_reduce", attrs, x, f"all_reduce({attrs['op']})")
-    return (_as(_combine(xs, attrs["op"]), out_types[0]),)
-
-
-@register("all_gather")
-def _all_gather(ctx, attrs, x, *, out_types):
-    xs, _ = _exchange(ctx, "all_gather", attrs, x, f"all_gather(dim={attrs['dim']})")
-    return (np.concatenate(xs, axis=attrs["dim"]),)
-
-
-@register("reduce_scatter")
-def _reduce_scatter(ctx, attrs, x, *, out_types):
-    xs, index = _exchange(ctx, "reduce_scatter", attrs, x, f"reduce_scatter({attrs['op']}, dim={attrs['dim']})")
-    blocks = np.split(_combine(xs, attrs["op"]), len(xs), axis=attrs["dim"])
-    return (_as(blocks[index], out_types[0]),)
-
-
-@register("broadcast")
-def _broadcast(ctx, attrs, x, *, out_types):
-    xs, _ = _exchange(ctx, "broadcast", attrs, x, f"broadcast(src={attrs['src']})")
-    return (xs[attrs["src"]].copy(),)  # every rank read the same contribution: own a copy
-
-
-@register("all_to_all")
-def _all_to_all(ctx, attrs, x, *, out_types):
-    s, c = attrs["split_dim"], attrs["concat_dim"]
-    xs, index = _exchange(ctx, "all_to_all", attrs, x, f"all_to_all(split_dim={s}, concat_dim={c})")
-    # Source j's block `index` comes to this rank; received blocks join in source order.
-    return (np.concatenate([np.split(src, len(xs), axis=s)[index] for src in xs], axis=c),)
-
-
-@register("barrier")
-def _barrier(ctx, attrs, *, out_types):
-    _exchange(ctx, "barrier", attrs, np.zeros(0, np.uint8), "barrier")
-    return ()
-
-
-def _peer(ctx, name: str, attrs, peer: str) -> int:
-    """The global rank of group rank attrs[peer]."""
-    members, _ = ctx.group(attrs["mesh"], attrs["axes"])
-    if ctx.comm is None and len(members) > 1:
-        raise DTMError(E.INVALID_GROUP, f"{name}: a group of {len(members)} ranks needs a device group "
-                       "(RefContext.comm), and this context has none")
-    return members[attrs[peer]]
-
-
-@register("send")
-def _send(ctx, attrs, x, *, out_types):
-    """Buffered: returns once x is queued for the peer, without waiting for its recv."""
-    dst = _peer(ctx, "send", attrs, "dst")
-    ctx.p2p().send(ctx.rank, dst, x, ctx.timeout)
-    return ()
-
-
-@register("recv")
-def _recv(ctx, attrs, *, out_types):
-    """The oldest tensor the peer sent to this rank (FIFO per ordered pair of ranks)."""
-    src = _peer(ctx, "recv", attrs, "src")
-    x = ctx.p2p().recv(src, ctx.rank, ctx.timeout)
-    _expect(x, out_types[0], f"recv from rank {src}")
-    return (x,)
-
-
-def _expect(x: np.ndarray, t: TensorType, what: str) -> None:
+def expect_value(x: np.ndarray, t: TensorType, what: str) -> None:
     """Raise unless x holds a value of static type t."""
     if x.dtype != _np(t):
         raise DTMError(E.DTYPE_MISMATCH, f"{what}: expected {t}, found a {x.dtype} array")
@@ -543,7 +451,7 @@ def _expect(x: np.ndarray, t: TensorType, what: str) -> None:
                        f"found shape {list(x.shape)}")
 
 
-# --- store and call ------------------------------------------------------------------------
+# --- store ------------------------------------------------------------------------
 
 @register("store_get")
 def _store_get(ctx, attrs, *, out_types):
@@ -551,7 +459,7 @@ def _store_get(ctx, attrs, *, out_types):
     if key not in ctx.store:
         raise DTMError(E.STORE_KEY_MISSING, f"store_get: no tensor is stored under {key!r}")
     x = ctx.store[key]
-    _expect(x, out_types[0], f"store_get {key!r}")
+    expect_value(x, out_types[0], f"store_get {key!r}")
     return (x.copy(),)
 
 
@@ -559,10 +467,3 @@ def _store_get(ctx, attrs, *, out_types):
 def _store_put(ctx, attrs, x, *, out_types):
     ctx.store[attrs["key"]] = np.array(x, copy=True)
     return ()
-
-
-@register("call")
-def _call(ctx, attrs, *args, out_types):
-    from .interpreter import run  # the interpreter imports this table
-
-    return tuple(run(ctx.module, attrs["callee"], args, ctx))

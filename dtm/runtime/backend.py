@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import DTMError, ErrorCode
 from ..ir.module import Module
 from ..ref.interpreter import run as ref_run
-from .cpu import CpuBackend
+from .cpu import CpuBackend, Plan
 
 
 class Backend(Protocol):
@@ -39,3 +39,9 @@ def get_backend(name: str | None = None) -> Backend:
     if backend is None:
         raise DTMError(ErrorCode.UNKNOWN_BACKEND, f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
     return backend
+
+
+def compiled_plan(module: Module, func: str) -> Plan:
+    """The `cpu` backend's compiled plan of @func, from its cache: what L0's devices and
+    L1's rank run, with their device group in the context."""
+    return BACKENDS["cpu"].plan(module, func)

@@ -7,12 +7,13 @@
 Where L0 runs every rank's local-view module on threads of one process, L1 runs only this
 process's: the partitioner's module for `rank = process rank`, as a compiled plan of the
 `cpu` backend. The plan's collective steps go over the process group's Communicator
-(shared memory or TCP, dtm.comm) instead of the in-process DeviceGroup. A collective of the
-IR names mesh axes; the group it runs on is this rank's row of the mesh along those axes,
+(shared memory or TCP, dtm.comm: `ProcessComm`) instead of the in-process DeviceGroup. A
+collective of the IR names mesh axes; the group it runs on is this rank's row of the mesh along those axes,
 in row-major rank order (RefContext.group), and mesh rank = process rank, so those ranks
 are the Communicator's ranks as they are.
 
-Plans are cached by module hash, so the step a training loop repeats compiles once.
+Plans are the `cpu` backend's, cached by module hash, so the step a training loop repeats
+compiles once.
 """
 
 from __future__ import annotations
@@ -22,43 +23,34 @@ from typing import Sequence
 
 import numpy as np
 
-from ..compiler.passes import compile_func
 from ..errors import DTMError
 from ..ir.module import Module
 from ..ref.context import RefContext
-from .cpu import Plan, PlanCache
-from .l0 import COLLECTIVES
+from .backend import compiled_plan
 from .process_group import ProcessGroup, current
 
 
-# The IR attributes each collective passes on, in the Communicator's parameter order.
-PARAMS = {"all_reduce": ("op",), "all_gather": ("dim",), "reduce_scatter": ("op", "dim"),
-          "all_to_all": ("split_dim", "concat_dim"), "broadcast": ("src",)}
+class ProcessComm:
+    """The `Comm` of this process's rank: a plan's collectives and send/recv over the
+    process group's Communicator. The IR attributes of a collective other than its group
+    (op, dim, src, split_dim, concat_dim) are the Communicator's parameters of those names."""
 
+    def __init__(self, pg: ProcessGroup):
+        self.pg = pg
 
-class ProcessPlan(Plan):
-    """A cpu-backend plan whose collective steps run over the process group (mirrors
-    l0.DevicePlan: it overrides the fallback step, the one place a collective runs;
-    quantized operands and groups of one keep the reference implementation)."""
-
-    pg: ProcessGroup
-
-    def _fallback(self, step, vals, originals, bindings, ctx):
-        op = step.op
-        if op.name not in COLLECTIVES or op.operands[0].type.dtype.is_quant:
-            return super()._fallback(step, vals, originals, bindings, ctx)
-        ins, outs = self.fb_args[id(step)]
-        group, _ = ctx.group(op.attrs["mesh"], op.attrs["axes"])
-        if len(group) == 1:
-            return super()._fallback(step, vals, originals, bindings, ctx)
-        x = np.asarray(originals.get(ins[0], vals[ins[0]]), order="C")  # (ascontiguousarray: 0-d -> 1-d)
+    def collective(self, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...], index: int, rank: int,
+                   timeout: float) -> np.ndarray | None:
+        params = {k: v for k, v in attrs.items() if k not in ("mesh", "axes")}
         try:
-            y = self.pg.collective(op.name, x, group, **{k: op.attrs[k] for k in PARAMS[op.name]})
+            return self.pg.collective(name, np.asarray(x, order="C"), group, **params)  # (not ascontiguousarray: 0-d)
         except DTMError as e:
-            raise DTMError(e.code, f"@{self.func.name} op {op.name} ({step.name}) on rank {ctx.rank}: "
-                           f"{e.message}") from e
-        vals[outs[0]] = y
-        return ctx
+            raise DTMError(e.code, f"on rank {rank}: {e.message}") from e
+
+    def send(self, src: int, dst: int, x: np.ndarray, timeout: float) -> None:
+        self.pg.send(x, dst)
+
+    def recv(self, src: int, dst: int, timeout: float) -> np.ndarray:
+        return self.pg.recv(src)
 
 
 class L1Executor:
@@ -66,22 +58,13 @@ class L1Executor:
 
     def __init__(self, pg: ProcessGroup):
         self.pg = pg
-        self.plans = PlanCache(self._make, 256)
-
-    def _make(self, module: Module, func: str) -> "ProcessPlan":
-        plan = ProcessPlan(module, func, compile_func(module, func))
-        plan.pg = self.pg
-        return plan
-
-    def plan(self, module: Module, func: str) -> "ProcessPlan":
-        """The compiled plan of @func of `module`, cached by module (object, then hash)."""
-        return self.plans.get(module, func)
+        self.comm = ProcessComm(pg)
 
     def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Run this rank's local-view @func of `module` on `inputs`; its results."""
-        ctx = RefContext(rank=self.pg.rank, meshes=dict(module.meshes), module=module,
+        ctx = RefContext(rank=self.pg.rank, meshes=dict(module.meshes), module=module, comm=self.comm,
                          timeout=getattr(getattr(self.pg.comm, "transport", None), "timeout", 60.0))
-        return self.plan(module, func).run(inputs, ctx)
+        return compiled_plan(module, func).run(inputs, ctx)
 
 
 _EXECUTOR: L1Executor | None = None
@@ -98,4 +81,4 @@ def executor() -> L1Executor:
         return _EXECUTOR
 
 
-__all__ = ["L1Executor", "ProcessPlan", "executor"]
+__all__ = ["L1Executor", "ProcessComm", "executor"]

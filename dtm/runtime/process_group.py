@@ -20,7 +20,6 @@ says a peer it needs is lost, so a survivor hears within `Membership.detection_b
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import threading
 import time
@@ -41,6 +40,8 @@ from ..comm.tcp import connect_mesh
 from ..comm.transport import DEFAULT_TIMEOUT_S, PeerLost
 from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import from_numpy
+from ..ref.collectives import call_args
+from ..ref.context import group_ranks
 
 log = logging.getLogger("dtm.cluster")
 
@@ -93,13 +94,7 @@ class ProcessGroup:
             have = ", ".join(f"{a}={n}" for a, n in self.axes) or "none (set DTM_MESH_AXES or dtm launch --axes)"
             raise DTMError(E.UNKNOWN_MESH_AXIS if unknown else E.INVALID_GROUP,
                            f"axis {list(names)}: the mesh's axes are {have}")
-        order = [a for a, _ in self.axes]
-        coords = dict(zip(order, np.unravel_index(self.rank, [sizes[a] for a in order])))
-        ranks = []
-        for combo in itertools.product(*(range(sizes[a]) for a in names)):
-            c = dict(coords, **dict(zip(names, combo)))
-            ranks.append(int(np.ravel_multi_index([c[a] for a in order], [sizes[a] for a in order])))
-        return tuple(ranks)
+        return group_ranks(self.axes, self.rank, names)
 
     # --- running a collective -------------------------------------------------------------------
 
@@ -147,14 +142,17 @@ class ProcessGroup:
 
     # --- the collectives (numpy in, numpy out) ------------------------------------------------------
 
-    def collective(self, name: str, x: np.ndarray, group: tuple[int, ...] | None, **params) -> np.ndarray:
+    def collective(self, name: str, x: np.ndarray | None, group: tuple[int, ...] | None,
+                   **params) -> np.ndarray | None:
         """The Communicator's collective `name` over process ranks `group` (None: all), with
-        its parameters in signature order; they name the call in heartbeats and errors, as
-        in "reduce_scatter(sum, dim=0)"."""
+        its parameters; they name the call in heartbeats and errors, as in
+        "reduce_scatter(sum, dim=0)". A barrier has no operand and no result."""
+        if name == "barrier":
+            self.run(self._describe(name, None, group), lambda: self._comm().barrier(group))
+            return None
         x = np.asarray(x)
-        args = ", ".join(str(v) if k == "op" else f"{k}={v}" for k, v in params.items())
         fn = getattr(self._comm(), name)
-        return self.run(self._describe(name, x, group, args), lambda: fn(x, **params, group=group))
+        return self.run(self._describe(name, x, group, call_args(params)), lambda: fn(x, **params, group=group))
 
     def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None) -> np.ndarray:
         return self.collective("all_reduce", x, self.group(axis), op=op)
@@ -172,8 +170,7 @@ class ProcessGroup:
         return self.collective("all_to_all", x, self.group(axis), split_dim=split_dim, concat_dim=concat_dim)
 
     def barrier(self, axis: Axis = None) -> None:
-        g = self.group(axis)
-        self.run(self._describe("barrier", None, g), lambda: self._comm().barrier(g))
+        self.collective("barrier", None, self.group(axis))
 
     def send(self, x: np.ndarray, dst: int) -> None:
         x = np.asarray(x)

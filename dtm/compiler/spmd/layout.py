@@ -27,6 +27,7 @@ from ...errors import DTMError, ErrorCode as E
 from ...ir.module import Func, Module
 from ...ir.symbolic import Dim, dim_div_exact, dim_mul, dim_sub, format_dim, is_static
 from ...ir.types import REDUCE_OPS, Mesh, Placement, Sharding, TensorType
+from ...ref.reduction import reduce_in_order
 
 
 def coords(mesh: Mesh, rank: int) -> tuple[int, ...]:
@@ -185,8 +186,6 @@ def assemble(pieces: Sequence[np.ndarray], sh: Sharding, mesh: Mesh) -> np.ndarr
     """The global array from every rank's piece (pieces[r] is mesh rank r's): shards are
     placed at their offsets, the pieces along partial axes reduced as `all_reduce` reduces
     them (in rank order), replicas read from coordinate 0."""
-    from ...ref.ops import _combine  # all_reduce's reduction: order, rounding, integer avg
-
     if len(pieces) != mesh.size:
         raise DTMError(E.INVALID_GROUP, f"assemble: {mesh} has {mesh.size} ranks, found {len(pieces)} pieces")
     ops = {p.arg for p in sh.placements if p.kind == "partial"}
@@ -204,7 +203,7 @@ def assemble(pieces: Sequence[np.ndarray], sh: Sharding, mesh: Mesh) -> np.ndarr
             groups.setdefault(key, []).append(pieces[r])
     out = np.empty(shape, pieces[0].dtype)
     for at, values in groups.items():
-        value = _combine(values, next(iter(ops))) if ops else values[0]
+        value = reduce_in_order(values, next(iter(ops))) if ops else values[0]
         out[_index(shape, sh, mesh, at)] = np.asarray(value).astype(out.dtype, copy=False)
     return out
 

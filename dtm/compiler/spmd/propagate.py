@@ -35,6 +35,10 @@ from .rules import LOCAL_VIEW_ONLY, Strategy, rule_for
 
 R = Replicate()
 SYMBOL_GUESS = 1024  # the size a symbol stands for when pricing a redistribution
+# A placement left open (a redistribute that names only some mesh axes): the value keeps on
+# that axis what propagation gives it. Filled by `resolve_free` before a function is
+# partitioned; never in a module that is printed, encoded or run.
+FREE = Placement("free")
 
 
 @dataclass(frozen=True)
@@ -148,3 +152,22 @@ def propagate_shardings(module: Module, func: str) -> Func:
     """A copy of global-view function @func in which every value has a sharding (see the
     module docstring); raises DTMError for shardings that do not fit their values."""
     return propagate(module, func)[0]
+
+
+def resolve_free(module: Module, func: str) -> None:
+    """Fill, in place, the open (FREE) axes of pinned shardings in @func with what
+    propagation gives those values without the pins. (One propagation for all of them:
+    each mesh axis is placed on its own, so a pin on one axis barely moves the others; and
+    any complete sharding is correct, the open axes only decide what is cheaper.)"""
+    f = module.funcs[func]
+    pinned = [(i, k, r.sharding) for i, op in enumerate(f.ops) for k, r in enumerate(op.results)
+              if r.sharding is not None and FREE in r.sharding.placements]
+    if not pinned:
+        return
+    for i, k, _ in pinned:
+        f.ops[i].results[k].sharding = None
+    g = propagate_shardings(module, func)
+    for i, k, sh in pinned:
+        got = g.ops[i].results[k].sharding.placements
+        f.ops[i].results[k].sharding = Sharding(sh.mesh, tuple(q if p == FREE else p
+                                                               for p, q in zip(sh.placements, got)))
