@@ -62,7 +62,7 @@ def module(op: str, attrs: dict, shape=(4, 6), dtype="f64") -> tuple[ir.Module, 
     b = ir.Builder()
     b.mesh("m", **dict(MESH))
     f = b.func("f")
-    x = f.param(f"{dtype}[{shape[0]}, {shape[1]}]", name="x")
+    x = f.param(f"{dtype}[{', '.join(map(str, shape))}]", name="x")
     f.ret(getattr(f, op)(x, mesh="m", **attrs))
     return b.build(), "f"
 
@@ -119,6 +119,15 @@ def test_ring_all_reduce_of_a_large_uneven_operand(ex, dtype, np_dtype):
     outs = ex.run([m] * 4, f, [[x] for x in xs])
     for r in range(4):
         np.testing.assert_array_equal(outs[r][0], xs[0] + xs[1] + xs[2] + xs[3])
+
+
+def test_a_0d_operand_keeps_its_shape(ex):
+    """A scalar's all_reduce is a scalar on every rank (it once came back as shape [1])."""
+    m, f = module("all_reduce", dict(axes=["a", "b"], op="sum"), shape=())
+    xs = [np.array(r + 0.5) for r in range(4)]
+    outs = ex.run([m] * 4, f, [[x] for x in xs])
+    assert [o[0].shape for o in outs] == [()] * 4
+    assert [float(o[0]) for o in outs] == [8.0] * 4
 
 
 def test_each_rank_runs_its_own_module(ex):

@@ -95,7 +95,7 @@ class DeviceGroup(LocalGroup):
 
     def collective(self, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...], index: int, rank: int,
                    timeout: float) -> np.ndarray | None:
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")  # (not ascontiguousarray: it makes a 0-d array 1-d)
         ring = name in ("all_reduce", "reduce_scatter") and x.nbytes >= self.ring_min_bytes \
             and reduction.work_dtype(x.dtype) == x.dtype and not (attrs["op"] == "avg" and x.dtype.kind in "iu")
         with self.meet(describe(name, attrs, x), x, group, index, rank, timeout) as (m, step):
