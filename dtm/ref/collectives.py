@@ -82,8 +82,7 @@ def _peer(ctx: RefContext, name: str, attrs: dict[str, Any], peer: str) -> int:
     """The global rank of group rank attrs[peer]."""
     members, _ = ctx.group(attrs["mesh"], attrs["axes"])
     if ctx.comm is None and len(members) > 1:
-        raise DTMError(E.INVALID_GROUP, f"{name}: a group of {len(members)} ranks needs a device group "
-                       "(RefContext.comm), and this context has none")
+        raise _no_group(name, attrs, members)
     return members[attrs[peer]]
 
 
