@@ -83,6 +83,7 @@ class ErrorCode(str, enum.Enum):
     STORE_KEY_MISSING = "E0804"
     READ_ONLY_INPUT = "E0805"
     BUILD_FAILED = "E0806"
+    GRAPH_FREED = "E0807"
     # E09xx: the wire protocol
     BAD_MAGIC = "E0901"
     UNSUPPORTED_PROTOCOL_VERSION = "E0902"

@@ -167,7 +167,7 @@ class Tensor:
     one table at its end (`_METHODS`)."""
 
     __slots__ = ("type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "_mesh",
-                 "_placements", "__weakref__")
+                 "_placements", "_freed", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our operators: ndarray + Tensor -> Tensor
 
     def __init__(self, type: TensorType, op: str | None = None, inputs: tuple["Tensor", ...] = (),
@@ -181,6 +181,7 @@ class Tensor:
         self.grad: Tensor | None = None
         self._users: list[weakref.ref] | None = None  # ops that read this tensor, see _snapshot
         self._mesh, self._placements = None, None
+        self._freed = False  # a backward() went through it and freed its graph (retain_graph=False)
         if isinstance(buffer, Shards):  # (`type` is the TensorType here)
             self._mesh, self._placements = buffer.mesh, buffer.placements
         for t in inputs:
@@ -201,7 +202,7 @@ class Tensor:
         read this tensor so far now read instead. An in-place write (x[i] = v) then changes
         only what later ops see, as in torch, where the earlier ops would have run already."""
         old = Tensor(self.type, self._op, self._inputs, self._attrs, self._buffer, self.requires_grad)
-        old._mesh, old._placements = self._mesh, self._placements
+        old._mesh, old._placements, old._freed = self._mesh, self._placements, self._freed
         for ref in self._users or ():
             u = ref()
             if u is not None and u._inputs:  # realized results without history read nothing again
@@ -333,10 +334,12 @@ class Tensor:
     __hash__ = object.__hash__
 
     # -- autograd --
-    def backward(self, gradient: "Tensor | None" = None) -> None:
+    def backward(self, gradient: "Tensor | None" = None, retain_graph: bool | None = None) -> None:
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad (a
-        non-scalar tensor needs `gradient`, the seed), as torch.Tensor.backward does."""
-        backward(self, gradient)
+        non-scalar tensor needs `gradient`, the seed), as torch.Tensor.backward does. The
+        graph is freed afterwards: going through it again raises GRAPH_FREED unless this
+        call passed retain_graph=True."""
+        backward(self, gradient, retain_graph=bool(retain_graph))
 
     def detach(self) -> "Tensor":
         """The same value with no gradient history."""
@@ -546,10 +549,11 @@ def _take(t: Tensor, value) -> None:
 
 # --- backward -----------------------------------------------------------------------------
 
-def _frontier(root: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-    """Walk the graph of tensors that require grad: the leaves that require grad, and the
-    pending tensors that do not (computed first, so no gradient flows through them)."""
-    leaves, pending_consts, seen = [], [], set()
+def _frontier(root: Tensor) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Walk the graph of tensors that require grad: the leaves that require grad, the
+    pending tensors that do not (computed first, so no gradient flows through them), and
+    the intermediates between. A graph an earlier backward() freed is an error."""
+    leaves, pending_consts, inner, seen = [], [], [], set()
     stack = [root]
     while stack:
         t = stack.pop()
@@ -563,11 +567,17 @@ def _frontier(root: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         if t._op is None:
             leaves.append(t)
             continue
+        if t._freed:
+            raise error(ErrorCode.GRAPH_FREED, f"backward(): trying to go through the graph of a {t.type} a second "
+                        "time; an earlier backward() freed it. Pass retain_graph=True to the first backward() "
+                        "to go through it again, or compute the value anew")
+        inner.append(t)
         stack.extend(t._inputs)
-    return leaves, pending_consts
+    return leaves, pending_consts, inner
 
 
-def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None = None) -> None:
+def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None = None,
+             retain_graph: bool = False) -> None:
     """Capture the program that computed `loss` as IR, differentiate it with the compiler's
     autodiff transform (so the backward pass is IR too, and fuses and shards like anything
     else), run both in one program and accumulate `.grad` on the leaves. On a mesh, each
@@ -578,7 +588,7 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
                     "(no input has requires_grad=True, or it was computed under no_grad)")
     if gradient is None and loss.numel() != 1:
         raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): a gradient is needed for a non-scalar output {loss.type}")
-    _, consts = _frontier(loss)
+    _, consts, inner = _frontier(loss)
     realize(*consts)
     # Recompute requires-grad intermediates, so autodiff sees every op between leaves and loss.
     module, params = capture([loss], keep=lambda t: t.requires_grad and t._op is not None)
@@ -610,6 +620,11 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
             leaf.grad = Tensor.from_numpy(leaf.grad.numpy() + g._buffer)
         else:
             leaf.grad = (leaf.grad + g).realize()
+    if not retain_graph:  # as torch frees the saved tensors: a computed intermediate drops its graph
+        for t in inner:
+            t._freed = True
+            if t._buffer is not None:
+                t._inputs = ()
 
 
 # --- creation -----------------------------------------------------------------------------

@@ -92,9 +92,23 @@ def test_compile_error_names_the_source_file(tmp_path, monkeypatch):
     assert e.value.code is E.BUILD_FAILED
     path = next(tmp_path.glob("*.c"))
     assert str(path) in e.value.message and "k_bad" in e.value.message
-    assert "error" in e.value.message  # the compiler's own message
+    assert "error" in e.value.message and "\n" not in e.value.message  # the compiler's first error line
     assert path.read_text() == src
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_killed_compiler_says_it_was_killed(tmp_path, monkeypatch):
+    """A compiler the out-of-memory killer ends (as a kernel of hundreds of MB of C did)."""
+    cc = tmp_path / "cc-killed"
+    cc.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake-cc 1.0; exit 0; }\n'
+                  'echo "cc: fatal error: Killed signal terminated program cc1" >&2\nkill -9 $$\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(cc))
+    with pytest.raises(DTMError) as e:
+        B.build(SRC % uuid.uuid4().hex, "k_big")
+    assert e.value.code is E.BUILD_FAILED
+    assert "k_big" in e.value.message and "killed" in e.value.message and "out of memory" in e.value.message
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):

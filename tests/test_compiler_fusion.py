@@ -215,3 +215,54 @@ func @main(%x: f32[4]) -> (f32[4]) {
     r = (xs[0] + 2) + (xs[1] + 2)
     for x, (o,) in zip(xs, outs):
         np.testing.assert_allclose(o, r * (x + 2) + 2, rtol=1e-6)
+
+
+def test_a_sampling_loops_concat_chain_stays_small(tmp_path, monkeypatch):
+    """`idx = dtm.cat([idx, next], 1)` a token at a time, realized once: one concat of every
+    token (not a nest of them, whose C source tripled each token and hit 600 MB by the 17th),
+    computed right for 500 tokens with a kernel of bounded size."""
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    idx = dtm.tensor(np.zeros((2, 1), np.int64))
+    for i in range(500):
+        idx = dtm.cat([idx, dtm.tensor(np.array([[i + 1], [-i - 1]], np.int64))], dim=1)
+    np.testing.assert_array_equal(idx.numpy(), np.arange(501) * np.array([[1], [-1]]))
+    largest = max(p.stat().st_size for p in tmp_path.glob("*.c"))
+    assert largest < 500 * 1000, f"{largest} bytes of C for 500 tokens"
+
+
+def test_concats_nested_along_other_axes_grow_the_code_linearly(tmp_path, monkeypatch):
+    """A nest no simplification flattens (each level concatenates along the other axis):
+    each level's code is a few lines, not three times the level below."""
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    sizes = []
+    for depth in (6, 12):
+        x = T(2, 2)
+        want = x.numpy()
+        for k in range(depth):
+            y = T(*x.shape)
+            x, want = dtm.cat([x, y], dim=k % 2), np.concatenate([want, y.numpy()], axis=k % 2)
+        np.testing.assert_array_equal((x * 1).numpy(), want)
+        sizes.append(max(p.stat().st_size for p in tmp_path.glob("*.c")))
+    assert sizes[1] < 3 * sizes[0], sizes  # linear: about twice; a threefold growth would be 729 times
+
+
+def test_an_inlined_expression_has_a_size_limit():
+    """x = x * x + x, 13 times: inlined whole, every copy counted, far past INLINE_LIMIT ops,
+    so the fuser stores intermediates (the kernel then reads them back, computed once); two
+    levels stay inlined. Exact either way."""
+    from dtm.compiler.schedule import INLINE_LIMIT
+
+    def f(x, levels):
+        for _ in range(levels):
+            x = x * x + x
+        return x
+
+    x = T(8, scale=0.01)
+    stored = []
+    for levels in (2, 13):
+        same(lambda x: f(x, levels), x)
+        module = dtm.jit(lambda x: f(x, levels)).ir(x)
+        sched = compile_func(module, "main", upto="fuse")
+        stored.append(len(sched.stored))
+    assert stored[0] == 1 and stored[1] > 1, stored
+    assert INLINE_LIMIT >= 1000  # real programs (GPT-2's training step) stay below 200

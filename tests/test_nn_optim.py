@@ -406,3 +406,33 @@ def test_cosine_annealing_lr(backend, eta_min):
 def test_cosine_annealing_lr_past_t_max(backend):
     got, want = _lrs(8, 0.01, 20)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_matches_torch(backend, norm_type, max_norm):
+    rng = np.random.default_rng(4)
+    grads = [rng.standard_normal(s).astype(np.float32) for s in ((3, 5), (7,), ())]
+    ours = [dtm.tensor(np.zeros_like(g), requires_grad=True) for g in grads] + [dtm.zeros(2, requires_grad=True)]
+    theirs = [torch.zeros(g.shape, requires_grad=True) for g in grads] + [torch.zeros(2, requires_grad=True)]
+    for p, q, g in zip(ours, theirs, grads):
+        p.grad, q.grad = dtm.tensor(g), torch.tensor(g)  # the last parameter has no gradient
+    total = dtm.nn.utils.clip_grad_norm_(ours, max_norm, norm_type=norm_type)
+    want = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type=norm_type)
+    np.testing.assert_allclose(total.numpy(), want.numpy(), rtol=1e-5)
+    for p, q in zip(ours[:3], theirs[:3]):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-7)
+    assert ours[3].grad is None
+
+
+def test_clip_grad_norm_nonfinite_and_clip_value(backend):
+    p = dtm.zeros(3, requires_grad=True)
+    p.grad = dtm.tensor([1.0, float("nan"), 2.0])
+    with pytest.raises(dtm.TensorError) as e:
+        dtm.nn.utils.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+    assert e.value.code is dtm.ErrorCode.ATTRIBUTE_VALUE and e.value.where.startswith(__file__)
+    q, tq = dtm.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    q.grad, tq.grad = dtm.tensor([-3.0, -0.5, 0.5, 3.0]), torch.tensor([-3.0, -0.5, 0.5, 3.0])
+    dtm.nn.utils.clip_grad_value_([q], 1.0)
+    torch.nn.utils.clip_grad_value_([tq], 1.0)
+    np.testing.assert_array_equal(q.grad.numpy(), tq.grad.numpy())

@@ -625,13 +625,28 @@ def test_grad_accumulates(backend):
 
 
 def test_backward_twice_through_one_graph(backend):
+    """As in torch: retain_graph=True keeps the graph for a second backward() (the grads
+    add up); without it the graph is freed and going through it again is an error (it
+    silently doubled the gradient once)."""
     x = dtm.tensor([2.0], requires_grad=True)
     y = (x * x).exp()
     loss = y.sum()
     loss.item()  # realized first: backward still sees the graph
-    loss.backward()
+    loss.backward(retain_graph=True)
     loss.backward()
     np.testing.assert_allclose(x.grad.numpy(), 2 * 4 * np.exp(4.0), rtol=1e-6)
+    with pytest.raises(dtm.TensorError) as e:
+        loss.backward()
+    assert e.value.code is dtm.ErrorCode.GRAPH_FREED and e.value.where.startswith(__file__)
+    with pytest.raises(dtm.TensorError):
+        (y * 2).sum().backward()  # y's graph went with loss's
+    assert loss.item() == pytest.approx(np.exp(4.0)) and y.numpy() == pytest.approx(np.exp(4.0))
+    np.testing.assert_allclose(x.grad.numpy(), 2 * 4 * np.exp(4.0), rtol=1e-6)  # unchanged by the refusals
+    tx = torch.tensor([2.0], requires_grad=True)
+    tloss = (tx * tx).exp().sum()
+    tloss.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        tloss.backward()
 
 
 def test_backward_with_explicit_gradient(backend):

@@ -115,16 +115,25 @@ def build(source: str, name: str = "kernel", flags: tuple = KERNEL_FLAGS) -> Pat
             raise BuildError(E.BUILD_FAILED, f"cannot run the C compiler {cc!r} on kernel {name} ({src}): {e}; "
                              "install gcc or set CC") from None
         if out.returncode != 0:
-            msg = (out.stderr or out.stdout).strip()
-            if len(msg) > 4000:
-                msg = msg[:4000] + "\n..."
-            raise BuildError(E.BUILD_FAILED, f"compiling kernel {name} failed: {src}\n{' '.join(cmd)}\n{msg}")
+            raise BuildError(E.BUILD_FAILED, f"compiling kernel {name} failed: {_why(out, len(source))} "
+                             f"(source: {src}; command: {' '.join(cmd)})")
         os.replace(tmp, so)
         with _lock:
             STATS["compiles"] += 1
     finally:
         Path(tmp).unlink(missing_ok=True)
     return so
+
+
+def _why(out: subprocess.CompletedProcess, source_bytes: int) -> str:
+    """What went wrong, in one line: the compiler killed (by the kernel's out-of-memory
+    killer, most often), else its first error line."""
+    text = (out.stderr or out.stdout).strip()
+    if out.returncode in (-9, 137) or "Killed signal" in text or "out of memory" in text.lower():
+        return (f"the C compiler was killed, most likely out of memory ({source_bytes / 1e6:.1f} MB of C "
+                f"source); free memory or report the program that made such a kernel")
+    errors = [line for line in text.splitlines() if "error" in line.lower()]
+    return (errors or text.splitlines() or [f"exit status {out.returncode}, no message"])[0]
 
 
 def load(path: Path, global_symbols: bool = False) -> ctypes.CDLL:

@@ -195,7 +195,7 @@ class KernelBuilder:
             if lo == 0 and hi == 0:
                 inner.append(i)
                 continue
-            j = L.isub(i, lo)
+            j = self.let(L.isub(i, lo), prefix="c")  # read three times (as in concat)
             valid = L.iand(valid, L.iand(L.icmp(">=", j, 0), L.icmp("<", j, L.dim_expr(d))))
             inner.append(j)
         safe = tuple(zero_if_one(d, select_index(valid, j)) for j, d in zip(inner, x.type.shape))
@@ -205,6 +205,9 @@ class KernelBuilder:
     def concat(self, op: Op, ix: tuple) -> L.Expr:
         axis = op.attrs["axis"]
         t = op.results[0].type
+        # the index along the axis is read three times per operand: bound once, so that
+        # concats nested along other axes grow the code linearly, not threefold a level
+        ix = tuple(self.let(i, prefix="c") if k == axis else i for k, i in enumerate(ix))
         parts = []
         offset: Dim = 0
         for x in op.operands:
@@ -220,8 +223,8 @@ class KernelBuilder:
         if not parts:
             return Const(0, t.dtype)
         out = parts[-1][1]
-        for sel, val in reversed(parts[:-1]):
-            out = L.Op("where", (sel, val, out), t.dtype)
+        for sel, val in reversed(parts[:-1]):  # each select bound: a concat of many stays shallow
+            out = self.let(L.Op("where", (sel, val, out), t.dtype), prefix="c")
         return out
 
     def naive_matmul(self, op: Op, ix: tuple, key) -> L.Expr:

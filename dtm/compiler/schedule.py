@@ -8,7 +8,9 @@ is stored (`Schedule.stored`) when
     recomputed at each index it is read at);
   - it is the base of a matrix product operand that is not a strided view of a stored value;
   - it is a reduction or matrix product that the kernel reading it cannot compute in place
-    (see below); or a pure op reads a parameter that an `assign` later overwrites.
+    (see below); or a pure op reads a parameter that an `assign` later overwrites;
+  - inlined, it would count more than INLINE_LIMIT ops (every copy counted): the bound on
+    the size of a kernel's code.
 
 Each stored value gets a kernel, one of:
   - elementwise: loops over the value's shape;
@@ -44,6 +46,7 @@ SOURCES = ("full", "iota")
 
 FULL, ROW, OTHER = "full", "row", "other"
 MERGE_TRIES = 4  # merge candidates tried per kernel (the nearest related ones)
+INLINE_LIMIT = 4096  # ops an inlined expression may count (each copy counted), see bound_inlining
 
 
 def op_kind(op: Op) -> str:
@@ -308,6 +311,22 @@ class _Scheduler:
                 users = set(g.users.get(op.results[0], ()))
                 if len(users) >= 2 and any(g.kind[u] == "move" for u in users):
                     self.stored.add(op.results[0])
+        self.bound_inlining()
+
+    def bound_inlining(self) -> None:
+        """Store every value whose inlined expression would exceed INLINE_LIMIT ops, counting
+        each copy (a value read twice is inlined twice): no kernel's code grows without
+        bound, whatever chain of elementwise and movement ops a program builds (its own
+        kernel then inlines at most INLINE_LIMIT ops per operand)."""
+        g, cost = self.g, {}
+        for op in g.func.ops:
+            if g.kind[op] not in ("ew", "move", "source"):
+                continue
+            r = op.results[0]
+            c = 1 + sum(cost.get(v, 0) for v in op.operands if v not in self.stored)
+            if c > INLINE_LIMIT:
+                self.stored.add(r)
+            cost[r] = c
 
     def matmul_operands(self) -> bool:
         """Store what the gemm's operands need; True when something was added."""

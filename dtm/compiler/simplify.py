@@ -11,7 +11,9 @@ result is bit for bit the program's):
   with the reference implementation), and so is a movement op (reshape, permute,
   broadcast_to, slice, flip) of a `full`;
 - chains: reshape of reshape is one reshape, permute of permute one permute, broadcast_to
-  of broadcast_to one broadcast_to;
+  of broadcast_to one broadcast_to, a concat of concats along its axis one concat (a
+  sampling loop's `idx = cat([idx, next], 1)` becomes one concat of every token, not a
+  nest of them);
 - common subexpressions: a pure op with the same operands and attributes as an earlier one
   is that one; dead code: pure ops whose results are unused are removed.
 """
@@ -129,7 +131,15 @@ def _fold(op: Op, defs: dict, e: Emitter) -> bool:
 
 
 def _chain(op: Op, defs: dict, e: Emitter) -> bool:
-    """Merge reshape(reshape), permute(permute), broadcast_to(broadcast_to)."""
+    """Merge reshape(reshape), permute(permute), broadcast_to(broadcast_to), concat(concat)."""
+    if op.name == "concat":
+        axis = op.attrs["axis"]
+        parts = [defs[v].operands if defs.get(v) is not None and defs[v].name == "concat"
+                 and defs[v].attrs["axis"] == axis else (v,) for v in op.operands]
+        if all(len(p) == 1 and p[0] is v for p, v in zip(parts, op.operands)):
+            return False
+        e("concat", *(v for p in parts for v in p), axis=axis, result=op.results[0])
+        return True
     if op.name not in ("reshape", "permute", "broadcast_to"):
         return False
     inner = defs.get(op.operands[0])
