@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ErrorCode as E
 from .diagnostics import IRError
 from .registry import REGISTRY, AttrKind, AttrSpec
-from .symbolic import SymDim
 from .types import Literal, Sharding, TensorType
 from .versioning import check_target
 

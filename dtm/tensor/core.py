@@ -1,20 +1,7 @@
-"""The lazy `Tensor`: ops record, `realize()` runs.
-
-Every op on a Tensor checks its types at once (with the op's type rule from the registry,
-so a mistake is reported at the user's line) and records a node. `realize()`, `.numpy()`
-or `.item()` turn the pending nodes into one IR function (`capture`) and hand it to the
-runtime (`dtm.runtime.execute.run`), which picks the executor from what the function holds:
-one device (the `cpu` backend by default; `DTM_BACKEND` or the `backend=` argument
-chooses), or the devices of the mesh its distributed values are on. Realized tensors keep
-their graph while they require grad, so `backward()` can capture the forward program and
-differentiate it as IR (dtm.compiler.autodiff).
-
-A distributed tensor (made by dtm.parallel) records its mesh and placements like its
-dtype: they become the shardings of the captured IR's values (spec 2.7).
-
-This file holds the Tensor class, capture, realize and backward, creation functions,
-dtypes and promotion, and `jit`. The ops themselves are in functional.py, which attaches
-the Tensor's operators and op methods (`x + y`, `x.sum()`) from its `_METHODS` table.
+"""The lazy Tensor, and the walk from recorded ops to a run: `apply` records an op (its
+type checked at once), `capture` turns the pending nodes into one IR function, `realize`
+hands it to the runtime, `backward` differentiates it as IR. Grad mode and the tracing
+state of dtm.jit live here too (STATE).
 """
 
 from __future__ import annotations
@@ -25,99 +12,19 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .compiler.autodiff import grad
-from .compiler.spmd import FREE, propagate_shardings, resolve_free
-from .errors import ErrorCode, user_error as error
-from .ir import DTYPES, DType
-from .ir.attrs import normalize_attrs
-from .ir.dtypes import Kind, numpy_dtype
-from .ir.dtypes import from_numpy as dtype_of_numpy
-from .ir.module import Func, Module, Op, Value
-from .ir.registry import REGISTRY
-from .ir.typerules import TypeRuleError
-from .ir.types import TensorType
-from .runtime import execute
-from .runtime.mesh import DeviceMesh, Shards
-
-# --- dtypes -------------------------------------------------------------------------------
-
-float16, bfloat16, float32, float64 = (DTYPES[n] for n in ("f16", "bf16", "f32", "f64"))
-float8_e4m3, float8_e5m2 = DTYPES["f8e4m3"], DTYPES["f8e5m2"]
-int8, int16, int32, int64 = (DTYPES[n] for n in ("i8", "i16", "i32", "i64"))
-uint8, uint16, uint32, uint64 = (DTYPES[n] for n in ("u8", "u16", "u32", "u64"))
-bool_ = DTYPES["bool"]
-DEFAULT_FLOAT = float32
-
-_DTYPE_ALIASES = {"float16": float16, "half": float16, "bfloat16": bfloat16, "float32": float32, "float": float32,
-                  "float64": float64, "double": float64, "int8": int8, "int16": int16, "int32": int32,
-                  "int64": int64, "long": int64, "uint8": uint8, "bool": bool_}
-
-
-def as_dtype(d: Any) -> DType:
-    """A DTM dtype from a DType, a name ("f32", "float32", "bfloat16"), a numpy or torch dtype."""
-    if isinstance(d, DType):
-        return d
-    if isinstance(d, str):
-        if d in DTYPES:
-            return DTYPES[d]
-        if d in _DTYPE_ALIASES:
-            return _DTYPE_ALIASES[d]
-    name = getattr(d, "__module__", "")
-    if name == "torch":  # torch.float32 -> "float32"
-        return as_dtype(str(d).replace("torch.", ""))
-    try:
-        return dtype_of_numpy(np.dtype(d))
-    except (TypeError, KeyError):
-        raise error(ErrorCode.UNKNOWN_DTYPE, f"unknown dtype {d!r}") from None
-
-
-def _category(d: DType) -> int:
-    return {Kind.BOOL: 0, Kind.UNSIGNED: 1, Kind.SIGNED: 1, Kind.FLOAT: 2}[d.kind]
-
-
-def promote_types(a: DType, b: DType) -> DType:
-    """PyTorch's promotion between two tensor dtypes."""
-    if a is b:
-        return a
-    ca, cb = _category(a), _category(b)
-    if ca != cb:
-        return a if ca > cb else b
-    if ca == 2:
-        if {a.name, b.name} == {"f16", "bf16"} or a.bits == b.bits:
-            return float32
-        return a if a.bits > b.bits else b
-    if a.kind is b.kind:
-        return a if a.bits > b.bits else b
-    s, u = (a, b) if a.kind is Kind.SIGNED else (b, a)
-    if s.bits > u.bits:
-        return s
-    return {8: int16, 16: int32, 32: int64, 64: int64}[u.bits]
-
-
-def _combine(higher: DType | None, lower: DType | None) -> DType | None:
-    """A lower promotion tier counts only where it is of a higher category."""
-    if higher is None or lower is None:
-        return higher if lower is None else lower
-    return promote_types(higher, lower) if _category(lower) > _category(higher) else higher
-
-
-def result_type(*xs: Any) -> DType:
-    """PyTorch's promotion over tensors and Python scalars, in three tiers promoted apart:
-    tensors with dims, rank-0 tensors, scalars (bool; int as i64; float as the default
-    float). A lower tier only lifts the category of the ones above it, so int tensor + 2.5
-    -> f32, f16 tensor + 2.5 -> f16, i32 tensor + i64 rank-0 tensor -> i32, but i32 tensor
-    + f64 rank-0 tensor -> f64."""
-    tiers: list[DType | None] = [None, None, None]
-    for x in xs:
-        if isinstance(x, Tensor):
-            tier, d = (0 if x.ndim else 1), x.dtype
-        else:
-            tier = 2
-            d = (bool_ if isinstance(x, (bool, np.bool_)) else
-                 DEFAULT_FLOAT if isinstance(x, (float, np.floating)) else int64)
-        tiers[tier] = d if tiers[tier] is None else promote_types(tiers[tier], d)
-    return _combine(tiers[0], _combine(tiers[1], tiers[2]))
-
+from ..compiler.autodiff import grad
+from ..compiler.spmd import FREE, propagate_shardings, resolve_free
+from ..errors import ErrorCode, user_error as error
+from ..ir import DType
+from ..ir.attrs import normalize_attrs
+from ..ir.dtypes import from_numpy as dtype_of_numpy
+from ..ir.module import Func, Module, Op, Value
+from ..ir.registry import REGISTRY
+from ..ir.typerules import TypeRuleError
+from ..ir.types import TensorType
+from ..runtime import execute
+from ..runtime.mesh import DeviceMesh, Shards
+from .dtypes import DEFAULT_FLOAT, _combine, bool_, float32, int64, promote_types
 
 # --- grad mode and tracing ----------------------------------------------------------------
 
@@ -627,211 +534,19 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
                 t._inputs = ()
 
 
-# --- creation -----------------------------------------------------------------------------
-
-def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
-    if isinstance(data, Tensor):
-        arr = data.numpy()
-    else:
-        if hasattr(data, "detach") and hasattr(data, "numpy") and type(data).__module__.startswith("torch"):
-            bf16 = str(data.dtype) == "torch.bfloat16"  # torch's .numpy() has no bf16; via f32 is exact
-            data = data.detach().cpu()
-            data = data.float().numpy().astype(numpy_dtype(bfloat16)) if bf16 else data.numpy()
-        try:
-            arr = np.asarray(data)
-        except ValueError as e:  # ragged nested lists
-            raise error(ErrorCode.SHAPE_MISMATCH, f"cannot make a tensor from this data: {e}") from None
-    if dtype is None:
-        from_python = not isinstance(data, (np.ndarray, np.generic))  # numpy data keeps its dtype
-        if arr.dtype == np.float64 and from_python:
-            dtype = DEFAULT_FLOAT  # Python floats become the default float, as in torch
-        elif arr.dtype.kind == "i" and from_python:
-            dtype = int64
+def result_type(*xs: Any) -> DType:
+    """PyTorch's promotion over tensors and Python scalars, in three tiers promoted apart:
+    tensors with dims, rank-0 tensors, scalars (bool; int as i64; float as the default
+    float). A lower tier only lifts the category of the ones above it, so int tensor + 2.5
+    -> f32, f16 tensor + 2.5 -> f16, i32 tensor + i64 rank-0 tensor -> i32, but i32 tensor
+    + f64 rank-0 tensor -> f64."""
+    tiers: list[DType | None] = [None, None, None]
+    for x in xs:
+        if isinstance(x, Tensor):
+            tier, d = (0 if x.ndim else 1), x.dtype
         else:
-            try:
-                dtype = dtype_of_numpy(arr.dtype)
-            except KeyError:
-                raise error(ErrorCode.UNKNOWN_DTYPE, f"cannot make a tensor from numpy dtype {arr.dtype}") from None
-    return np.array(arr, dtype=numpy_dtype(dtype), copy=True)
-
-
-def tensor(data: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    """A new leaf tensor holding a copy of `data` (nested lists, scalars, numpy, torch)."""
-    return Tensor.from_numpy(_to_array(data, as_dtype(dtype) if dtype is not None else None), requires_grad)
-
-
-def from_numpy(array: np.ndarray) -> Tensor:
-    """A leaf tensor over `array`'s data (no copy when it is contiguous)."""
-    return Tensor.from_numpy(array)
-
-
-def from_dlpack(obj: Any) -> Tensor:
-    return Tensor.from_numpy(np.from_dlpack(obj))
-
-
-def _shape(size: Sequence) -> tuple[int, ...]:
-    if len(size) == 1 and isinstance(size[0], (tuple, list)):
-        size = size[0]
-    return tuple(int(s) for s in size)
-
-
-def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    d = as_dtype(dtype) if dtype is not None else result_type(fill_value)
-    return Tensor.from_numpy(np.full(_shape([size]), fill_value, dtype=numpy_dtype(d)), requires_grad)
-
-
-def zeros(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return full(_shape(size), 0, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
-
-
-def ones(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return full(_shape(size), 1, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
-
-
-def zeros_like(t: Tensor, dtype: Any = None) -> Tensor:
-    return zeros(t.shape, dtype=dtype if dtype is not None else t.dtype)
-
-
-def ones_like(t: Tensor, dtype: Any = None) -> Tensor:
-    return ones(t.shape, dtype=dtype if dtype is not None else t.dtype)
-
-
-def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
-    return full(t.shape, fill_value, dtype=dtype if dtype is not None else t.dtype)
-
-
-def arange(start, end=None, step=1, dtype: Any = None) -> Tensor:
-    if end is None:
-        start, end = 0, start
-    d = as_dtype(dtype) if dtype is not None else result_type(start, end, step)
-    return Tensor.from_numpy(np.arange(start, end, step).astype(numpy_dtype(d)))
-
-
-class _Generator:
-    """Random numbers come from the IR's counter-based `random` op, keyed by (seed, call
-    number), so every backend draws the same numbers for the same seed."""
-
-    def __init__(self, seed: int = 0):
-        self.manual_seed(seed)
-
-    def manual_seed(self, seed: int) -> None:
-        self.seed = int(seed) & 0xFFFFFFFF
-        self.counter = 0
-
-    def key(self) -> Tensor:
-        k = np.array([self.seed, self.counter & 0xFFFFFFFF], dtype=np.uint32)
-        self.counter += 1
-        return Tensor.from_numpy(k)
-
-
-GENERATOR = _Generator()
-
-
-def manual_seed(seed: int) -> None:
-    GENERATOR.manual_seed(seed)
-
-
-def _random(size, distribution: str, dtype: Any, requires_grad: bool) -> Tensor:
-    t = TensorType(as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT, _shape(size))
-    with no_grad():
-        out = apply("random", GENERATOR.key(), type=t, distribution=distribution)
-    out.realize()
-    out = Tensor(out.type, buffer=out._buffer)
-    return out.requires_grad_(True) if requires_grad else out
-
-
-def randn(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return _random(size, "normal", dtype, requires_grad)
-
-
-def rand(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return _random(size, "uniform", dtype, requires_grad)
-
-
-def randn_like(t: Tensor) -> Tensor:
-    return randn(t.shape, dtype=t.dtype)
-
-
-def rand_like(t: Tensor) -> Tensor:
-    return rand(t.shape, dtype=t.dtype)
-
-
-# --- jit ----------------------------------------------------------------------------------
-
-class _Traced:
-    __slots__ = ("module", "n_args", "captured", "out_is_tuple")
-
-    def __init__(self, module: Module, n_args: int, captured: list[Tensor], out_is_tuple: bool):
-        self.module, self.n_args, self.captured, self.out_is_tuple = module, n_args, captured, out_is_tuple
-
-
-class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
-    """Trace `fn` to an IR module once per input signature and replay it.
-
-    Tensor arguments become the function's parameters; tensors `fn` reads from outside
-    (model weights) become further parameters whose current values are read at every
-    call, so an optimizer's updates are seen. Other arguments are part of the signature.
-    `jit(fn).ir(*args)` returns the traced module; with distributed tensors (dtm.parallel)
-    it is the global view, and `ir(*args, view="local", rank=r)` rank r's partitioned
-    program, with the collectives that run."""
-
-    def __init__(self, fn: Callable, backend: str | None = None):
-        self.fn = fn
-        self.backend = backend
-        self.cache: dict = {}
-
-    def _signature(self, args) -> tuple:
-        for a in args:
-            if isinstance(a, Tensor) and a._mesh is not None:
-                a.realize()  # its layout is part of the signature
-        return tuple(("T", a.type, a._mesh, a._placements) if isinstance(a, Tensor) else ("V", repr(a))
-                     for a in args)
-
-    def _trace(self, args) -> _Traced:
-        key = self._signature(args)
-        traced = self.cache.get(key)
-        if traced is not None:
-            return traced
-        placeholders = [Tensor(a.type) if isinstance(a, Tensor) else a for a in args]
-        for p, a in zip(placeholders, args):
-            if isinstance(a, Tensor):
-                p._mesh, p._placements = a._mesh, a._placements
-        STATE.tracing += 1
-        try:
-            with no_grad():
-                out = self.fn(*placeholders)
-        finally:
-            STATE.tracing -= 1
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        tensor_args = [p for p in placeholders if isinstance(p, Tensor)]
-        module, params = capture(outs, params=tensor_args, name=getattr(self.fn, "__name__", "main"))
-        module.funcs["main"] = module.funcs.pop(next(iter(module.funcs)))
-        module.funcs["main"].name = "main"
-        traced = _Traced(module, len(tensor_args), params[len(tensor_args):], isinstance(out, (tuple, list)))
-        self.cache[key] = traced
-        return traced
-
-    def ir(self, *args, view: str = "global", rank: int = 0) -> Module:
-        traced = self._trace(args)
-        if view == "global":
-            return traced.module
-        if view != "local":
-            raise error(ErrorCode.ATTRIBUTE_VALUE, f"jit.ir: view is \"global\" or \"local\", not {view!r}")
-        return execute.local_view(traced.module, "main", rank)
-
-    def __call__(self, *args):
-        traced = self._trace(args)
-        tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
-        results = execute.run(traced.module, "main", [t.realize()._buffer for t in tensors], self.backend)
-        outs = [Tensor(t, buffer=r) if type(r) is Shards else Tensor.from_numpy(r)
-                for (t, _), r in zip(traced.module.funcs["main"].result_types, results)]
-        return tuple(outs) if traced.out_is_tuple else outs[0]
-
-
-__all__ = [
-    "Tensor", "tensor", "from_numpy", "from_dlpack", "zeros", "ones", "full", "zeros_like", "ones_like",
-    "full_like", "arange", "randn", "rand", "randn_like", "rand_like", "manual_seed", "no_grad",
-    "is_grad_enabled", "jit", "realize", "as_dtype", "promote_types", "result_type", "apply", "capture",
-    "float16", "bfloat16", "float32", "float64", "float8_e4m3", "float8_e5m2", "int8", "int16", "int32",
-    "int64", "uint8", "uint16", "uint32", "uint64", "bool_",
-]
+            tier = 2
+            d = (bool_ if isinstance(x, (bool, np.bool_)) else
+                 DEFAULT_FLOAT if isinstance(x, (float, np.floating)) else int64)
+        tiers[tier] = d if tiers[tier] is None else promote_types(tiers[tier], d)
+    return _combine(tiers[0], _combine(tiers[1], tiers[2]))

@@ -1,0 +1,143 @@
+"""Making tensors: from data (lists, numpy, torch), filled (zeros, ones, full, arange) and
+random (randn, rand: the IR's counter-based `random` op, so every backend draws the same
+numbers for the same seed)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import ErrorCode, user_error as error
+from ..ir import DType
+from ..ir.dtypes import numpy_dtype
+from ..ir.dtypes import from_numpy as dtype_of_numpy
+from ..ir.types import TensorType
+from .core import Tensor, apply, no_grad, result_type
+from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, int64
+
+def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
+    if isinstance(data, Tensor):
+        arr = data.numpy()
+    else:
+        if hasattr(data, "detach") and hasattr(data, "numpy") and type(data).__module__.startswith("torch"):
+            bf16 = str(data.dtype) == "torch.bfloat16"  # torch's .numpy() has no bf16; via f32 is exact
+            data = data.detach().cpu()
+            data = data.float().numpy().astype(numpy_dtype(bfloat16)) if bf16 else data.numpy()
+        try:
+            arr = np.asarray(data)
+        except ValueError as e:  # ragged nested lists
+            raise error(ErrorCode.SHAPE_MISMATCH, f"cannot make a tensor from this data: {e}") from None
+    if dtype is None:
+        from_python = not isinstance(data, (np.ndarray, np.generic))  # numpy data keeps its dtype
+        if arr.dtype == np.float64 and from_python:
+            dtype = DEFAULT_FLOAT  # Python floats become the default float, as in torch
+        elif arr.dtype.kind == "i" and from_python:
+            dtype = int64
+        else:
+            try:
+                dtype = dtype_of_numpy(arr.dtype)
+            except KeyError:
+                raise error(ErrorCode.UNKNOWN_DTYPE, f"cannot make a tensor from numpy dtype {arr.dtype}") from None
+    return np.array(arr, dtype=numpy_dtype(dtype), copy=True)
+
+
+def tensor(data: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    """A new leaf tensor holding a copy of `data` (nested lists, scalars, numpy, torch)."""
+    return Tensor.from_numpy(_to_array(data, as_dtype(dtype) if dtype is not None else None), requires_grad)
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    """A leaf tensor over `array`'s data (no copy when it is contiguous)."""
+    return Tensor.from_numpy(array)
+
+
+def from_dlpack(obj: Any) -> Tensor:
+    return Tensor.from_numpy(np.from_dlpack(obj))
+
+
+def _shape(size: Sequence) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = size[0]
+    return tuple(int(s) for s in size)
+
+
+def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    d = as_dtype(dtype) if dtype is not None else result_type(fill_value)
+    return Tensor.from_numpy(np.full(_shape([size]), fill_value, dtype=numpy_dtype(d)), requires_grad)
+
+
+def zeros(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return full(_shape(size), 0, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+
+
+def ones(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return full(_shape(size), 1, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+
+
+def zeros_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return zeros(t.shape, dtype=dtype if dtype is not None else t.dtype)
+
+
+def ones_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return ones(t.shape, dtype=dtype if dtype is not None else t.dtype)
+
+
+def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
+    return full(t.shape, fill_value, dtype=dtype if dtype is not None else t.dtype)
+
+
+def arange(start, end=None, step=1, dtype: Any = None) -> Tensor:
+    if end is None:
+        start, end = 0, start
+    d = as_dtype(dtype) if dtype is not None else result_type(start, end, step)
+    return Tensor.from_numpy(np.arange(start, end, step).astype(numpy_dtype(d)))
+
+
+class _Generator:
+    """Random numbers come from the IR's counter-based `random` op, keyed by (seed, call
+    number), so every backend draws the same numbers for the same seed."""
+
+    def __init__(self, seed: int = 0):
+        self.manual_seed(seed)
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed = int(seed) & 0xFFFFFFFF
+        self.counter = 0
+
+    def key(self) -> Tensor:
+        k = np.array([self.seed, self.counter & 0xFFFFFFFF], dtype=np.uint32)
+        self.counter += 1
+        return Tensor.from_numpy(k)
+
+
+GENERATOR = _Generator()
+
+
+def manual_seed(seed: int) -> None:
+    GENERATOR.manual_seed(seed)
+
+
+def _random(size, distribution: str, dtype: Any, requires_grad: bool) -> Tensor:
+    t = TensorType(as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT, _shape(size))
+    with no_grad():
+        out = apply("random", GENERATOR.key(), type=t, distribution=distribution)
+    out.realize()
+    out = Tensor(out.type, buffer=out._buffer)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def randn(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return _random(size, "normal", dtype, requires_grad)
+
+
+def rand(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return _random(size, "uniform", dtype, requires_grad)
+
+
+def randn_like(t: Tensor) -> Tensor:
+    return randn(t.shape, dtype=t.dtype)
+
+
+def rand_like(t: Tensor) -> Tensor:
+    return rand(t.shape, dtype=t.dtype)
