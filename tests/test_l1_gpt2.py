@@ -1,7 +1,9 @@
 """Runtime L1: the partitioned programs of dtm.parallel run unchanged over processes. One
 AdamW training step of a small GPT-2 with DP=2 x TP=2 over 4 processes (`dtm launch`, real
 processes on 127.0.0.1) gives the loss and updated weights of the same step on one device,
-computed here in the test process. Run as a script, this file is one rank's side."""
+computed here in the test process; so do two steps of the same training step under
+dtm.jit (traced once, replayed: the weights and AdamW state updated in place on every
+rank). Run as a script, this file is one rank's side."""
 
 from __future__ import annotations
 
@@ -39,6 +41,25 @@ def _model_and_step():
     return model, step
 
 
+def _jitted_steps(net, params, ids: np.ndarray, vocab: int, n: int = 2) -> list[float]:
+    """`n` AdamW steps of the whole training step as one dtm.jit program."""
+    import dtm
+    from dtm.nn.functional import cross_entropy
+
+    opt = dtm.optim.AdamW(params, lr=1e-2)
+
+    @dtm.jit
+    def train_step(x, y):
+        loss = cross_entropy(net(x).reshape(-1, vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x, y = dtm.tensor(ids[:, :-1]), dtm.tensor(ids[:, 1:])
+    return [train_step(x, y).item() for _ in range(n)]
+
+
 def rank_main(out: str) -> None:
     """One rank: DP=2 x TP=2 over the 4 processes; rank 0 writes the loss and weights."""
     import dtm
@@ -55,8 +76,13 @@ def rank_main(out: str) -> None:
     pieces = {name: p for name, p in m.state_dict().items()}
     assert all(p.device_mesh is mesh for p in pieces.values())
     full = {name: p.numpy() for name, p in pieces.items()}  # gathered from every rank
+    m2 = model()
+    ids = np.random.default_rng(0).integers(0, m2.config.vocab_size, (4, 9))
+    losses = _jitted_steps(DDP(tensor_parallel(m2, mesh, GPT2_PLAN), mesh), list(m2.parameters()), ids,
+                           m2.config.vocab_size)
+    full.update({f"jit.{name}": p.numpy() for name, p in m2.state_dict().items()})
     if pg.rank == 0:
-        np.savez(out, loss=np.float64(loss), **full)
+        np.savez(out, loss=np.float64(loss), jit_losses=np.array(losses), **full)
 
 
 def launch_four(script: pathlib.Path, out: pathlib.Path, *options: str):
@@ -75,13 +101,36 @@ def assert_equals_one_device_step(got) -> None:
     want_loss = step(m, list(m.parameters()))
     want = {k: v.numpy() for k, v in m.state_dict().items()}
     assert abs(float(got["loss"]) - want_loss) < 1e-5
-    assert set(got.files) == set(want) | {"loss"}
+    assert set(want) <= set(got.files) <= set(want) | {f"jit.{k}" for k in want} | {"loss", "jit_losses"}
     for name, w in want.items():
         np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def assert_equals_one_device_eager_steps(got) -> None:
+    """Rank 0's jitted losses and weights equal two eager steps run here, on one device."""
+    import dtm
+    from dtm.nn.functional import cross_entropy
+
+    model, _ = _model_and_step()
+    m = model()
+    opt = dtm.optim.AdamW(list(m.parameters()), lr=1e-2)
+    ids = np.random.default_rng(0).integers(0, m.config.vocab_size, (4, 9))
+    losses = []
+    for _ in range(2):
+        loss = cross_entropy(m(ids[:, :-1]).reshape(-1, m.config.vocab_size), dtm.tensor(ids[:, 1:].reshape(-1)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    np.testing.assert_allclose(got["jit_losses"], losses, rtol=1e-5)
+    for name, w in m.state_dict().items():
+        np.testing.assert_allclose(got[f"jit.{name}"], w.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 def test_gpt2_dp2_tp2_over_four_processes_equals_one_device(tmp_path):
-    assert_equals_one_device_step(launch_four(HERE, tmp_path / "rank0.npz", "--axes", "dp=2,tp=2"))
+    got = launch_four(HERE, tmp_path / "rank0.npz", "--axes", "dp=2,tp=2")
+    assert_equals_one_device_step(got)
+    assert_equals_one_device_eager_steps(got)
 
 
 if __name__ == "__main__":

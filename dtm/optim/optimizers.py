@@ -1,7 +1,16 @@
 """SGD and AdamW, with PyTorch's update formulas (so a step matches torch's to rounding).
 
 A step is written with tensor ops under no_grad and realized as one program for all
-parameters; then each parameter takes its new value in place."""
+parameters (`dtm.tensor.assign`): each parameter and each piece of state (a leaf tensor
+per parameter, laid out like it) takes its new value. Inside dtm.jit the same step is
+recorded instead, as the traced program's in-place updates.
+
+What changes from step to step as a number (the learning rate, the bias corrections of a
+step count) enters the program as 0-d tensors, not constants: the program stays the same,
+so its compiled plan is replayed. They are computed in Python, in double precision as
+torch computes them, by `_scalars(group, step)`; inside dtm.jit the same computation runs
+before each replay (`on_replay`), writing into the tensors the traced program reads.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +22,8 @@ import numpy as np
 from .. import functional as F
 from ..errors import ErrorCode
 from ..ir.dtypes import numpy_dtype
-from ..tensor import Tensor, error, no_grad, realize, tensor, zeros_like
+from ..tensor import Tensor, error, no_grad
+from ..tensor.core import assign, on_replay
 
 
 class Optimizer:
@@ -24,47 +34,68 @@ class Optimizer:
         groups = params if isinstance(params[0], dict) else [{"params": params}]
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[int, dict] = {}
-        self._scalars: dict[tuple, Tensor] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:
             for p in g["params"]:
                 p.grad = None
 
-    def _update(self, p: Tensor, group: dict, state: dict) -> tuple[Tensor, dict]:
+    def _scalars(self, group: dict, step: int) -> dict[str, float]:
+        """The numbers a step of `group`'s parameters at step count `step` needs."""
         raise NotImplementedError
 
-    def _scalar(self, value: float, like: Tensor) -> Tensor:
-        """A hyperparameter that changes between steps (learning rate, bias correction) as
-        a 0-d tensor in `like`'s dtype, not a constant in the program: the step's program
-        then stays the same from step to step and its compiled plan is replayed, where a
-        baked-in constant would build new kernels every step."""
-        key = (value, like.dtype)
-        t = self._scalars.get(key)
+    def _update(self, p: Tensor, group: dict, state: dict, s: dict[str, Tensor]) -> tuple[Tensor, dict]:
+        """p's new value and its state's ({name: new value}), from 0-d tensors `s`."""
+        raise NotImplementedError
+
+    def _state(self, state: dict, name: str, p: Tensor) -> Tensor:
+        """p's state tensor `name`, made on first use: zeros, laid out like p."""
+        t = state.get(name)
         if t is None:
-            t = self._scalars[key] = tensor(np.array(value, dtype=numpy_dtype(like.dtype)))
+            zeros = np.zeros(p.shape, numpy_dtype(p.dtype))
+            t = state[name] = Tensor(p.type, buffer=p._mesh.split(zeros, p.placements) if p._mesh is not None
+                                     else zeros)
         return t
 
     @no_grad()
     def step(self) -> None:
-        news, targets = [], []
-        self._scalars = {}
-        for group in self.param_groups:
+        pairs = []
+        slots: dict[tuple, tuple[dict, list[Tensor]]] = {}  # (group, step, dtype) -> (0-d tensors, their params)
+        for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state.setdefault(id(p), {})
-                new_p, new_state = self._update(p, group, state)
+                state["step"] = state.get("step", 0) + 1
+                key = (gi, state["step"], p.dtype)
+                if key not in slots:
+                    slots[key] = (_tensors(self._scalars(group, state["step"]), p), [])
+                s, stepped = slots[key]
+                stepped.append(p)
+                new_p, new_state = self._update(p, group, state, s)
                 if p._mesh is not None:  # a distributed parameter keeps its layout (DDP, TP, FSDP)
                     new_p = new_p.redistribute(p.placements)
-                news.append((p, new_p, state, new_state))
-                targets.append(new_p)
-                targets.extend(v for v in new_state.values() if isinstance(v, Tensor))
-        realize(*targets)
-        for p, new_p, state, new_state in news:
-            p._set_value(new_p._buffer)
-            for k, v in new_state.items():
-                state[k] = Tensor(v.type, buffer=v._buffer) if isinstance(v, Tensor) else v
+                pairs.append((p, new_p))
+                pairs.extend((state[k], v) for k, v in new_state.items())
+        assign(pairs)
+        on_replay(lambda: self._advance(list(slots.items())))
+
+    def _advance(self, slots: list) -> None:
+        """A replayed step's bookkeeping: its parameters' step counts, and the numbers of
+        their new counts written into the 0-d tensors the traced step reads."""
+        for (gi, _, _), (s, stepped) in slots:
+            for p in stepped:
+                self.state[id(p)]["step"] += 1
+            values = self._scalars(self.param_groups[gi], self.state[id(stepped[0])]["step"])
+            for name, t in s.items():
+                t._buffer[...] = values[name]
+
+
+def _tensors(values: dict[str, float], like: Tensor) -> dict[str, Tensor]:
+    """Each number as a 0-d tensor of `like`'s dtype (rounded once, as torch rounds a
+    Python scalar it multiplies a tensor by)."""
+    dtype = numpy_dtype(like.dtype)
+    return {k: Tensor.from_numpy(np.array(v, dtype=dtype)) for k, v in values.items()}
 
 
 class SGD(Optimizer):
@@ -73,17 +104,22 @@ class SGD(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
-    def _update(self, p, group, state):
+    def _scalars(self, group, step):
+        # the momentum buffer: the gradient itself on the first step (torch), then a blend
+        first = step == 1
+        return {"lr": group["lr"], "keep": 0.0 if first else group["momentum"],
+                "take": 1.0 if first else 1 - group["dampening"]}
+
+    def _update(self, p, group, state, s):
         g = p.grad
         if group["weight_decay"]:
             g = F.add(g, F.mul(p, group["weight_decay"]))
         new_state = {}
         if group["momentum"]:
-            buf = state.get("momentum_buffer")
-            buf = g if buf is None else F.add(F.mul(buf, group["momentum"]), F.mul(g, 1 - group["dampening"]))
+            buf = F.add(F.mul(self._state(state, "momentum_buffer", p), s["keep"]), F.mul(g, s["take"]))
             new_state["momentum_buffer"] = buf
             g = F.add(g, F.mul(buf, group["momentum"])) if group["nesterov"] else buf
-        return F.sub(p, F.mul(g, self._scalar(group["lr"], p))), new_state
+        return F.sub(p, F.mul(g, s["lr"])), new_state
 
 
 class AdamW(Optimizer):
@@ -91,15 +127,19 @@ class AdamW(Optimizer):
                  weight_decay: float = 1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
-    def _update(self, p, group, state):
+    def _scalars(self, group, step):
         b1, b2 = group["betas"]
-        lr, step, g = group["lr"], state.get("step", 0) + 1, p.grad
-        m = state["exp_avg"] if "exp_avg" in state else zeros_like(p)
-        v = state["exp_avg_sq"] if "exp_avg_sq" in state else zeros_like(p)
-        decayed = F.mul(p, self._scalar(1 - lr * group["weight_decay"], p))
+        lr = group["lr"]
+        return {"decay": 1 - lr * group["weight_decay"], "step_size": lr / (1 - b1 ** step),
+                "bias2_sqrt": math.sqrt(1 - b2 ** step)}
+
+    def _update(self, p, group, state, s):
+        b1, b2 = group["betas"]
+        g = p.grad
+        m, v = self._state(state, "exp_avg", p), self._state(state, "exp_avg_sq", p)
+        decayed = F.mul(p, s["decay"])
         m = F.add(m, F.mul(F.sub(g, m), 1 - b1))  # torch's lerp
         v = F.add(F.mul(v, b2), F.mul(F.mul(g, g), 1 - b2))
-        step_size = self._scalar(lr / (1 - b1 ** step), p)
-        denom = F.add(F.div(F.sqrt(v), self._scalar(math.sqrt(1 - b2 ** step), p)), group["eps"])
-        new_p = F.sub(decayed, F.mul(F.div(m, denom), step_size))
-        return new_p, {"exp_avg": m, "exp_avg_sq": v, "step": step}
+        denom = F.add(F.div(F.sqrt(v), s["bias2_sqrt"]), group["eps"])
+        new_p = F.sub(decayed, F.mul(F.div(m, denom), s["step_size"]))
+        return new_p, {"exp_avg": m, "exp_avg_sq": v}

@@ -44,7 +44,8 @@ def distribute(t: Any, mesh: Mesh, placements: Any) -> Tensor:
             raise error(E.MESH_MISMATCH, f"distribute({t._describe()}, {mesh}, {list(pl)}): the tensor is already on "
                         f"{t._mesh}; full_tensor() it first to move it to another mesh")
         return t.redistribute(pl)
-    if t.requires_grad and t._op is not None:  # keep the history: the program slices it on each device
+    if (t.requires_grad and t._op is not None) or t._buffer is None:
+        # keep the history (or a dtm.jit placeholder's place): the program slices it on each device
         out = apply("reshape", t, shape=t.shape)
         out._mesh, out._placements = mesh, pl
         return out

@@ -28,9 +28,21 @@ from .dtypes import DEFAULT_FLOAT, _combine, bool_, float32, int64, promote_type
 
 # --- grad mode and tracing ----------------------------------------------------------------
 
+class Trace:
+    """What dtm.jit records while it traces a function, besides the ops themselves."""
+
+    def __init__(self, placeholders: Sequence["Tensor"]):
+        self.placeholders = {id(p) for p in placeholders}  # the traced function's arguments
+        self.effects: list[tuple[Tensor, Tensor]] = []  # (a leaf, its new value): the program's `assign`s
+        self.updated: set[int] = set()                   # the leaves assigned so far
+        self.hooks: list[Callable[[], None]] = []        # Python bookkeeping to redo before each replay
+        self.graded: dict[int, Tensor] = {}              # leaves whose .grad a traced backward() set
+
+
 class _State(threading.local):
     grad_enabled = True
     tracing = 0
+    trace: Trace | None = None  # the dtm.jit trace being recorded on this thread
     meshes: dict = {}  # the IR meshes collectives may name: an enclosing shard_map's
 
 
@@ -340,6 +352,10 @@ def apply(op: str, /, *inputs: Tensor, type: TensorType | None = None, **attrs: 
             raise error(ErrorCode.MESH_MISMATCH, f"{op}: operand {j} ({first.type} {list(first._placements or ())}) "
                         f"is on {first._mesh}, operand {i} ({t.type} {list(t._placements or ())}) on {t._mesh}; "
                         "one op runs on one mesh: distribute both tensors on the same mesh")
+    trace = STATE.trace
+    if trace is not None and trace.updated and any(id(t) in trace.updated for t in inputs):
+        raise error(ErrorCode.USE_AFTER_ASSIGN, f"{op}: in a dtm.jit-traced step, this reads a value after the step "
+                    "updated it (an optimizer's step, say); read it before the update, or in the next call")
     requires = STATE.grad_enabled and any(t.requires_grad for t in inputs) and out[0].dtype.is_float
     return Tensor(out[0], op, inputs, norm, requires_grad=requires)
 
@@ -364,12 +380,15 @@ def _sharding(t: Tensor):
 
 
 def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str = "main",
-            keep: Callable[[Tensor], bool] | None = None) -> tuple[Module, list[Tensor]]:
+            keep: Callable[[Tensor], bool] | None = None,
+            effects: Sequence[tuple[Tensor, Tensor]] = ()) -> tuple[Module, list[Tensor]]:
     """The IR function computing `outputs`, and the tensors its parameters stand for.
 
     Parameters are `params` first (in order), then every other tensor the walk reaches that
     is a leaf or already realized (its buffer is read at run time). `keep(t)` may force a
-    realized tensor to be recomputed from its inputs instead (autograd needs that)."""
+    realized tensor to be recomputed from its inputs instead (autograd needs that).
+    `effects` (leaf, value) become `assign`s at the end of the function: the leaf's buffer
+    takes the value in place when the function runs."""
     index: dict[int, Value] = {}
     param_tensors: list[Tensor] = list(params)
     param_values: list[Value] = []
@@ -381,7 +400,8 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
     extra: list[Tensor] = []
     mesh = next((t._mesh for t in param_tensors if t._mesh is not None), None)  # of distributed tensors
     # Iterative post-order walk: programs can be far deeper than Python's recursion limit.
-    stack: list[tuple[Tensor, bool]] = [(t, False) for t in reversed(outputs)]
+    roots = list(outputs) + [t for pair in effects for t in pair]
+    stack: list[tuple[Tensor, bool]] = [(t, False) for t in reversed(roots)]
     while stack:
         t, ready = stack.pop()
         if id(t) in index:
@@ -390,7 +410,7 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
             mesh = t._mesh
         is_param = t._op is None or (t._buffer is not None and not (keep and keep(t)))
         if is_param:
-            if t._op is None and t._buffer is None and id(t) not in index:
+            if t._op is None and t._buffer is None and not (STATE.trace and id(t) in STATE.trace.placeholders):
                 raise error(ErrorCode.UNDEFINED_VALUE, "a traced placeholder from another dtm.jit call was used here")
             v = Value(t.type, f"p{len(param_values) + len(extra)}", _sharding(t))
             index[id(t)] = v
@@ -405,6 +425,7 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
         v = Value(t.type, f"t{len(ops)}", _sharding(t))
         ops.append(Op(t._op, tuple(index[id(i)] for i in t._inputs), t._attrs, (v,)))
         index[id(t)] = v
+    ops += [Op("assign", (index[id(target)], index[id(value)]), {}, ()) for target, value in effects]
     # Parameters: explicit ones, then the leaves found, numbered in the order found.
     found = [index[id(t)] for t in extra]
     for i, v in enumerate(found):
@@ -495,6 +516,8 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
                     "(no input has requires_grad=True, or it was computed under no_grad)")
     if gradient is None and loss.numel() != 1:
         raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): a gradient is needed for a non-scalar output {loss.type}")
+    if STATE.trace is not None:
+        return _backward_traced(loss, gradient, retain_graph)
     _, consts, inner = _frontier(loss)
     realize(*consts)
     # Recompute requires-grad intermediates, so autodiff sees every op between leaves and loss.
@@ -527,11 +550,113 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
             leaf.grad = Tensor.from_numpy(leaf.grad.numpy() + g._buffer)
         else:
             leaf.grad = (leaf.grad + g).realize()
-    if not retain_graph:  # as torch frees the saved tensors: a computed intermediate drops its graph
-        for t in inner:
-            t._freed = True
-            if t._buffer is not None:
-                t._inputs = ()
+    if not retain_graph:
+        _free(inner)
+
+
+def _free(inner: list[Tensor]) -> None:
+    """As torch frees the saved tensors of a graph after backward(): a second pass through
+    these intermediates is an error (GRAPH_FREED), and a computed one drops its graph."""
+    for t in inner:
+        t._freed = True
+        if t._buffer is not None:
+            t._inputs = ()
+
+
+def _backward_traced(loss: Tensor, gradient: Tensor | None, retain_graph: bool) -> None:
+    """backward() inside dtm.jit: the gradient program is recorded, not run. The forward
+    is captured and differentiated as in eager mode, and the differentiated function's ops
+    are recorded as lazy tensors (its forward part repeats ops already recorded; the
+    compiler's common-subexpression pass merges them), so the gradients, an optimizer's
+    step on them and the forward become one traced program."""
+    _, _, inner = _frontier(loss)
+    module, params = capture([loss], keep=lambda t: t.requires_grad and t._op is not None)
+    wrt = [i for i, p in enumerate(params) if p.requires_grad and p._op is None]
+    args = list(params)
+    if gradient is not None:
+        g = gradient if isinstance(gradient, Tensor) else Tensor.from_numpy(np.asarray(gradient))
+        if g.type != loss.type:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g.type}, the output is {loss.type}")
+        args.append(g)
+    name = grad(module, "main", wrt, seed="ones" if gradient is None else "param")
+    results = record_func(module.funcs[name], args)
+    for i, g in zip(wrt, results[1:]):
+        leaf = params[i]
+        if leaf._mesh is not None:  # brought to its leaf's layout, as in eager mode
+            g = g.redistribute(leaf.placements)
+        leaf.grad = g if leaf.grad is None else leaf.grad + g
+        STATE.trace.graded[id(leaf)] = leaf
+    if not retain_graph:
+        _free(inner)
+
+
+def record_func(f: Func, args: Sequence[Tensor]) -> list[Tensor]:
+    """Record the ops of IR function f on tensors `args` (one per parameter) as lazy
+    tensors, without gradient history; f's results. (Every op has one result here: a
+    differentiated function has no effects.)"""
+    env: dict[int, Tensor] = {id(v): t for v, t in zip(f.params, args)}
+    for op in f.ops:
+        (r,) = op.results
+        t = Tensor(r.type, op.name, tuple(env[id(v)] for v in op.operands), op.attrs)
+        if r.sharding is not None and t._mesh is not None:  # a layout the user pinned
+            t._placements = r.sharding.placements
+        env[id(r)] = t
+    return [env[id(v)] for v in f.returns]
+
+
+# --- updating leaves: an optimizer's step ----------------------------------------------------
+
+def assign(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Give each target (a leaf that holds a value: a parameter, an optimizer's state) the
+    value of its source, all computed in one program. Eagerly the targets take the new
+    values (ops recorded before keep reading the old ones); inside dtm.jit the pairs become
+    the traced program's `assign` effects, which write the targets' buffers in place on
+    every call."""
+    trace = STATE.trace
+    for target, _ in pairs:
+        if target._op is not None or target._buffer is None:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"assign: the target must be a leaf with a value, this {target.type} "
+                        "is computed by an op or is a dtm.jit placeholder")
+    if trace is None:
+        realize(*(v for _, v in pairs))
+        for target, value in pairs:
+            target._set_value(value._buffer)
+        return
+    for target, value in pairs:
+        if id(target) in trace.updated:
+            raise error(ErrorCode.USE_AFTER_ASSIGN, f"assign: a {target.type} is updated twice in one dtm.jit-traced "
+                        "step")
+        trace.effects.append((target, value))
+        trace.updated.add(id(target))
+
+
+def on_replay(hook: Callable[[], None]) -> None:
+    """Inside dtm.jit, have `hook` run before each later call of the traced function: the
+    Python bookkeeping that the traced ops depend on (an optimizer's step count and learning
+    rate, written into the 0-d tensors the program reads). Outside a trace: nothing."""
+    if STATE.trace is not None:
+        STATE.trace.hooks.append(hook)
+
+
+def prepare_in_place(targets: Sequence[Tensor]) -> None:
+    """Before a program writes the buffers of `targets` in place: each becomes writable (a
+    read-only buffer, from a loaded file say, is copied), and pending ops that read one
+    keep its current value (a snapshot with a copy), as they would with an eager update."""
+    for t in targets:
+        if t._users and any(u() is not None and u()._buffer is None for u in t._users):
+            old = t._snapshot()
+            old._buffer = _copy(t._buffer)
+        if type(t._buffer) is Shards:
+            if any(p is not None and not p.flags.writeable for p in t._buffer.pieces):
+                t._buffer = _copy(t._buffer)
+        elif not t._buffer.flags.writeable:
+            t._buffer = t._buffer.copy()
+
+
+def _copy(value):
+    if type(value) is Shards:
+        return Shards(value.mesh, value.placements, [p.copy() if p is not None else None for p in value.pieces])
+    return value.copy()
 
 
 def result_type(*xs: Any) -> DType:

@@ -1,31 +1,58 @@
-"""dtm.jit: trace a function to one IR module per input signature, and replay it."""
+"""dtm.jit: trace a function once per input signature into one IR module, and replay it.
+
+    @dtm.jit
+    def step(x, y):                       # a whole training step, as one program
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        dtm.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for x, y in batches:
+        loss = step(x, y)                 # traced on the first call, replayed after
+
+Tracing runs `fn` once on placeholders of its tensor arguments (with the caller's grad
+mode). Tensors it reads from outside (weights, optimizer state) become further parameters
+whose current values are read at every call. `backward()` records the gradient program
+instead of running it, and an optimizer's `step()` records its updates as the program's
+`assign` effects: each call then writes the new weights and state into their buffers in
+place, and runs the Python bookkeeping the traced ops depend on (step counts, the learning
+rate a scheduler set) before it starts. Gradients still held when the function returns (no
+`zero_grad()` after the step) come back as `.grad` of their parameters after each call.
+
+As with torch.jit.trace and tinygrad's TinyJit, Python control flow is frozen at the trace:
+the signature (argument types and layouts, other arguments' values) picks a trace, and
+nothing in `fn` may read a tensor's value (`.item()`, `print`, `if` on a tensor).
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import ErrorCode, user_error as error
 from ..ir.module import Module
 from ..runtime import execute
 from ..runtime.mesh import Shards
-from .core import STATE, Tensor, capture, no_grad
+from .core import STATE, Tensor, Trace, capture, prepare_in_place
+
 
 class _Traced:
-    __slots__ = ("module", "n_args", "captured", "out_is_tuple")
+    """One trace: the module, and what a call binds to it and from it."""
 
-    def __init__(self, module: Module, n_args: int, captured: list[Tensor], out_is_tuple: bool):
+    __slots__ = ("module", "n_args", "captured", "out_is_tuple", "n_out", "graded", "targets", "hooks")
+
+    def __init__(self, module: Module, n_args: int, captured: list[Tensor], out_is_tuple: bool, n_out: int,
+                 graded: list[Tensor], targets: list[Tensor], hooks: list[Callable[[], None]]):
         self.module, self.n_args, self.captured, self.out_is_tuple = module, n_args, captured, out_is_tuple
+        self.n_out, self.graded, self.targets, self.hooks = n_out, graded, targets, hooks
 
 
 class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
-    """Trace `fn` to an IR module once per input signature and replay it.
-
-    Tensor arguments become the function's parameters; tensors `fn` reads from outside
-    (model weights) become further parameters whose current values are read at every
-    call, so an optimizer's updates are seen. Other arguments are part of the signature.
-    `jit(fn).ir(*args)` returns the traced module; with distributed tensors (dtm.parallel)
-    it is the global view, and `ir(*args, view="local", rank=r)` rank r's partitioned
-    program, with the collectives that run."""
+    """Trace `fn` to an IR module once per input signature and replay it (see the module
+    docstring). `jit(fn).ir(*args)` returns the traced module; with distributed tensors
+    (dtm.parallel) it is the global view, and `ir(*args, view="local", rank=r)` rank r's
+    partitioned program, with the collectives that run."""
 
     def __init__(self, fn: Callable, backend: str | None = None):
         self.fn = fn
@@ -39,42 +66,61 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         return tuple(("T", a.type, a._mesh, a._placements) if isinstance(a, Tensor) else ("V", repr(a))
                      for a in args)
 
-    def _trace(self, args) -> _Traced:
+    def _trace(self, args) -> tuple[_Traced, bool]:
+        """The trace for these arguments, and whether it was made just now."""
         key = self._signature(args)
         traced = self.cache.get(key)
         if traced is not None:
-            return traced
+            return traced, False
         placeholders = [Tensor(a.type) if isinstance(a, Tensor) else a for a in args]
+        tensor_args = [p for p in placeholders if isinstance(p, Tensor)]
         for p, a in zip(placeholders, args):
             if isinstance(a, Tensor):
                 p._mesh, p._placements = a._mesh, a._placements
+        trace = Trace(tensor_args)
+        prev = STATE.trace
         STATE.tracing += 1
+        STATE.trace = trace
         try:
-            with no_grad():
-                out = self.fn(*placeholders)
+            out = self.fn(*placeholders)
         finally:
             STATE.tracing -= 1
+            STATE.trace = prev
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        tensor_args = [p for p in placeholders if isinstance(p, Tensor)]
-        module, params = capture(outs, params=tensor_args, name=getattr(self.fn, "__name__", "main"))
+        if not all(isinstance(o, Tensor) for o in outs):
+            raise error(ErrorCode.RETURN_MISMATCH, f"dtm.jit: {getattr(self.fn, '__name__', 'the function')} must "
+                        f"return tensors (or a tuple of them), found {out!r}")
+        graded = [t for t in trace.graded.values() if t.grad is not None and t.grad._buffer is None]
+        module, params = capture(outs + [t.grad for t in graded], params=tensor_args,
+                                 name=getattr(self.fn, "__name__", "main"), effects=trace.effects)
         module.funcs["main"] = module.funcs.pop(next(iter(module.funcs)))
         module.funcs["main"].name = "main"
-        traced = _Traced(module, len(tensor_args), params[len(tensor_args):], isinstance(out, (tuple, list)))
+        traced = _Traced(module, len(tensor_args), params[len(tensor_args):], isinstance(out, (tuple, list)),
+                         len(outs), graded, [target for target, _ in trace.effects], trace.hooks)
         self.cache[key] = traced
-        return traced
+        return traced, True
 
     def ir(self, *args, view: str = "global", rank: int = 0) -> Module:
-        traced = self._trace(args)
+        traced, _ = self._trace(args)
         if view == "global":
             return traced.module
         if view != "local":
             raise error(ErrorCode.ATTRIBUTE_VALUE, f"jit.ir: view is \"global\" or \"local\", not {view!r}")
         return execute.local_view(traced.module, "main", rank)
 
-    def __call__(self, *args):
-        traced = self._trace(args)
+    def __call__(self, *args) -> Any:
+        traced, fresh = self._trace(args)
+        if not fresh:  # (the trace itself did this call's bookkeeping)
+            for hook in traced.hooks:
+                hook()
         tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
-        results = execute.run(traced.module, "main", [t.realize()._buffer for t in tensors], self.backend)
-        outs = [Tensor(t, buffer=r) if type(r) is Shards else Tensor.from_numpy(r)
-                for (t, _), r in zip(traced.module.funcs["main"].result_types, results)]
+        values = [t.realize()._buffer for t in tensors]
+        prepare_in_place(traced.targets)
+        values[len(values) - len(traced.captured):] = [t._buffer for t in traced.captured]
+        results = execute.run(traced.module, "main", values, self.backend)
+        types = [t for t, _ in traced.module.funcs["main"].result_types]
+        outs = [Tensor(t, buffer=r) if type(r) is Shards else Tensor.from_numpy(r) for t, r in zip(types, results)]
+        for leaf, g in zip(traced.graded, outs[traced.n_out:]):
+            leaf.grad = g
+        outs = outs[:traced.n_out]
         return tuple(outs) if traced.out_is_tuple else outs[0]
