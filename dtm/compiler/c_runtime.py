@@ -27,7 +27,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
                      double *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx);
 int dtm_rt_version(void);"""
 
-VERSION = 5
+VERSION = 6
 
 _TEMPLATE = r"""
 /* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
@@ -64,8 +64,11 @@ static void pack_b_SUF(const T *B, int64_t rs, int64_t cs, int64_t kc, int64_t n
       for (int64_t k = 0; k < kc; k++, Bp += NR_SUF)
         for (int c = 0; c < NR_SUF; c++) Bp[c] = b[k * rs + c];
     } else if (n == NR_SUF && rs == 1) {  /* B transposed (a Linear's weight): columns are contiguous */
-      for (int c = 0; c < NR_SUF; c++)
-        for (int64_t k = 0; k < kc; k++) Bp[k * NR_SUF + c] = b[c * cs + k];
+      for (int64_t k0 = 0; k0 < kc; k0 += 16) {  /* in 16-deep blocks: the tile written stays in L1 */
+        int64_t k1 = dtm_min(kc, k0 + 16);
+        for (int c = 0; c < NR_SUF; c++)
+          for (int64_t k = k0; k < k1; k++) Bp[k * NR_SUF + c] = b[c * cs + k];
+      }
       Bp += kc * NR_SUF;
     } else {
       for (int64_t k = 0; k < kc; k++, Bp += NR_SUF) {
@@ -76,38 +79,7 @@ static void pack_b_SUF(const T *B, int64_t rs, int64_t cs, int64_t kc, int64_t n
   }
 }
 
-/* C[m, n] (+)= Ap @ Bp over kc: the MR x NR register tile. */
-static void micro_SUF(int64_t kc, const T *restrict Ap, const T *restrict Bp, T *C, int64_t ldc,
-                      int acc, int64_t m, int64_t n) {
-  V c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
-  V c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < kc; k++) {
-    V b0 = *(const V *)Bp, b1 = *(const V *)(Bp + VW), a;
-    a = BC_SUF(Ap + 0); c00 = FMA_SUF(a, b0, c00); c01 = FMA_SUF(a, b1, c01);
-    a = BC_SUF(Ap + 1); c10 = FMA_SUF(a, b0, c10); c11 = FMA_SUF(a, b1, c11);
-    a = BC_SUF(Ap + 2); c20 = FMA_SUF(a, b0, c20); c21 = FMA_SUF(a, b1, c21);
-    a = BC_SUF(Ap + 3); c30 = FMA_SUF(a, b0, c30); c31 = FMA_SUF(a, b1, c31);
-    a = BC_SUF(Ap + 4); c40 = FMA_SUF(a, b0, c40); c41 = FMA_SUF(a, b1, c41);
-    a = BC_SUF(Ap + 5); c50 = FMA_SUF(a, b0, c50); c51 = FMA_SUF(a, b1, c51);
-    Ap += MR; Bp += NR_SUF;
-  }
-  if (m == MR && n == NR_SUF) {
-#define ST(r, x0, x1) { V##u *p0 = (V##u *)(C + r * ldc), *p1 = (V##u *)(C + r * ldc + VW); \
-    if (acc) { *p0 += x0; *p1 += x1; } else { *p0 = x0; *p1 = x1; } }
-    ST(0, c00, c01) ST(1, c10, c11) ST(2, c20, c21) ST(3, c30, c31) ST(4, c40, c41) ST(5, c50, c51)
-#undef ST
-  } else {
-    T t[MR][NR_SUF] __attribute__((aligned(64)));
-#define ST(r, x0, x1) { *(V *)&t[r][0] = x0; *(V *)&t[r][VW] = x1; }
-    ST(0, c00, c01) ST(1, c10, c11) ST(2, c20, c21) ST(3, c30, c31) ST(4, c40, c41) ST(5, c50, c51)
-#undef ST
-    for (int64_t r = 0; r < m; r++)
-      for (int64_t c = 0; c < n; c++)
-        C[r * ldc + c] = acc ? C[r * ldc + c] + t[r][c] : t[r][c];
-  }
-}
-
+MICRO_KERNEL
 static __thread T *tl_a_SUF, *tl_b_SUF;
 static __thread size_t tl_na_SUF, tl_nb_SUF;
 
@@ -262,11 +234,56 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 """
 
 
-def _instance(suffix: str, ctype: str, vec: str, width: int, nc: int) -> str:
-    text = _TEMPLATE.replace("V##u", vec + "u").replace("NC_SUF", str(nc))
-    text = text.replace("SUF", suffix).replace("VW", str(width))
-    return re.sub(r"\bV\b", vec, re.sub(r"\bT\b", ctype, text))
+def _micro(mr: int) -> str:
+    """The MR x NR register tile, C[m, n] (+)= Ap @ Bp over kc: 2 * mr vector accumulators,
+    written out row by row (so they stay in registers)."""
+    rows = range(mr)
+    acc = "\n".join(f"  V c{r}0 = {{0}}, c{r}1 = {{0}};" for r in rows)
+    fma = "\n".join(f"    a = BC_SUF(Ap + {r}); c{r}0 = FMA_SUF(a, b0, c{r}0); c{r}1 = FMA_SUF(a, b1, c{r}1);"
+                    for r in rows)
+    full = " ".join(f"ST({r}, c{r}0, c{r}1)" for r in rows)
+    return f"""/* C[m, n] (+)= Ap @ Bp over kc: the MR x NR register tile. */
+static void micro_SUF(int64_t kc, const T *restrict Ap, const T *restrict Bp, T *C, int64_t ldc,
+                      int acc, int64_t m, int64_t n) {{
+{acc}
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; k++) {{
+    V b0 = *(const V *)Bp, b1 = *(const V *)(Bp + VW), a;
+{fma}
+    Ap += MR; Bp += NR_SUF;
+  }}
+  if (m == MR && n == NR_SUF) {{
+#define ST(r, x0, x1) {{ V##u *p0 = (V##u *)(C + r * ldc), *p1 = (V##u *)(C + r * ldc + VW); \\
+    if (acc) {{ *p0 += x0; *p1 += x1; }} else {{ *p0 = x0; *p1 = x1; }} }}
+    {full}
+#undef ST
+  }} else {{
+    T t[MR][NR_SUF] __attribute__((aligned(64)));
+#define ST(r, x0, x1) {{ *(V *)&t[r][0] = x0; *(V *)&t[r][VW] = x1; }}
+    {full}
+#undef ST
+    for (int64_t r = 0; r < m; r++)
+      for (int64_t c = 0; c < n; c++)
+        C[r * ldc + c] = acc ? C[r * ldc + c] + t[r][c] : t[r][c];
+  }}
+}}
 
+"""
+
+
+def _instance(suffix: str, ctype: str, vec: str, width: int, nc: int, mr: int, kc: int = 256) -> str:
+    """The product for one element type and vector width: the template with its names filled
+    in, an mr x (2 * width) register tile, packed panels of B kc deep and nc wide."""
+    text = _TEMPLATE.replace("MICRO_KERNEL", _micro(mr)).replace("V##u", vec + "u").replace("NC_SUF", str(nc))
+    text = re.sub(r"\bKC\b", f"KC_{suffix}", text.replace("MR", f"MR_{suffix}"))
+    text = text.replace("SUF", suffix).replace("VW", str(width))
+    return f"#define MR_{suffix} {mr}\n#define KC_{suffix} {kc}\n" + re.sub(r"\bV\b", vec, re.sub(r"\bT\b", ctype, text))
+
+
+# AVX-512: 24 of the 32 zmm registers accumulate; a packed panel of B (KC x NC) is 1.5 MB of f32.
+# Measured on a 2-core Sapphire Rapids against MR 8/14, NC 512-2048, KC 256-512: within noise of
+# the best everywhere (benchmarks/matmul.py).
+AVX512_MR, AVX512_NC, AVX512_KC = 12, 1024, 384
 
 SOURCE = r"""/* DTM runtime library: tiled matrix products. */
 #include <stdint.h>
@@ -280,13 +297,19 @@ int dtm_rt_version(void) { return """ + str(VERSION) + r"""; }
 
 static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
-#define MR 6
-#define KC 256
 #define MC 96
 
-/* The microkernel's broadcast and multiply-add: AVX2 + FMA intrinsics where the machine has
-   them, else GCC vector extensions (-ffp-contract=fast turns a * b + c into an FMA). */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* The microkernel's broadcast and multiply-add, and its vectors: 512-bit with AVX-512 intrinsics
+   where -march=native offers AVX-512F, 256-bit with AVX2 + FMA intrinsics where it offers
+   those, else 256-bit GCC vector extensions (-ffp-contract=fast turns a * b + c into an FMA). */
+#if defined(__AVX512F__)
+#define DTM_AVX2 1
+#include <immintrin.h>
+#define BC_f32(p) _mm512_set1_ps(*(p))
+#define FMA_f32(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define BC_f64(p) _mm512_set1_pd(*(p))
+#define FMA_f64(a, b, c) _mm512_fmadd_pd(a, b, c)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define DTM_AVX2 1
 #include <immintrin.h>
 #define BC_f32(p) _mm256_broadcast_ss(p)
@@ -296,4 +319,10 @@ static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
 #else
 #define DTM_AVX2 0
 #endif
-""" + _instance("f32", "float", "dtm_v8f", 8, 2048) + _instance("f64", "double", "dtm_v4d", 4, 1024)
+#if defined(__AVX512F__)
+""" + _instance("f32", "float", "dtm_v16f", 16, AVX512_NC, AVX512_MR, AVX512_KC) + \
+    _instance("f64", "double", "dtm_v8d", 8, AVX512_NC // 2, AVX512_MR, AVX512_KC // 2) + r"""
+#else
+""" + _instance("f32", "float", "dtm_v8f", 8, 2048, 6) + _instance("f64", "double", "dtm_v4d", 4, 1024, 6) + r"""
+#endif
+"""
