@@ -182,3 +182,36 @@ def test_updates_in_place_keep_pending_values_and_read_only_weights():
     second = step(x, y).item()
     assert pending.item() == pytest.approx(before, rel=1e-6) and first == pytest.approx(before, rel=1e-6)
     assert second < first
+
+
+def test_eager_steps_of_one_structure_reuse_the_first_steps_program(monkeypatch):
+    """The second eager step records the same structure: its walk finds the program built,
+    differentiated and compiled for the first one; no IR is rebuilt, differentiated or
+    hashed again. Another batch shape is another structure."""
+    from dtm.ir import module as ir_module
+    from dtm.tensor import core
+
+    calls = {"grad": 0, "encode": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(core, "grad", counting("grad", core.grad))
+    monkeypatch.setattr(ir_module, "encode", counting("encode", ir_module.encode))
+    m = model()
+    params = list(m.parameters())
+    opt = optim.AdamW(params, lr=1e-3)
+    seen = []
+    for x, y in BATCHES[:3] + [(b[:, :8], c[:, :8]) for b, c in BATCHES[:1]]:
+        loss = loss_of(m, dtm.tensor(x), dtm.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+        seen.append(dict(calls))
+    assert seen[0]["grad"] == 1 and seen[0]["encode"] > 0
+    assert seen[2] == seen[1] == seen[0]  # steps 2 and 3: nothing rebuilt or hashed
+    assert seen[3]["grad"] == 2  # a new structure

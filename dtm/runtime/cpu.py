@@ -265,30 +265,38 @@ def _check_slice(op, bindings: dict) -> None:
                            f"found {lo}:{hi}")
 
 
+class ModuleHashes:
+    """Module hashes memoised by module object (the last `size` modules seen, each kept
+    alive by its entry), so a module run again is not encoded and hashed again. A module
+    must not change after it is first hashed here (captured modules never do)."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._by_id: OrderedDict[int, tuple[Module, str]] = OrderedDict()
+
+    def __call__(self, module: Module) -> str:
+        entry = self._by_id.get(id(module))
+        if entry is None or entry[0] is not module:
+            entry = self._by_id[id(module)] = (module, module.hash())
+            while len(self._by_id) > self.size:
+                self._by_id.popitem(last=False)
+        else:
+            self._by_id.move_to_end(id(module))
+        return entry[1]
+
+
 class PlanCache:
     """Compiled plans by module: the last modules seen (by object, with their hash) and the
     last `size` functions (by module hash), least recently used dropped first. One thread
     compiles a function while others asking for it wait; `make(module, func)` builds the
     plan (the cpu backend's Plan, or an executor's subclass of it)."""
 
-    MAX_MODULES = 256
-
     def __init__(self, make: Callable[[Module, str], Plan], size: int = 512):
         self.make, self.size = make, size
         self._lock = threading.Lock()
-        self._by_id: OrderedDict[int, tuple[Module, str]] = OrderedDict()
+        self._key = ModuleHashes()
         self._plans: OrderedDict[tuple[str, str], Plan] = OrderedDict()
         self._building: dict[tuple[str, str], threading.Lock] = {}
-
-    def _key(self, module: Module) -> str:
-        entry = self._by_id.get(id(module))
-        if entry is None or entry[0] is not module:
-            entry = self._by_id[id(module)] = (module, module.hash())
-            while len(self._by_id) > self.MAX_MODULES:
-                self._by_id.popitem(last=False)
-        else:
-            self._by_id.move_to_end(id(module))
-        return entry[1]
 
     def get(self, module: Module, func: str) -> Plan:
         """The compiled plan of `func` (compiled on first use, then cached)."""
@@ -332,4 +340,4 @@ class CpuBackend:
         return self.plans.get(module, func).run(inputs)
 
 
-__all__ = ["CpuBackend", "Plan", "PlanCache", "STATS", "TensorType"]
+__all__ = ["CpuBackend", "Plan", "PlanCache", "ModuleHashes", "STATS", "TensorType"]

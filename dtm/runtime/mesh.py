@@ -29,6 +29,7 @@ from ..errors import DTMError, ErrorCode as E, user_error
 from ..ir.module import Module
 from ..ir.types import Mesh as IRMesh, Placement, Replicate, Shard, Sharding, TensorType
 from . import l0, l1
+from .cpu import ModuleHashes
 from .process_group import ProcessGroup
 
 IR_NAME = "mesh"  # in a program every distributed value is on one mesh, which the IR calls @mesh
@@ -152,12 +153,12 @@ class DeviceMesh:
         if self.process is not None:
             return [self.local_module(module, func, r) if r == self.rank else None for r in range(self.size)]
         n = len(l0.executor())
-        return _cached((module.hash(), func, n, self.bucket_bytes), lambda: [
+        return _cached((_HASHES(module), func, n, self.bucket_bytes), lambda: [
             bucket_all_reduces(m, func, self.bucket_bytes) for m in partition_all(module, func, devices=n)])
 
     def local_module(self, module: Module, func: str, rank: int) -> Module:
         """Mesh rank `rank`'s local-view module of global-view @func alone, cached the same way."""
-        return _cached((module.hash(), func, "rank", rank, self.bucket_bytes), lambda: [
+        return _cached((_HASHES(module), func, "rank", rank, self.bucket_bytes), lambda: [
             bucket_all_reduces(local_module(module, func, rank), func, self.bucket_bytes)])[0]
 
     def run(self, modules: Sequence[Module | None], func: str, inputs: Sequence[Sequence | None]) -> list[list | None]:
@@ -181,6 +182,7 @@ class DeviceMesh:
     __str__ = __repr__
 
 
+_HASHES = ModuleHashes()  # a module partitioned again (a step's program, run each step) is not hashed again
 _PARTITIONED: OrderedDict[tuple, list[Module]] = OrderedDict()
 _PARTITIONED_LOCK = threading.Lock()
 _MAX_PARTITIONED = 128

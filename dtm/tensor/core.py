@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -379,6 +380,80 @@ def _sharding(t: Tensor):
     return t._mesh.sharding(t._placements) if t._mesh is not None and t._placements is not None else None
 
 
+class _Walk:
+    """One post-order walk of the recorded graph below some outputs: the tensors to compute
+    (`nodes`, each after its inputs), the leaves and realized tensors read (`found`, the
+    parameters after the explicit ones), and `key`, the program's structure (ops,
+    attributes, types, layouts, which value feeds which): equal keys give equal IR, so the
+    IR built for a key, differentiated and compiled once, serves every later walk with it."""
+
+    __slots__ = ("nodes", "found", "key", "mesh")
+
+    def __init__(self, nodes: list, found: list, key: tuple, mesh):
+        self.nodes, self.found, self.key, self.mesh = nodes, found, key, mesh
+
+
+def _walk(outputs: Sequence[Tensor], params: Sequence[Tensor], keep: Callable[[Tensor], bool] | None,
+          effects: Sequence[tuple[Tensor, Tensor]]) -> _Walk:
+    pos: dict[int, int] = {id(t): i for i, t in enumerate(params)}
+    key: list = [(t.type, t._mesh, t._placements) for t in params]
+    nodes: list[Tensor] = []
+    found: list[Tensor] = []
+    mesh = next((t._mesh for t in params if t._mesh is not None), None)  # of distributed tensors
+    placeholders = STATE.trace.placeholders if STATE.trace is not None else ()
+    # Iterative post-order walk: programs can be far deeper than Python's recursion limit.
+    roots = list(outputs) + [t for pair in effects for t in pair]
+    stack: list[tuple[Tensor, bool]] = [(t, False) for t in reversed(roots)]
+    while stack:
+        t, ready = stack.pop()
+        if id(t) in pos:
+            continue
+        if mesh is None and t._mesh is not None:
+            mesh = t._mesh
+        if t._op is None or (t._buffer is not None and not (keep and keep(t))):
+            if t._op is None and t._buffer is None and id(t) not in placeholders:
+                raise error(ErrorCode.UNDEFINED_VALUE, "a traced placeholder from another dtm.jit call was used here")
+            pos[id(t)] = len(pos)
+            found.append(t)
+            key.append((t.type, t._mesh, t._placements))
+            continue
+        if not ready:
+            stack.append((t, True))
+            for i in reversed(t._inputs):
+                if id(i) not in pos:
+                    stack.append((i, False))
+            continue
+        pos[id(t)] = len(pos)
+        nodes.append(t)
+        key.append((t._op, t.type, tuple(pos[id(i)] for i in t._inputs), tuple(t._attrs.items()), t._placements))
+    key.append(tuple(pos[id(t)] for t in outputs))
+    key.append(tuple((pos[id(a)], pos[id(b)]) for a, b in effects))
+    return _Walk(nodes, found, tuple(key), mesh)
+
+
+def _build(w: _Walk, params: Sequence[Tensor], outputs: Sequence[Tensor], name: str,
+           effects: Sequence[tuple[Tensor, Tensor]]) -> Module:
+    """The IR function of a walk: parameters `params`, then the tensors found, numbered
+    in the order found; one op per node; `effects` as `assign`s at the end."""
+    index: dict[int, Value] = {}
+    args = []
+    for t in list(params) + w.found:
+        v = index[id(t)] = Value(t.type, f"p{len(args)}", _sharding(t))
+        args.append(v)
+    ops: list[Op] = []
+    for t in w.nodes:
+        v = index[id(t)] = Value(t.type, f"t{len(ops)}", _sharding(t))
+        ops.append(Op(t._op, tuple(index[id(i)] for i in t._inputs), t._attrs, (v,)))
+    ops += [Op("assign", (index[id(target)], index[id(value)]), {}, ()) for target, value in effects]
+    func = Func(name, args, [(t.type, None) for t in outputs], ops, [index[id(t)] for t in outputs])
+    module = Module()
+    module.funcs[name] = func
+    if w.mesh is not None:  # the mesh the shardings name (one per program: the runtime checks)
+        module.meshes[w.mesh.ir().name] = w.mesh.ir()
+        resolve_free(module, name)  # axes a redistribute left open get what propagation gives
+    return module
+
+
 def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str = "main",
             keep: Callable[[Tensor], bool] | None = None,
             effects: Sequence[tuple[Tensor, Tensor]] = ()) -> tuple[Module, list[Tensor]]:
@@ -389,55 +464,29 @@ def capture(outputs: Sequence[Tensor], params: Sequence[Tensor] = (), name: str 
     realized tensor to be recomputed from its inputs instead (autograd needs that).
     `effects` (leaf, value) become `assign`s at the end of the function: the leaf's buffer
     takes the value in place when the function runs."""
-    index: dict[int, Value] = {}
-    param_tensors: list[Tensor] = list(params)
-    param_values: list[Value] = []
-    ops: list[Op] = []
-    for t in param_tensors:
-        v = Value(t.type, f"p{len(param_values)}", _sharding(t))
-        index[id(t)] = v
-        param_values.append(v)
-    extra: list[Tensor] = []
-    mesh = next((t._mesh for t in param_tensors if t._mesh is not None), None)  # of distributed tensors
-    # Iterative post-order walk: programs can be far deeper than Python's recursion limit.
-    roots = list(outputs) + [t for pair in effects for t in pair]
-    stack: list[tuple[Tensor, bool]] = [(t, False) for t in reversed(roots)]
-    while stack:
-        t, ready = stack.pop()
-        if id(t) in index:
-            continue
-        if mesh is None and t._mesh is not None:
-            mesh = t._mesh
-        is_param = t._op is None or (t._buffer is not None and not (keep and keep(t)))
-        if is_param:
-            if t._op is None and t._buffer is None and not (STATE.trace and id(t) in STATE.trace.placeholders):
-                raise error(ErrorCode.UNDEFINED_VALUE, "a traced placeholder from another dtm.jit call was used here")
-            v = Value(t.type, f"p{len(param_values) + len(extra)}", _sharding(t))
-            index[id(t)] = v
-            extra.append(t)
-            continue
-        if not ready:
-            stack.append((t, True))
-            for i in reversed(t._inputs):
-                if id(i) not in index:
-                    stack.append((i, False))
-            continue
-        v = Value(t.type, f"t{len(ops)}", _sharding(t))
-        ops.append(Op(t._op, tuple(index[id(i)] for i in t._inputs), t._attrs, (v,)))
-        index[id(t)] = v
-    ops += [Op("assign", (index[id(target)], index[id(value)]), {}, ()) for target, value in effects]
-    # Parameters: explicit ones, then the leaves found, numbered in the order found.
-    found = [index[id(t)] for t in extra]
-    for i, v in enumerate(found):
-        v.name = f"p{len(param_values) + i}"
-    func = Func(name, param_values + found, [(t.type, None) for t in outputs], ops,
-                [index[id(t)] for t in outputs])
-    module = Module()
-    module.funcs[name] = func
-    if mesh is not None:  # the mesh the shardings name (one per program: the runtime checks)
-        module.meshes[mesh.ir().name] = mesh.ir()
-        resolve_free(module, name)  # axes a redistribute left open get what propagation gives
-    return module, param_tensors + extra
+    w = _walk(outputs, params, keep, effects)
+    return _build(w, params, outputs, name, effects), list(params) + w.found
+
+
+# Programs built from a walk's structure, kept so that the next walk with the same key (the
+# next eager training step, the next realize of the same computation) reuses the IR, its
+# gradient function and, through the module object, its compiled plan: no rebuilding,
+# differentiating or hashing. Least recently used first out.
+_PROGRAMS: OrderedDict[tuple, Any] = OrderedDict()
+_MAX_PROGRAMS = 64
+
+
+def _program(kind: tuple, w: _Walk, make: Callable[[], Any]) -> Any:
+    """The program `make()` built for a walk of this structure (kind: what was made)."""
+    key = (kind, w.key)
+    entry = _PROGRAMS.get(key)
+    if entry is None:
+        entry = _PROGRAMS[key] = make()
+        while len(_PROGRAMS) > _MAX_PROGRAMS:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+    return entry
 
 
 def realize(*tensors: Tensor, backend: str | None = None) -> None:
@@ -453,10 +502,11 @@ def realize(*tensors: Tensor, backend: str | None = None) -> None:
     if STATE.tracing:
         raise error(ErrorCode.UNDEFINED_VALUE, "a value cannot be read inside dtm.jit while tracing "
                     "(no .item(), .numpy(), print or if on tensors in a jitted function)")
-    module, params = capture(pending)
-    if any(p._buffer is None for p in params):
+    w = _walk(pending, (), None, ())
+    if any(p._buffer is None for p in w.found):
         raise error(ErrorCode.UNDEFINED_VALUE, "this tensor depends on a dtm.jit placeholder and cannot be realized")
-    results = execute.run(module, "main", [p._buffer for p in params], backend)
+    module = _program(("realize",), w, lambda: _build(w, (), pending, "main", ()))
+    results = execute.run(module, "main", [p._buffer for p in w.found], backend)
     for t, r in zip(pending, results):
         _take(t, r)
         if not t.requires_grad:
@@ -521,7 +571,8 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
     _, consts, inner = _frontier(loss)
     realize(*consts)
     # Recompute requires-grad intermediates, so autodiff sees every op between leaves and loss.
-    module, params = capture([loss], keep=lambda t: t.requires_grad and t._op is not None)
+    w = _walk([loss], (), _recomputed, ())
+    params = w.found
     wrt = [i for i, p in enumerate(params) if p.requires_grad and p._op is None]
     inputs = [p._buffer for p in params]
     if gradient is not None:
@@ -529,12 +580,8 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
         if g.type != loss.type:
             raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g.type}, the output is {loss.type}")
         inputs.append(g.realize()._buffer)
-    name = grad(module, "main", wrt, seed="ones" if gradient is None else "param")
-    f = module.funcs[name]
-    for k, i in enumerate(wrt, start=1):  # results: loss, then one gradient per wrt
-        leaf = params[i]
-        if leaf._mesh is not None:
-            f.result_types[k] = (f.result_types[k][0], leaf._mesh.sharding(leaf.placements))
+    seed = "ones" if gradient is None else "param"
+    module, name = _program(("grad", seed, tuple(wrt)), w, lambda: _gradient_program(w, [loss], wrt, seed))
     results = execute.run(module, name, inputs, backend)
     if loss._buffer is None:
         _take(loss, results[0])
@@ -554,6 +601,25 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
         _free(inner)
 
 
+def _recomputed(t: Tensor) -> bool:
+    """What a backward pass recomputes from its inputs rather than reads: every op between
+    the leaves and the loss, so autodiff sees them all."""
+    return t.requires_grad and t._op is not None
+
+
+def _gradient_program(w: _Walk, outputs: list[Tensor], wrt: list[int], seed: str) -> tuple[Module, str]:
+    """The module of a walk with its gradient function (results: the outputs, then one
+    gradient per parameter in `wrt`, each laid out like its parameter), and that function's name."""
+    module = _build(w, (), outputs, "main", ())
+    name = grad(module, "main", wrt, seed=seed)
+    f = module.funcs[name]
+    for k, i in enumerate(wrt, start=1):
+        leaf = w.found[i]
+        if leaf._mesh is not None:
+            f.result_types[k] = (f.result_types[k][0], leaf._mesh.sharding(leaf.placements))
+    return module, name
+
+
 def _free(inner: list[Tensor]) -> None:
     """As torch frees the saved tensors of a graph after backward(): a second pass through
     these intermediates is an error (GRAPH_FREED), and a computed one drops its graph."""
@@ -570,7 +636,7 @@ def _backward_traced(loss: Tensor, gradient: Tensor | None, retain_graph: bool) 
     compiler's common-subexpression pass merges them), so the gradients, an optimizer's
     step on them and the forward become one traced program."""
     _, _, inner = _frontier(loss)
-    module, params = capture([loss], keep=lambda t: t.requires_grad and t._op is not None)
+    module, params = capture([loss], keep=_recomputed)
     wrt = [i for i, p in enumerate(params) if p.requires_grad and p._op is None]
     args = list(params)
     if gradient is not None:
