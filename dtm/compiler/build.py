@@ -171,20 +171,34 @@ def load_kernel(source: str, name: str = "kernel", needs_runtime: bool = False, 
 
 def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
     """The kernels `funcs` (render_c.CFunction), built a few per translation unit, units
-    compiled in parallel; their ctypes functions, in order."""
+    compiled in parallel (the runtime library beside them, when a kernel calls it); their
+    ctypes functions, in order. A kernel whose C is another's but for its name (each layer
+    of a model repeats its kernels) is built once and shared."""
     if not funcs:
         return []
-    if any(f.needs_runtime for f in funcs):
-        runtime_library()
-    units = [(funcs[i:i + chunk], names[i:i + chunk]) for i in range(0, len(funcs), chunk)]
+    first: dict[str, int] = {}  # a kernel's C with its own name taken out -> the first kernel with that C
+    source_of = [first.setdefault(_anonymous(f), i) for i, f in enumerate(funcs)]
+    unique = sorted(set(source_of))
+    units = [([funcs[i] for i in unique[j:j + chunk]], [names[i] for i in unique[j:j + chunk]])
+             for j in range(0, len(unique), chunk)]
 
-    def one(unit):
+    def one(unit) -> Path:
         fs, ns = unit
-        label = ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}"
-        lib = load(build(render_unit(fs), label))
-        return [_function(lib, f.symbol) for f in fs]
+        return build(render_unit(fs), ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}")
 
-    if len(units) == 1:
-        return one(units[0])
-    with ThreadPoolExecutor(max_workers=min(len(units), os.cpu_count() or 1)) as pool:
-        return [fn for fns in pool.map(one, units) for fn in fns]
+    runtime = any(f.needs_runtime for f in funcs)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(units) + runtime, os.cpu_count() or 1))) as pool:
+        building = pool.submit(build, RUNTIME_SOURCE, "dtm_runtime", RUNTIME_FLAGS) if runtime else None
+        paths = list(pool.map(one, units))
+        if building is not None:
+            building.result()
+    if runtime:
+        runtime_library()  # loaded first, its symbols global: the kernels' calls resolve against it
+    built = [_function(load(path), f.symbol) for path, (fs, _) in zip(paths, units) for f in fs]
+    by_index = dict(zip(unique, built))
+    return [by_index[i] for i in source_of]
+
+
+def _anonymous(f) -> str:
+    """Kernel f's C with its symbol replaced: equal for kernels that differ only by name."""
+    return "\n".join([*f.decls, f.code]).replace(f.symbol, "@") + "\0" + "\n".join(sorted(f.helpers))
