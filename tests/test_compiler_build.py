@@ -132,3 +132,28 @@ def test_missing_compiler_through_the_backend(tmp_path, monkeypatch):
     with pytest.raises(DTMError) as e:
         CpuBackend().run(m, "f", [np.zeros(3, np.float32)])
     assert e.value.code is E.BUILD_FAILED and "install gcc" in e.value.message
+
+
+def test_math_runs_in_vector_versions_where_the_c_library_has_them(tmp_path, monkeypatch):
+    """Where glibc's libmvec is there, a tanh kernel calls its vector version (the test
+    cannot pass through the scalar loop: the shared object must name a _ZGV symbol), and
+    agrees with numpy in f32 and f64; where it is not, the probe says so."""
+    import ctypes.util
+
+    import numpy as np
+
+    from dtm.ir import parse
+
+    if not B.vector_math():
+        assert ctypes.util.find_library("mvec") is None, "libmvec is here, but the probe found no vector math"
+        return
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    for dt, np_dt, rtol in (("f32", np.float32, 2e-6), ("f64", np.float64, 1e-13)):
+        m = parse(f"dtm 1.0\n\nfunc @f(%x: {dt}[4096]) -> ({dt}[4096]) {{\n  %y = tanh %x : {dt}[4096]\n"
+                  f"  %z = exp %y : {dt}[4096]\n  return %z\n}}\n")
+        x = np.concatenate([np.linspace(-20, 20, 4090), [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30]]).astype(np_dt)
+        from dtm.runtime.cpu import CpuBackend
+        (got,) = CpuBackend().run(m, "f", [x])
+        np.testing.assert_allclose(got, np.exp(np.tanh(x.astype(np.float64))).astype(np_dt), rtol=rtol,
+                                   equal_nan=True)
+    assert any(b"_ZGV" in so.read_bytes() for so in tmp_path.glob("*.so") if "probe" not in so.name)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
 from .c_runtime import SOURCE as RUNTIME_SOURCE
-from .render_c import render_unit
+from .render_c import render_unit, vector_math_decls
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
@@ -91,10 +91,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def build(source: str, name: str = "kernel", flags: tuple = KERNEL_FLAGS) -> Path:
-    """The path of the shared object built from `source` (from the cache when present)."""
+def build(source: str, name: str = "kernel", flags: tuple = KERNEL_FLAGS, libs: tuple = ("-lm",)) -> Path:
+    """The path of the shared object built from `source` and linked with `libs` (from the
+    cache when present)."""
     cc = compiler()
-    key = hashlib.sha256("\0".join([source, " ".join(flags), cc, compiler_version(cc)]).encode()).hexdigest()[:40]
+    key = hashlib.sha256("\0".join([source, " ".join(flags + libs), cc, compiler_version(cc)]).encode()).hexdigest()[:40]
     d = cache_dir()
     so = d / f"{key}.so"
     if so.exists():
@@ -105,7 +106,7 @@ def build(source: str, name: str = "kernel", flags: tuple = KERNEL_FLAGS) -> Pat
     _write_atomic(src, source.encode())
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".so.tmp")
     os.close(fd)
-    cmd = [cc, *flags, "-o", tmp, str(src), "-lm"]
+    cmd = [cc, *flags, "-o", tmp, str(src), *libs]
     try:
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
@@ -182,9 +183,12 @@ def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
     units = [([funcs[i] for i in unique[j:j + chunk]], [names[i] for i in unique[j:j + chunk]])
              for j in range(0, len(unique), chunk)]
 
+    vector = vector_math()
+    libs = ("-lm", "-lmvec") if vector else ("-lm",)
+
     def one(unit) -> Path:
         fs, ns = unit
-        return build(render_unit(fs), ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}")
+        return build(render_unit(fs, vector), ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}", libs=libs)
 
     runtime = any(f.needs_runtime for f in funcs)
     with ThreadPoolExecutor(max_workers=max(1, min(len(units) + runtime, os.cpu_count() or 1))) as pool:
@@ -197,6 +201,32 @@ def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
     built = [_function(load(path), f.symbol) for path, (fs, _) in zip(paths, units) for f in fs]
     by_index = dict(zip(unique, built))
     return [by_index[i] for i in source_of]
+
+
+_VECTOR_MATH_PROBE = """#include <math.h>
+#include <stdint.h>
+{decls}
+void dtm_probe(const float *restrict x, float *restrict y, int64_t n) {{
+  for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]) + expf(x[i]);
+}}
+"""
+_vector_math: list[bool] = []
+
+
+def vector_math() -> bool:
+    """Whether kernels may call the C library's vector math functions (glibc's libmvec:
+    tanh, exp, ... 8 or 16 lanes at a time, within a few ulp like the scalar ones): probed
+    once per process by building a function that uses them, as DTM_VECTOR_MATH=0 forbids."""
+    if not _vector_math:
+        ok = os.environ.get("DTM_VECTOR_MATH", "1") != "0"
+        if ok:
+            try:
+                probe = _VECTOR_MATH_PROBE.format(decls="\n".join(vector_math_decls()))
+                load(build(probe, "vector_math_probe", libs=("-lm", "-lmvec")))
+            except (DTMError, OSError):
+                ok = False
+        _vector_math.append(ok)
+    return _vector_math[0]
 
 
 def _anonymous(f) -> str:

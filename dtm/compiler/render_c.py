@@ -364,10 +364,26 @@ def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
     return CFunction(symbol, r.helpers, pre, "\n".join(main), gemm is not None)
 
 
-def render_unit(funcs: list[CFunction]) -> str:
-    """One C translation unit holding `funcs` (helpers once each)."""
+# The C library's math functions the kernels call that glibc's libmvec has vector versions of.
+VECTOR_MATH = {"exp": 1, "exp2": 1, "log": 1, "log2": 1, "sin": 1, "cos": 1, "tanh": 1, "erf": 1, "pow": 2}
+
+
+def vector_math_decls() -> list[str]:
+    """Declarations that let the C compiler call the vector versions of VECTOR_MATH in
+    vectorized loops (`omp declare simd`: the f32 and f64 versions of each), where
+    `build.vector_math()` found them."""
+    out = []
+    for fn, arity in VECTOR_MATH.items():
+        for ct, sfx in (("double", ""), ("float", "f")):
+            out += ["#pragma omp declare simd notinbranch", f"{ct} {fn}{sfx}({', '.join([ct] * arity)});"]
+    return out
+
+
+def render_unit(funcs: list[CFunction], vector_math: bool = False) -> str:
+    """One C translation unit holding `funcs` (helpers once each); with `vector_math`, the
+    math functions may be called in their vector versions (glibc's libmvec)."""
     lines = ["/* DTM kernels */", "#include <stdint.h>", "#include <stdlib.h>", "#include <string.h>",
-             "#include <math.h>", ""]
+             "#include <math.h>", *(vector_math_decls() if vector_math else []), ""]
     if any(f.needs_runtime for f in funcs):
         lines += [HEADER, ""]
     helpers: dict = {}
