@@ -133,6 +133,9 @@ class Plan:
             [[] for _ in program.steps]
         self.fb_args = {id(s): ([buf_index[id(b)] for b in s.inputs], [buf_index[id(b)] for b in s.outputs])
                         for s in program.fallbacks}
+        # assign steps (an optimizer's updates: a few per parameter) run as one copy each, not
+        # through the general fallback: (target buffer, value buffer) by step
+        self.assigns = {id(s): tuple(self.fb_args[id(s)][0]) for s in program.fallbacks if s.op.name == "assign"}
         self.params = [(buf_index[id(b)], b.index) for b in self.buffers if b.kind == "param"]
         self.returns = [(buf_index[id(b)], b.kind) for b in program.returns]
         self.symbolic = bool(self.symbols)
@@ -195,6 +198,9 @@ class Plan:
                         a = vals[bi] = self.allocate(self.buffers[bi], bindings, None)
                     ptrs[n] = _ptr(a)
                 step.fn(ptrs, frame.dims[step.index])
+            elif id(step) in self.assigns:
+                target, value = self.assigns[id(step)]
+                self._assign(step, originals.get(target, vals[target]), vals[value])
             else:
                 ctx = self._fallback(step, vals, originals, bindings, ctx)
             if debug:
@@ -224,6 +230,14 @@ class Plan:
         if n == 0:
             return np.empty(1, dtype)[:0].reshape(shape)
         return np.empty(shape, dtype)
+
+    def _assign(self, step: FallbackStep, target: np.ndarray, value: np.ndarray) -> None:
+        """`assign`: the value into the caller's own array for the target, in place (the
+        reference's implementation, called without the general fallback's preparations)."""
+        try:
+            IMPLS["assign"](None, {}, target, value, out_types=())
+        except DTMError as e:
+            raise DTMError(e.code, f"@{self.func.name} op assign ({step.name}): {e.message}") from e
 
     def _fallback(self, step: FallbackStep, vals: list, originals: dict, bindings: dict,
                   ctx: RefContext | None) -> RefContext:
