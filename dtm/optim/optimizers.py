@@ -1,9 +1,10 @@
 """SGD and AdamW, with PyTorch's update formulas (so a step matches torch's to rounding).
 
-A step is written with tensor ops under no_grad and realized as one program for all
-parameters (`dtm.tensor.assign`): each parameter and each piece of state (a leaf tensor
-per parameter, laid out like it) takes its new value. Inside dtm.jit the same step is
-recorded instead, as the traced program's in-place updates.
+A step is written with tensor ops under no_grad and run as one program for all parameters:
+each parameter and each piece of state (a leaf tensor per parameter, laid out like it)
+takes its new value in place (`dtm.tensor.core.assign`). Eagerly that program is the
+optimizer's own dtm.jit function, recorded at the first step and replayed after; inside a
+dtm.jit training step it is part of the traced program.
 
 What changes from step to step as a number (the learning rate, the bias corrections of a
 step count) enters the program as 0-d tensors, not constants: the program stays the same,
@@ -22,7 +23,7 @@ import numpy as np
 from .. import functional as F
 from ..errors import ErrorCode
 from ..ir.dtypes import numpy_dtype
-from ..tensor import Tensor, error, no_grad
+from ..tensor import STATE, Tensor, error, jit, no_grad
 from ..tensor.core import assign, on_replay
 
 
@@ -34,6 +35,7 @@ class Optimizer:
         groups = params if isinstance(params[0], dict) else [{"params": params}]
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[int, dict] = {}
+        self._compiled: jit | None = None  # the eager step's program (see `step`)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:
@@ -59,6 +61,39 @@ class Optimizer:
 
     @no_grad()
     def step(self) -> None:
+        if STATE.trace is not None:  # inside dtm.jit: this step is part of the traced program
+            self._record()
+            return
+        # Eagerly, the step is a dtm.jit program of its own, traced for this pattern of
+        # parameters with gradients and of equal step counts, and replayed after: the
+        # updates are recorded once, not at every step.
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        counts: dict = {}
+        pattern = tuple(None if p.grad is None else
+                        counts.setdefault((self.state.get(id(p), {}).get("step", 0), p.dtype), len(counts))
+                        for p in params)
+        if self._compiled is None:
+            self._compiled = jit(self._traced)
+        try:
+            self._compiled(pattern, *[g for g in grads if g is not None])
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+
+    def _traced(self, pattern: tuple, *grads: Tensor) -> tuple:
+        """The step on the gradients `grads` (placeholders while traced) of the parameters
+        `pattern` marks, for the eager step's dtm.jit program."""
+        it = iter(grads)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = next(it) if p.grad is not None else None
+        self._record()
+        return ()
+
+    def _record(self) -> None:
+        """Record the step: every update as an assignment (run now when eager; the traced
+        program's in-place writes inside dtm.jit), and its bookkeeping for replays."""
         pairs = []
         slots: dict[tuple, tuple[dict, list[Tensor]]] = {}  # (group, step, dtype) -> (0-d tensors, their params)
         for gi, group in enumerate(self.param_groups):

@@ -34,7 +34,7 @@ from ..errors import ErrorCode, user_error as error
 from ..ir.module import Module
 from ..runtime import execute
 from ..runtime.mesh import Shards
-from .core import STATE, Tensor, Trace, capture, prepare_in_place
+from .core import STATE, Tensor, Trace, capture, prepare_in_place, realize
 
 
 class _Traced:
@@ -114,9 +114,9 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
             for hook in traced.hooks:
                 hook()
         tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
-        values = [t.realize()._buffer for t in tensors]
+        realize(*tensors)  # pending arguments (clipped gradients, say) as one program
         prepare_in_place(traced.targets)
-        values[len(values) - len(traced.captured):] = [t._buffer for t in traced.captured]
+        values = [t._buffer for t in tensors]
         results = execute.run(traced.module, "main", values, self.backend)
         types = [t for t, _ in traced.module.funcs["main"].result_types]
         outs = [Tensor(t, buffer=r) if type(r) is Shards else Tensor.from_numpy(r) for t, r in zip(types, results)]
