@@ -4,9 +4,10 @@ single-process run of the same steps, and sample from it (what `make demo` runs)
     dtm launch -n 4 --axes dp=2,tp=2 examples/train_char_gpt_dist.py [--steps 150]
 
 Every rank runs this same script. `dtm.Mesh` spans the processes: each keeps only its own
-shard of every parameter (tensor parallel over tp, the batch split over dp), partitions
-the global-view training step for its rank once, and replays the compiled step, whose
-collectives go between the processes (dtm.runtime.l1). Rank 0 prints progress; at the end
+shard of every parameter (tensor parallel over tp, the batch split over dp). The training
+step (forward, backward, AdamW) is one dtm.jit program: each rank partitions the traced
+global-view step for itself once and replays the compiled step, whose collectives go
+between the processes (dtm.runtime.l1) and whose updates write the shards in place. Rank 0 prints progress; at the end
 it trains the same model on one process and exits non-zero if the losses differ.
 """
 
@@ -44,14 +45,18 @@ def train_distributed(cfg: TrainConfig, pg: process_group.ProcessGroup, say) -> 
     net = DDP(tensor_parallel(model, mesh, GPT2_PLAN), mesh)
     opt = dtm.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = dtm.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps, eta_min=cfg.lr / 10)
+    @dtm.jit  # the whole step, forward to AdamW, is one program: traced once, then replayed
+    def train_step(x, y):
+        loss = NF.cross_entropy(net(x).reshape(-1, tok.vocab_size), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
     losses: list[float] = []
     t0 = time.perf_counter()
     for step, (x, y) in zip(range(cfg.steps), batches(cfg, tok)):
-        logits = net(x)
-        loss = NF.cross_entropy(logits.reshape(-1, tok.vocab_size), dtm.tensor(y).reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(dtm.tensor(x), dtm.tensor(y))
         sched.step()
         losses.append(loss.item())
         if step % 10 == 0 or step == cfg.steps - 1:
