@@ -8,7 +8,8 @@ is stored (`Schedule.stored`) when
     recomputed at each index it is read at);
   - it is the base of a matrix product operand that is not a strided view of a stored value;
   - it is a reduction or matrix product that the kernel reading it cannot compute in place
-    (see below); or a pure op reads a parameter that an `assign` later overwrites;
+    (see below); or it is computed from a parameter that an `assign` later overwrites and
+    read after that assign;
   - inlined, it would count more than INLINE_LIMIT ops (every copy counted): the bound on
     the size of a kernel's code.
 
@@ -295,15 +296,13 @@ class _Scheduler:
     def initial(self) -> None:
         g = self.g
         self.stored.update(v for v in g.func.returns if v not in g.params)
-        assigned = {op.operands[0] for op in g.func.ops if op.name == "assign"}
+        self.stored.update(self.read_across_assigns())
         for op in g.func.ops:
             kind = g.kind[op]
             if kind == "fallback":
                 self.stored.update(op.results)
                 self.stored.update(v for v in op.operands if v not in g.params)
             elif kind == "const":
-                self.stored.update(op.results)
-            if op.name != "assign" and any(v in assigned for v in op.operands):
                 self.stored.update(op.results)
             if kind in ("ew", "move"):
                 # read at two different indices (through a movement op): computed once, not once per
@@ -327,6 +326,30 @@ class _Scheduler:
             if c > INLINE_LIMIT:
                 self.stored.add(r)
             cost[r] = c
+
+    def read_across_assigns(self) -> set[Value]:
+        """The values computed from a parameter before an `assign` overwrites it and read
+        after that assign: they are stored, so that their kernel runs before the assign.
+        (Values only read before it, a training step's whole forward and backward whose
+        updates come last, stay inlined, views of the weights included.)"""
+        g = self.g
+        written = {op.operands[0]: g.pos[op] for op in g.func.ops if op.name == "assign"}
+        if not written:
+            return set()
+        reads: dict[Value, int] = {}  # a value -> the earliest assign over what its expression reads
+        out = set()
+        for op in g.func.ops:
+            if op.name == "assign" or not op.results:
+                continue
+            first = min([written[v] for v in op.operands if v in written] +
+                        [reads[v] for v in op.operands if v in reads], default=None)
+            if first is None or first < g.pos[op]:
+                continue  # reads nothing assigned later (an op after the assign has E0207)
+            for r in op.results:
+                reads[r] = first
+                if any(g.pos[u] > first for u in g.users.get(r, ())):
+                    out.add(r)
+        return out
 
     def matmul_operands(self) -> bool:
         """Store what the gemm's operands need; True when something was added."""

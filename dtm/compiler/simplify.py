@@ -10,6 +10,8 @@ result is bit for bit the program's):
 - constant folding: an elementwise op whose operands are all `full` is a `full` (computed
   with the reference implementation), and so is a movement op (reshape, permute,
   broadcast_to, slice, flip) of a `full`;
+- products: the transpose of a matrix product nothing else reads is the product of the
+  transposes, swapped (the result in the layout wanted: a Linear's weight gradient);
 - chains: reshape of reshape is one reshape, permute of permute one permute, broadcast_to
   of broadcast_to one broadcast_to, a concat of concats along its axis one concat (a
   sampling loop's `idx = cat([idx, next], 1)` becomes one concat of every token, not a
@@ -130,6 +132,28 @@ def _fold(op: Op, defs: dict, e: Emitter) -> bool:
     return True
 
 
+def _swap_last(rank: int) -> list[int]:
+    return list(range(rank - 2)) + [rank - 1, rank - 2]
+
+
+def _transposed_product(op: Op, defs: dict, uses: dict, e: Emitter) -> bool:
+    """permute(matmul(a, b)) swapping the last two dims, where nothing else reads the
+    product, is matmul(b^T, a^T): the product is computed in the layout wanted (a weight's
+    gradient, for a Linear), its operands' transposes read as strided views, instead of a
+    transpose of it read with strides or copied. Each element is the same dot product, in
+    the same order."""
+    inner = defs.get(op.operands[0])
+    r = op.results[0].type.rank
+    if inner is None or inner.name != "matmul" or r < 2 or list(op.attrs["perm"]) != _swap_last(r) \
+            or uses.get(op.operands[0], 0) != 1:
+        return False
+    a, b = inner.operands
+    bt = e("permute", b, perm=_swap_last(b.type.rank))
+    at = e("permute", a, perm=_swap_last(a.type.rank))
+    e("matmul", bt, at, result=op.results[0])
+    return True
+
+
 def _chain(op: Op, defs: dict, e: Emitter) -> bool:
     """Merge reshape(reshape), permute(permute), broadcast_to(broadcast_to), concat(concat)."""
     if op.name == "concat":
@@ -156,6 +180,12 @@ def _chain(op: Op, defs: dict, e: Emitter) -> bool:
 
 def simplify(func: Func) -> Func:
     assigned = {op.operands[0] for op in func.ops if op.name == "assign"}
+    uses: dict[Value, int] = {v: 0 for v in func.returns}
+    for op in func.ops:
+        for v in op.operands:
+            uses[v] = uses.get(v, 0) + 1
+    for v in func.returns:
+        uses[v] += 1
     repl: dict[Value, Value] = {}
     defs: dict[Value, Op] = {}
     seen: dict[tuple, Op] = {}
@@ -166,6 +196,8 @@ def simplify(func: Func) -> Func:
             op = Op(op.name, tuple(repl.get(v, v) for v in op.operands), op.attrs, op.results, op.loc, op.attrs_key)
         if _pure(op) and op.results:
             if _fold(op, defs, e) or _chain(op, defs, e):
+                op = ops.pop()
+            elif op.name == "permute" and _transposed_product(op, defs, uses, e):
                 op = ops.pop()
             same = _identity(op, defs)
             if same is not None and same not in assigned:

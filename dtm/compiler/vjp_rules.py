@@ -563,8 +563,16 @@ def _matmul(b, op, cts):
         return [None, None]
     a, w = op.operands
     ga = unbroadcast(b, b.matmul(ct, swap_last(b, w)), a.type)
-    gw = unbroadcast(b, b.matmul(swap_last(b, a), ct), w.type)
+    if w.type.rank == 2 and a.type.rank > 2 and a.type.is_static and w.type.is_static:
+        # a weight shared by a batch of rows (x [B, T, k] @ w [k, n]): one product over all
+        # B*T rows, not a product per batch entry summed afterwards
+        k, n = w.type.shape
+        m = math.prod(a.type.shape[:-1])
+        gw = b.matmul(swap_last(b, b.reshape(a, shape=[m, k])), b.reshape(ct, shape=[m, n]))
+    else:
+        gw = unbroadcast(b, b.matmul(swap_last(b, a), ct), w.type)
     return [ga, gw]
+
 
 
 # --- composites --------------------------------------------------------------------------
