@@ -180,3 +180,80 @@ def test_threads_can_share_a_plan():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+UPDATES = """dtm 1.0
+
+func @step(%p: f32[64, 32], %m: f32[64, 32], %g: f32[64, 32], %lr: f32[]) -> (f32[]) {
+  %m2 = mul %m, %lr : f32[64, 32]
+  %m3 = add %m2, %g : f32[64, 32]
+  %u = mul %m3, %lr : f32[64, 32]
+  %p2 = sub %p, %u : f32[64, 32]
+  %s = reduce_sum %g {axes = [0, 1]} : f32[]
+  assign %p, %p2
+  assign %m, %m3
+  return %s
+}
+"""
+
+
+def test_updates_are_written_in_place_by_the_kernels_that_compute_them():
+    """An optimizer-like step: the kernel computing the new weight and state writes them into
+    the parameters' own arrays (no temporary, no assign copy), equal to the reference; a
+    parameter passed as a non-contiguous view still gets its update; a read-only one is an
+    error before anything runs."""
+    from dtm.compiler.program import FallbackStep
+    from dtm.errors import DTMError, ErrorCode as E
+    from dtm.ref import run as ref_run
+    from dtm.runtime.cpu import CpuBackend
+
+    m = parse(UPDATES)
+    cpu = CpuBackend()
+    plan = cpu.plan(m, "step")
+    assigns = [s for s in plan.program.steps if isinstance(s, FallbackStep) and s.op.name == "assign"]
+    assert len(assigns) == 2 and {id(s) for s in assigns} == plan.program.done_in_place
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal((64, 32)).astype(np.float32) for _ in range(3)] + [np.float32(0.9)]
+    want = [np.array(a, copy=True) for a in args]
+    (s_want,) = ref_run(m, "step", want)
+    wide = np.zeros((64, 64), np.float32)
+    wide[:, ::2] = args[0]
+    got = [wide[:, ::2], np.array(args[1]), np.array(args[2]), np.array(args[3])]  # p: a strided view
+    (s_got,) = cpu.run(m, "step", got)
+    np.testing.assert_allclose(s_got, s_want, rtol=1e-5)
+    np.testing.assert_allclose(wide[:, ::2], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    ro = [np.array(a) for a in args]
+    ro[1].flags.writeable = False
+    with pytest.raises(DTMError) as e:
+        cpu.run(m, "step", ro)
+    assert e.value.code is E.READ_ONLY_INPUT
+    np.testing.assert_array_equal(ro[0], args[0])  # nothing ran
+
+
+def test_an_update_that_reads_its_parameter_elsewhere_is_not_written_in_place():
+    """p' = p + flip(p): a kernel writing p in place would read elements it already wrote, so
+    the update goes through a temporary and the assign's copy."""
+    from dtm.compiler.program import FallbackStep
+    from dtm.ref import run as ref_run
+    from dtm.runtime.cpu import CpuBackend
+
+    m = parse("""dtm 1.0
+
+func @f(%p: f32[8, 5]) -> (f32[]) {
+  %f = flip %p {axes = [0]} : f32[8, 5]
+  %q = add %p, %f : f32[8, 5]
+  %s = reduce_sum %p {axes = [0, 1]} : f32[]
+  assign %p, %q
+  return %s
+}
+""")
+    x = np.arange(40, dtype=np.float32).reshape(8, 5)
+    want, got = x.copy(), x.copy()
+    ref_run(m, "f", [want])
+    cpu = CpuBackend()
+    cpu.run(m, "f", [got])
+    np.testing.assert_array_equal(got, want)
+    plan = cpu.plan(m, "f")
+    assert not plan.program.done_in_place
+    assert any(isinstance(s, FallbackStep) and s.op.name == "assign" for s in plan.program.steps)

@@ -12,13 +12,18 @@ elements of the same size, the kernel has a single store (to o, the last stateme
 innermost loop), and every load of p reads exactly the element that store writes (one
 index expression for all of them): each element is then read before it is overwritten, and
 never read after. Matrix products never write in place.
+
+Updates in place: when a kernel computes the value an `assign` gives a parameter (an
+optimizer's new weight or state), reads that parameter at most in place, and no later step
+but the assign reads it, the kernel writes the parameter's own memory and the assign has
+nothing left to do (`Program.done_in_place`): no temporary, no copy.
 """
 
 from __future__ import annotations
 
 from ..ir.symbolic import dim_mul, dim_prod
 from . import loopir as L
-from .program import Buffer, KernelStep, Program
+from .program import Buffer, FallbackStep, KernelStep, Program
 
 
 def nbytes(b: Buffer):
@@ -51,15 +56,21 @@ def _accesses(body: list, loads: dict, stores: dict) -> bool:
     return True
 
 
-def in_place_pairs(step: KernelStep) -> list[tuple[str, str]]:
-    """(output param, input param) pairs the kernel could compute in place."""
+def in_place_pairs(step: KernelStep, several: bool = False) -> list[tuple[str, str]]:
+    """(output param, input param) pairs the kernel could compute in place. With `several`,
+    a kernel with several stores qualifies too: for each pair, the input is read at the one
+    index the output is written at, never after that store, and each element is stored once
+    (an optimizer's kernel updating weights and their state)."""
     loads: dict = {}
     stores: dict = {}
     if not _accesses(step.kernel.body, loads, stores):
         return []
-    if sum(len(ix) for ix in stores.values()) != 1 or _store_count(step.kernel.body) != 1:
+    if several:
+        pass  # each pair is checked below: one index, no read after the store, no repeated store
+    elif sum(len(ix) for ix in stores.values()) != 1 or _store_count(step.kernel.body) != 1:
         return []  # one store, the last statement of its loop body: every load comes before it
     params = {p.name: (p, b) for p, b in zip(step.kernel.params, step.args)}
+    order = _positions(step.kernel.body, ({}, {}, set()), [0]) if several else None
     pairs = []
     for o, o_idx in stores.items():
         po, bo = params[o]
@@ -67,10 +78,41 @@ def in_place_pairs(step: KernelStep) -> list[tuple[str, str]]:
             pi, bi = params[i]
             if pi.output or len(o_idx) != 1 or i_idx != o_idx:
                 continue
+            if several and (order[1].get(i, -1) > order[0][o] or o in order[2]):
+                continue  # read after the store to o, or o written more than once
             if nbytes(bo) == nbytes(bi) and bo.type.shape == bi.type.shape \
                     and bo.type.dtype.itemsize == bi.type.dtype.itemsize:
                 pairs.append((o, i))
     return pairs
+
+
+def _positions(body: list, order: tuple, n: list[int], loops: tuple = (), deps: dict | None = None) -> tuple:
+    """In statement order: the position of the first store to each buffer, of the last load
+    from each, and the buffers some store writes more than once (its index leaves out a
+    loop around it: a row value stored in a loop over its reduced axis)."""
+    stored, loaded, repeated = order
+    deps = {} if deps is None else deps  # a bound name -> the loop variables it depends on
+    for st in body:
+        if isinstance(st, L.Loop):
+            _positions(st.body, order, n, loops + (st.var,), deps)
+            continue
+        if isinstance(st, L.If):
+            _positions(st.body, order, n, loops, deps)
+            continue
+        n[0] += 1
+        values = [st.value] if isinstance(st, (L.Let, L.Assign, L.Bind)) else \
+            [st.index, st.value] if isinstance(st, L.Store) else []
+        for e in values:
+            for ld in L.loads_of(e):
+                loaded[ld.buf] = n[0]
+        if isinstance(st, (L.Let, L.Bind)):
+            name = st.var.name if isinstance(st, L.Let) else st.name
+            deps[name] = {v for x in L.free_syms(st.value) for v in deps.get(x, {x})}
+        if isinstance(st, L.Store):
+            stored.setdefault(st.buf, n[0])
+            if not set(loops) <= {v for x in L.free_syms(st.index) for v in deps.get(x, {x})}:
+                repeated.add(st.buf)
+    return order
 
 
 def _store_count(body: list) -> int:
@@ -83,7 +125,36 @@ def _store_count(body: list) -> int:
     return n
 
 
+def _updates_in_place(program: Program) -> None:
+    """Mark the assigns whose value's kernel can write the parameter itself (see above)."""
+    steps = program.steps
+    writer = {id(b): (i, s) for i, s in enumerate(steps) if isinstance(s, KernelStep) for b in s.outputs}
+    readers: dict[int, list[int]] = {}
+    for i, s in enumerate(steps):
+        for b in s.inputs:
+            readers.setdefault(id(b), []).append(i)
+    returned = {id(b) for b in program.returns}
+    for j, s in enumerate(steps):
+        if not (isinstance(s, FallbackStep) and s.op.name == "assign"):
+            continue
+        target, value = s.inputs
+        if target.kind != "param" or value.kind != "temp" or id(value) in returned or id(value) not in writer \
+                or value.type != target.type:
+            continue
+        i, k = writer[id(value)]
+        if any(n > i and n != j for n in readers.get(id(target), ())):
+            continue  # another step reads the parameter after the kernel
+        names = {id(b): p.name for p, b in zip(k.kernel.params, k.args)}
+        if id(target) in names:
+            if (names[id(value)], names[id(target)]) not in in_place_pairs(k, several=True):
+                continue
+            k.kernel.aliases[names[id(value)]] = names[id(target)]
+        value.alias = target
+        program.done_in_place.add(id(s))
+
+
 def plan_memory(program: Program) -> Program:
+    _updates_in_place(program)
     steps = program.steps
     last: dict[Buffer, int] = {}
     for i, s in enumerate(steps):
@@ -102,7 +173,7 @@ def plan_memory(program: Program) -> Program:
             names = {id(b): p.name for p, b in zip(s.kernel.params, s.args)}
             by_name = {p.name: b for p, b in zip(s.kernel.params, s.args)}
             for b in s.outputs:
-                if b.kind != "temp" or b.slot is not None:
+                if b.kind != "temp" or b.slot is not None or b.alias is not None:
                     continue
                 cand = pairs.get(names[id(b)])
                 src = by_name.get(cand) if cand else None

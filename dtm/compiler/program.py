@@ -28,7 +28,8 @@ class Buffer:
     index: int | None = None
     data: Any = None
     slot: int | None = None         # memory slot (temps), from plan_memory
-    alias: "Buffer | None" = None   # in place: shares the memory of this (dead) input
+    alias: "Buffer | None" = None   # in place: shares the memory of this (dead) input, or of the
+                                    # parameter an assign gives this value (plan_memory)
 
     def __str__(self) -> str:
         return f"{self.name}: {self.type} ({self.kind})"
@@ -72,6 +73,7 @@ class Program:
     symbols: list                      # every symbol of the function, sorted
     slots: list = field(default_factory=list)   # per slot: its size in bytes, a dim
     frees: list = field(default_factory=list)   # per step: the buffers whose last use it is
+    done_in_place: set = field(default_factory=set)  # ids of assign steps whose kernel wrote the target
 
     @property
     def kernels(self) -> list:

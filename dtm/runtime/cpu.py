@@ -93,7 +93,7 @@ class _Frame:
         for i, b in enumerate(plan.buffers):
             if b.kind == "const":
                 self.base[i] = _contiguous(b.data)
-            elif b.kind == "temp":
+            elif b.kind == "temp" and not (b.alias is not None and b.alias.kind == "param"):
                 self.base[i] = plan.allocate(b, bindings, self.slots)
         values = [bindings.get(s, 0) for s in plan.symbols]
         self.ptrs, self.dims, self.fill = [], [], []
@@ -136,6 +136,10 @@ class Plan:
         # assign steps (an optimizer's updates: a few per parameter) run as one copy each, not
         # through the general fallback: (target buffer, value buffer) by step
         self.assigns = {id(s): tuple(self.fb_args[id(s)][0]) for s in program.fallbacks if s.op.name == "assign"}
+        # the values a kernel writes straight into their parameter (plan_memory): (value, parameter)
+        self.in_place = [(buf_index[id(b)], buf_index[id(b.alias)]) for b in self.buffers
+                         if b.alias is not None and b.alias.kind == "param"]
+        self.done_in_place = program.done_in_place
         self.params = [(buf_index[id(b)], b.index) for b in self.buffers if b.kind == "param"]
         self.returns = [(buf_index[id(b)], b.kind) for b in program.returns]
         self.symbolic = bool(self.symbols)
@@ -187,6 +191,11 @@ class Plan:
             x = inputs[pi]
             originals[bi] = x
             vals[bi] = _contiguous(x)
+        for value, target in self.in_place:  # the kernel computing the value writes the parameter
+            if not originals[target].flags.writeable:
+                raise DTMError(E.READ_ONLY_INPUT, f"@{self.func.name}: assign: the input array bound to the target "
+                               "is read-only; pass a writable array the caller owns")
+            vals[value] = vals[target]
         debug = _debug_level()
         for i, step in enumerate(self.steps):
             t0 = time.perf_counter() if debug else 0.0
@@ -199,8 +208,9 @@ class Plan:
                     ptrs[n] = _ptr(a)
                 step.fn(ptrs, frame.dims[step.index])
             elif id(step) in self.assigns:
-                target, value = self.assigns[id(step)]
-                self._assign(step, originals.get(target, vals[target]), vals[value])
+                if id(step) not in self.done_in_place:
+                    target, value = self.assigns[id(step)]
+                    self._assign(step, originals.get(target, vals[target]), vals[value])
             else:
                 ctx = self._fallback(step, vals, originals, bindings, ctx)
             if debug:
@@ -208,6 +218,9 @@ class Plan:
             for bi in self.frees[i]:
                 if self.buffers[bi].kind == "fallback":
                     vals[bi] = None
+        for _, target in self.in_place:  # a parameter passed as a copy (not contiguous) gets its update
+            if vals[target] is not originals[target]:
+                np.copyto(originals[target], vals[target])
         results = []
         for bi, kind in self.returns:
             x = vals[bi] if kind != "param" else originals[bi]
