@@ -134,6 +134,7 @@ def _updates_in_place(program: Program) -> None:
         for b in s.inputs:
             readers.setdefault(id(b), []).append(i)
     returned = {id(b) for b in program.returns}
+    pairs: dict[int, list] = {}  # per kernel, computed once: a merged one serves many assigns
     for j, s in enumerate(steps):
         if not (isinstance(s, FallbackStep) and s.op.name == "assign"):
             continue
@@ -146,7 +147,9 @@ def _updates_in_place(program: Program) -> None:
             continue  # another step reads the parameter after the kernel
         names = {id(b): p.name for p, b in zip(k.kernel.params, k.args)}
         if id(target) in names:
-            if (names[id(value)], names[id(target)]) not in in_place_pairs(k, several=True):
+            if id(k) not in pairs:
+                pairs[id(k)] = in_place_pairs(k, several=True)
+            if (names[id(value)], names[id(target)]) not in pairs[id(k)]:
                 continue
             k.kernel.aliases[names[id(value)]] = names[id(target)]
         value.alias = target
