@@ -22,6 +22,10 @@ CPU = get_backend("cpu")
 rng = np.random.default_rng(5)
 
 
+def T(*shape):
+    return dtm.tensor(rng.standard_normal(shape).astype(np.float32))
+
+
 def test_cpu_is_the_default_and_ref_is_registered(monkeypatch):
     monkeypatch.delenv("DTM_BACKEND", raising=False)
     assert get_backend().name == "cpu" and get_backend("ref").name == "ref" and "ref" in BACKENDS
@@ -257,3 +261,43 @@ func @f(%p: f32[8, 5]) -> (f32[]) {
     plan = cpu.plan(m, "f")
     assert not plan.program.done_in_place
     assert any(isinstance(s, FallbackStep) and s.op.name == "assign" for s in plan.program.steps)
+
+
+@pytest.mark.parametrize("a_t", [False, True], ids=["A", "At"])
+@pytest.mark.parametrize("b_t", [False, True], ids=["B", "Bt"])
+def test_products_in_every_layout_match_numpy(a_t, b_t):
+    """The tiled product packs each operand by its layout (rows or columns contiguous, whole
+    16-deep blocks transposed in registers, the rest element by element): shapes with whole
+    and partial tiles, depths past one packed slice, widths past one packed panel, each
+    layout, against numpy in float64."""
+    shapes = [(1, 33, 17), (5, 7, 3), (12, 32, 16), (24, 32, 16), (12, 32, 385), (37, 70, 130), (200, 96, 800),
+              (13, 1030, 40), (3, 1, 50)]
+    for M, N, K in shapes:
+        a = rng.standard_normal((K, M) if a_t else (M, K)).astype(np.float32)
+        b = rng.standard_normal((N, K) if b_t else (K, N)).astype(np.float32)
+        got = dtm.jit(lambda x, y: (x.transpose(0, 1) if a_t else x) @ (y.transpose(0, 1) if b_t else y))(
+            dtm.tensor(a), dtm.tensor(b)).numpy()
+        want = (a.T if a_t else a).astype(np.float64) @ (b.T if b_t else b).astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(K), err_msg=f"{M}x{N}x{K}")
+
+
+def test_a_batch_of_sequences_sharing_a_weight_is_one_product():
+    """x[2, 3, 5, 8] @ w[8, 7]: the batch dims are rows of one 30-row product (w packed once,
+    not six times), the epilogue still sees each element's batch index (a residual of the
+    full shape, a bias broadcast along the middle dim). A weight that varies along a batch
+    dim keeps that dim a batch of products. All against the reference."""
+    x, w, b = T(2, 3, 5, 8), T(8, 7), T(3, 1, 7)
+    res, ws = T(2, 3, 5, 7), T(3, 8, 7)
+
+    def gemm_of(fn, *args):
+        program = compile_func(dtm.jit(fn).ir(*args), "main", upto="lower_loops")
+        return next(s for step in program.kernels for s in step.kernel.body if isinstance(s, L.Gemm))
+
+    one = gemm_of(lambda x, w, b, r: F.gelu(x @ w + b) + r, x, w, b, res)
+    assert (one.batch, str(one.m)) == ((), "30"), (one.batch, one.m)
+    shared_outer = gemm_of(lambda x, w: x @ w, x, ws)
+    assert len(shared_outer.batch) == 2, shared_outer.batch  # ws varies along dim 1
+    for fn, args in [(lambda x, w, b, r: F.gelu(x @ w + b) + r, (x, w, b, res)), (lambda x, w: x @ w, (x, ws)),
+                     (lambda x, w: x.transpose(1, 2) @ w, (x, w)), (lambda x, w: x[:, :, 1:4] @ w + 1.0, (x, w))]:
+        np.testing.assert_allclose(dtm.jit(fn)(*args).numpy(), dtm.jit(fn, backend="ref")(*args).numpy(),
+                                   rtol=1e-5, atol=1e-5)

@@ -6,7 +6,9 @@ changes those kernels' sources (and cache keys) too.
 
 The product follows the BLIS design: for each NC-wide panel of B and each KC-deep slice of
 the contracted dim, B is packed into NR-wide column slivers; for each MC-high block of A,
-A is packed into MR-high row slivers; a register-blocked MR x NR microkernel (12 vector
+A is packed into MR-high row slivers (a row-major operand read row by row in memory order;
+one contiguous along the contracted dim transposed 16 x 16 at a time in registers where
+AVX-512 is available, else element by element); a register-blocked MR x NR microkernel (12 vector
 accumulators, written with GCC vector extensions so that -march=native picks AVX2/FMA,
 AVX-512 or NEON) runs over the slivers. Partial tiles go through a small buffer. Threads
 split the output into one band each (rows when M >= N, else columns), each packing its own
@@ -27,7 +29,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
                      double *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx);
 int dtm_rt_version(void);"""
 
-VERSION = 6
+VERSION = 7
 
 _TEMPLATE = r"""
 /* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
@@ -44,8 +46,12 @@ static void pack_a_SUF(const T *A, int64_t rs, int64_t cs, int64_t mc, int64_t k
   for (int64_t i = 0; i < mc; i += MR) {
     int64_t m = dtm_min(MR, mc - i);
     const T *a = A + i * rs;
-    if (m == MR && cs == 1) {
-      for (int64_t k = 0; k < kc; k++, Ap += MR)
+    if (m == MR && cs == 1) {  /* rows contiguous: a transpose, 16 deep at a time where it is vectorized */
+      int64_t k = 0;
+#ifdef TRANSPOSE16_SUF
+      for (; k + 16 <= kc; k += 16) TRANSPOSE16_SUF(a + k, rs, MR, Ap + k * MR, MR);
+#endif
+      for (Ap += k * MR; k < kc; k++, Ap += MR)
         for (int r = 0; r < MR; r++) Ap[r] = a[r * rs + k];
     } else {
       for (int64_t k = 0; k < kc; k++, Ap += MR) {
@@ -57,14 +63,26 @@ static void pack_a_SUF(const T *A, int64_t rs, int64_t cs, int64_t mc, int64_t k
 }
 
 static void pack_b_SUF(const T *B, int64_t rs, int64_t cs, int64_t kc, int64_t nc, T *restrict Bp) {
-  for (int64_t j = 0; j < nc; j += NR_SUF) {
+  int64_t full = cs == 1 ? nc / NR_SUF * NR_SUF : 0;
+  for (int64_t k = 0; k < kc; k++) {  /* rows contiguous: each read once, in order, two vectors per sliver */
+    const T *b = B + k * rs;
+    T *p = Bp + k * NR_SUF;
+    for (int64_t j = 0; j < full; j += NR_SUF, p += kc * NR_SUF) {
+      *(V *)p = *(const V##u *)(b + j);
+      *(V *)(p + VW) = *(const V##u *)(b + j + VW);
+    }
+  }
+  Bp += full * kc;
+  for (int64_t j = full; j < nc; j += NR_SUF) {
     int64_t n = dtm_min(NR_SUF, nc - j);
     const T *b = B + j * cs;
-    if (n == NR_SUF && cs == 1) {
-      for (int64_t k = 0; k < kc; k++, Bp += NR_SUF)
-        for (int c = 0; c < NR_SUF; c++) Bp[c] = b[k * rs + c];
-    } else if (n == NR_SUF && rs == 1) {  /* B transposed (a Linear's weight): columns are contiguous */
-      for (int64_t k0 = 0; k0 < kc; k0 += 16) {  /* in 16-deep blocks: the tile written stays in L1 */
+    if (n == NR_SUF && rs == 1) {  /* B transposed (a Linear's weight): columns are contiguous */
+      int64_t k0 = 0;
+#ifdef TRANSPOSE16_SUF
+      for (; k0 + 16 <= kc; k0 += 16)
+        for (int c = 0; c < NR_SUF; c += 16) TRANSPOSE16_SUF(b + c * cs + k0, cs, 16, Bp + k0 * NR_SUF + c, NR_SUF);
+#endif
+      for (; k0 < kc; k0 += 16) {  /* in 16-deep blocks: the tile written stays in L1 */
         int64_t k1 = dtm_min(kc, k0 + 16);
         for (int c = 0; c < NR_SUF; c++)
           for (int64_t k = k0; k < k1; k++) Bp[k * NR_SUF + c] = b[c * cs + k];
@@ -320,6 +338,38 @@ static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
 #define DTM_AVX2 0
 #endif
 #if defined(__AVX512F__)
+/* dst[j][i] = src[i][j] for the first `rows` rows (16 deep) of src, rows past them zero: a
+   16 x 16 block of f32 transposed in registers (interleave pairs, then 4 x 4 blocks within
+   each 128-bit lane, then the lanes), for packing operands that the microkernel reads across
+   their contiguous dim. Only the first `rows` floats of each row of dst are written. */
+static inline void dtm_transpose16_f32(const float *src, int64_t ss, int rows, float *dst, int64_t ds) {
+  __m512 r[16], t[16];
+  __mmask16 keep = (__mmask16)((1u << rows) - 1u);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; i++) r[i] = i < rows ? _mm512_loadu_ps(src + i * ss) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; i++) {  /* lane L of t[2i]: rows 2i, 2i+1 at columns 4L, 4L+1; of t[2i+1]: 4L+2, 4L+3 */
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) {  /* lane L of r[4i + c]: rows 4i..4i+3 at column 4L + c */
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; c++) {  /* column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
+    __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    _mm512_mask_storeu_ps(dst + c * ds, keep, _mm512_shuffle_f32x4(v0, v2, 0x88));
+    _mm512_mask_storeu_ps(dst + (4 + c) * ds, keep, _mm512_shuffle_f32x4(v1, v3, 0x88));
+    _mm512_mask_storeu_ps(dst + (8 + c) * ds, keep, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+    _mm512_mask_storeu_ps(dst + (12 + c) * ds, keep, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+  }
+}
+#define TRANSPOSE16_f32 dtm_transpose16_f32
 """ + _instance("f32", "float", "dtm_v16f", 16, AVX512_NC, AVX512_MR, AVX512_KC) + \
     _instance("f64", "double", "dtm_v8d", 8, AVX512_NC // 2, AVX512_MR, AVX512_KC // 2) + r"""
 #else

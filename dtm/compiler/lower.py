@@ -6,6 +6,9 @@ value v. A value stored elsewhere is a Load; an elementwise op applies itself to
 operands at the broadcast index; a movement op maps the index (permute, broadcast, reshape,
 slice, flip) or selects (pad, concat); a reduction computed by this kernel is its
 accumulator; the matrix product of a matmul kernel is read back from the output buffer.
+A batched product whose B is shared along its last batch dims and whose A rows continue
+across them (a weight applied to a batch of sequences) is one product with those dims as
+rows: B is packed once, and the epilogue recovers each row's batch index.
 Results are memoised per (value, index) and each new temporary is declared in the outermost
 loop whose variables it reads (loop-invariant code motion), so a value a pass reads per row
 is computed once per row.
@@ -23,7 +26,7 @@ import numpy as np
 
 from ..ir.dtypes import DTYPES
 from ..ir.module import Op, Value
-from ..ir.symbolic import Dim, SymDim, dim_add, dim_prod
+from ..ir.symbolic import Dim, SymDim, dim_add, dim_mul, dim_prod
 from . import loopir as L
 from .loopir import INDEX, Const, Sym, Var
 from .program import Buffer, FallbackStep, KernelStep, Program
@@ -367,38 +370,47 @@ class KernelBuilder:
         t = mm.results[0].type
         sink = g.stores[0]
         out = self.param(sink, output=True)
-        nb = t.rank - 2
-        bvars = tuple(f"b{k}" for k in range(nb))
-        operands = []
+        views = []
         for x in mm.operands:
             view = strided_view(x, self.producer, lambda u: self.is_loaded(u))
             if view is None:
                 raise LoweringError(f"{self.name}: matmul operand is not a strided view of a stored value")
-            base, off, st = view
+            views.append(view)
+        nb = t.rank - 2
+        kept = nb - _rows_of_batch(mm, views)  # the batch dims after `kept` are rows of one product
+        bvars = tuple(f"b{k}" for k in range(nb))
+        operands = []
+        for x, (base, off, st) in zip(mm.operands, views):
             name = self.param(base)
             xb = x.type.rank - 2
             offset = L.dim_expr(off)
-            for k in range(nb):
+            for k in range(kept):
                 j = k - (nb - xb)
                 if j >= 0 and x.type.shape[j] != 1:
                     offset = L.iadd(offset, L.imul(Sym(bvars[k]), L.dim_expr(st[j])))
             operands.append(L.Strided(name, offset, L.dim_expr(st[-2]), L.dim_expr(st[-1])))
         cst = contiguous_strides(t.shape)
         c_off: L.Expr = Const(0, INDEX)
-        for k in range(nb):
+        for k in range(kept):
             c_off = L.iadd(c_off, L.imul(Sym(bvars[k]), L.dim_expr(cst[k])))
         c = L.Strided(out, c_off, L.dim_expr(t.shape[-1]), Const(1, INDEX))
         epilogue = None
         if sink is not mm.results[0]:
-            # the epilogue: loops over a block [i0_, i1_) x [j0_, j1_) of batch entry bt
+            # the epilogue: loops over a block [i0_, i1_) x [j0_, j1_) of batch entry bt; a row i
+            # of a product whose rows span batch dims is bound back to those dims and its own row
             self.push(("bt", "i0_", "i1_", "j0_", "j1_"))
             self.floor = len(self.scopes) - 1
-            for b in _batch_binds(bvars, t.shape[:-2], Sym("bt")):
+            for b in _batch_binds(bvars[:kept], t.shape[:kept], Sym("bt")):
                 self.emit(b)
                 self.bind_name(b.name)
-            ix = tuple(Sym(v) for v in bvars) + (Sym("i"), Sym("j"))
+            row = "i" if kept == nb else "r"
+            ix = tuple(Sym(v) for v in bvars) + (Sym(row), Sym("j"))
             ix = tuple(Const(0, INDEX) if d == 1 else i for i, d in zip(ix, t.shape))
             self.push(("i",))
+            if kept < nb:
+                for b in _batch_binds(bvars[kept:] + ("r",), t.shape[kept:], Sym("i")):
+                    self.emit(b)
+                    self.bind_name(b.name)
             self.push(("j",))
             self.emit(L.Store(out, L.flat_index(ix, t.shape), self.ev(sink, ix)))
             jbody = self.pop()
@@ -407,11 +419,30 @@ class KernelBuilder:
             self.emit(L.Loop("i", Sym("i0_"), Sym("i1_"), ibody))
             epilogue = self.pop()
             self.floor = 0
-        gemm = L.Gemm(t.dtype, tuple(L.dim_expr(d) for d in t.shape[:-2]), bvars,
-                      L.dim_expr(t.shape[-2]), L.dim_expr(t.shape[-1]), L.dim_expr(mm.operands[0].type.shape[-1]),
-                      operands[0], operands[1], c, epilogue)
+        gemm = L.Gemm(t.dtype, tuple(L.dim_expr(d) for d in t.shape[:kept]), bvars[:kept],
+                      L.dim_expr(dim_prod(t.shape[kept:-1])), L.dim_expr(t.shape[-1]),
+                      L.dim_expr(mm.operands[0].type.shape[-1]), operands[0], operands[1], c, epilogue)
         self.emit(gemm)
         return self.pop_root()
+
+
+def _rows_of_batch(mm: Op, views: list) -> int:
+    """How many of the product's last batch dims can be rows of one product instead: those
+    that A steps through row after row (its rows continue across them) and B does not vary
+    along (a weight shared by a batch of sequences: B is then packed once, not per entry)."""
+    t = mm.results[0].type
+    (_, _, sa), (_, _, sb) = views
+    a, b = mm.operands
+    nb, rows, n = t.rank - 2, t.shape[-2], 0
+    while n < nb:
+        k = nb - 1 - n
+        ja, jb = k - (nb - (a.type.rank - 2)), k - (nb - (b.type.rank - 2))
+        a_steps = ja >= 0 and a.type.shape[ja] == t.shape[k] and sa[ja] == dim_mul(rows, sa[-2])
+        b_shared = jb < 0 or b.type.shape[jb] == 1 or sb[jb] == 0
+        if not (a_steps and b_shared):
+            break
+        rows, n = dim_mul(rows, t.shape[k]), n + 1
+    return n
 
 
 _BOOL = DTYPES["bool"]

@@ -11,7 +11,11 @@ is stored (`Schedule.stored`) when
     (see below); or it is computed from a parameter that an `assign` later overwrites and
     read after that assign;
   - inlined, it would count more than INLINE_LIMIT ops (every copy counted): the bound on
-    the size of a kernel's code.
+    the size of a kernel's code;
+  - it is elementwise, read by several ops, and inlined it would read more than READS_LIMIT
+    arrays of its own size: a chain like a residual stream (x = x + f(x), layer after
+    layer) is otherwise recomputed from every layer's output by every reader, work that
+    grows with the square of the depth.
 
 Each stored value gets a kernel, one of:
   - elementwise: loops over the value's shape;
@@ -33,6 +37,7 @@ target.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from ..ir.module import Func, Op, Value
@@ -48,6 +53,7 @@ SOURCES = ("full", "iota")
 FULL, ROW, OTHER = "full", "row", "other"
 MERGE_TRIES = 4  # merge candidates tried per kernel (the nearest related ones)
 INLINE_LIMIT = 4096  # ops an inlined expression may count (each copy counted), see bound_inlining
+READS_LIMIT = 4  # arrays of its size a value read by several ops may read inlined, see bound_inlining
 
 
 def op_kind(op: Op) -> str:
@@ -69,6 +75,14 @@ def op_kind(op: Op) -> str:
     if op.name == "matmul":
         return "matmul"
     return "fallback"
+
+
+def _size(shape: tuple) -> tuple:
+    """A shape's element count, comparable across reshapes (symbolic dims by name)."""
+    static = 1
+    for d in shape:
+        static *= d if isinstance(d, int) else 1
+    return static, sorted(str(d) for d in shape if not isinstance(d, int))
 
 
 def reduce_axes(op: Op) -> tuple[int, ...]:
@@ -316,16 +330,25 @@ class _Scheduler:
         """Store every value whose inlined expression would exceed INLINE_LIMIT ops, counting
         each copy (a value read twice is inlined twice): no kernel's code grows without
         bound, whatever chain of elementwise and movement ops a program builds (its own
-        kernel then inlines at most INLINE_LIMIT ops per operand)."""
-        g, cost = self.g, {}
+        kernel then inlines at most INLINE_LIMIT ops per operand). Store as well a value read
+        by several ops whose expression reads more than READS_LIMIT arrays of its own size
+        (TorchInductor's realize_reads_threshold is the same rule): each reader would read
+        them all again."""
+        g, cost, reads = self.g, {}, {}
         for op in g.func.ops:
             if g.kind[op] not in ("ew", "move", "source"):
                 continue
             r = op.results[0]
             c = 1 + sum(cost.get(v, 0) for v in op.operands if v not in self.stored)
-            if c > INLINE_LIMIT:
+            size, arrays = _size(r.type.shape), set()
+            for v in op.operands:
+                if v in reads and v not in self.stored:
+                    arrays |= reads[v]
+                elif _size(v.type.shape) == size:
+                    arrays.add(v)
+            if c > INLINE_LIMIT or (len(arrays) > READS_LIMIT and len(set(g.users.get(r, ()))) >= 2):
                 self.stored.add(r)
-            cost[r] = c
+            cost[r], reads[r] = c, arrays
 
     def read_across_assigns(self) -> set[Value]:
         """The values computed from a parameter before an `assign` overwrites it and read
@@ -520,6 +543,10 @@ class _Scheduler:
         effects.sort(key=lambda grp: grp.first)
         for a, b in zip(effects, effects[1:]):
             deps[id(b)].add(id(a))
+        readers: dict[Value, list[Group]] = {}
+        for grp in groups:
+            for v in grp.loads:
+                readers.setdefault(v, []).append(grp)
         for e in effects:
             # Only assign and call write into their operands; other effects (collectives,
             # store_put, send) read them like any op. A group's `first` can be early because it
@@ -527,26 +554,35 @@ class _Scheduler:
             if e.op.name not in ("assign", "call"):
                 continue
             written = [e.op.operands[0]] if e.op.name == "assign" else list(e.op.operands)
-            for grp in groups:
-                if grp is not e and grp.first < e.first and any(v in grp.loads for v in written):
-                    deps[id(e)].add(id(grp))
+            for v in written:
+                for grp in readers.get(v, ()):
+                    if grp is not e and grp.first < e.first:
+                        deps[id(e)].add(id(grp))
         return deps
 
     def order(self, groups: list[Group]) -> list[Group]:
-        """The kernels in an order that respects `deps`, else program order."""
+        """The kernels in an order that respects `deps`, else program order: of the kernels
+        whose dependencies have run, the one first in the program runs next."""
         deps = self.deps(groups)
-        done: set = set()
+        by_id = {id(grp): grp for grp in groups}
+        waiting = {id(grp): len(deps[id(grp)]) for grp in groups}
+        after: dict[int, list[int]] = {}
+        for k, ds in deps.items():
+            for d in ds:
+                after.setdefault(d, []).append(k)
+        rank = {id(grp): i for i, grp in enumerate(sorted(groups, key=lambda grp: grp.first))}
+        ready = [(rank[k], k) for k, n in waiting.items() if n == 0]
+        heapq.heapify(ready)
         result: list[Group] = []
-        pending = sorted(groups, key=lambda grp: grp.first)
-        while pending:
-            for i, grp in enumerate(pending):
-                if deps[id(grp)] <= done:
-                    break
-            else:  # pragma: no cover - the scheduler never builds a cycle
-                raise AssertionError("dtm.compiler bug: the kernel graph has a cycle")
-            pending.pop(i)
-            done.add(id(grp))
-            result.append(grp)
+        while ready:
+            _, k = heapq.heappop(ready)
+            result.append(by_id[k])
+            for later in after.get(k, ()):
+                waiting[later] -= 1
+                if waiting[later] == 0:
+                    heapq.heappush(ready, (rank[later], later))
+        if len(result) != len(groups):  # pragma: no cover - the scheduler never builds a cycle
+            raise AssertionError("dtm.compiler bug: the kernel graph has a cycle")
         return result
 
 
