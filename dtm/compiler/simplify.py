@@ -12,6 +12,12 @@ result is bit for bit the program's):
   broadcast_to, slice, flip) of a `full`;
 - products: the transpose of a matrix product nothing else reads is the product of the
   transposes, swapped (the result in the layout wanted: a Linear's weight gradient);
+- slices: a slice of a value nothing else reads is computed from slices of its operands,
+  through elementwise ops, broadcasts, permutes, reductions over other dims and matrix
+  products (rows of the product from rows of A, columns from columns of B), as far as
+  values read only there: a prefill's `logits[:, -1]` computes one row of the vocabulary
+  projection, not one per token (each element is the same expression of the same
+  operands; a product's sums in the order its kernel picks, as for any product);
 - chains: reshape of reshape is one reshape, permute of permute one permute, broadcast_to
   of broadcast_to one broadcast_to, a concat of concats along its axis one concat (a
   sampling loop's `idx = cat([idx, next], 1)` becomes one concat of every token, not a
@@ -154,6 +160,131 @@ def _transposed_product(op: Op, defs: dict, uses: dict, e: Emitter) -> bool:
     return True
 
 
+Spec = tuple  # (start, stop, step) of a slice, one entry per dim
+
+
+def _spec_of(op: Op) -> Spec:
+    return tuple(zip(op.attrs["start"], op.attrs["stop"], op.attrs["step"]))
+
+
+def _whole(spec: Spec, shape: tuple) -> bool:
+    return all(lo == 0 and hi == d and st == 1 for (lo, hi, st), d in zip(spec, shape))
+
+
+def _aligned(spec: Spec, out_shape: tuple, shape: tuple) -> Spec:
+    """The spec for an operand of `shape` broadcast to `out_shape` (numpy rules): its dims of
+    size 1 under a larger one stay whole."""
+    lead = len(out_shape) - len(shape)
+    return tuple((0, d, 1) if d == 1 and out_shape[lead + i] != 1 else spec[lead + i] for i, d in enumerate(shape))
+
+
+def _slice_spec(op: Op, spec: Spec) -> list[Spec] | None:
+    """The slices of op's operands that compute `spec` of its result, or None when the slice
+    does not sink through op (sources, effects, movement other than broadcast and permute,
+    quantized values)."""
+    r = op.results[0].type.shape if len(op.results) == 1 else None
+    cat = REGISTRY[op.name].category
+    if r is None or not op.operands or not _pure(op) or \
+            any(v.type.dtype.is_quant for v in (*op.operands, *op.results)):
+        return None
+    if cat in _EW:
+        return [_aligned(spec, r, x.type.shape) for x in op.operands]
+    x = op.operands[0].type.shape
+    if op.name == "broadcast_to":
+        return [_aligned(spec, r, x)] if all(isinstance(lo, int) and isinstance(hi, int) for lo, hi, _ in spec) \
+            else None
+    if op.name == "permute":
+        inv = [None] * len(x)
+        for i, p in enumerate(op.attrs["perm"]):
+            inv[p] = spec[i]
+        return [tuple(inv)]
+    if cat is Category.REDUCE:
+        axes = (op.attrs["axis"],) if "axis" in op.attrs else tuple(op.attrs["axes"])
+        axes = tuple(a % len(x) for a in axes)
+        kept = iter(spec) if not op.attrs["keepdims"] else None
+        out = []
+        for i, d in enumerate(x):
+            if i in axes:
+                if kept is None and not _whole((spec[i],), (1,)):
+                    return None
+                out.append((0, d, 1))
+            else:
+                out.append(next(kept) if kept is not None else spec[i])
+        return [tuple(out)]
+    if op.name == "matmul":
+        a, b = (v.type.shape for v in op.operands)
+        batch = spec[:-2]
+        sa = _aligned(batch, r[:-2], a[:-2]) + (spec[-2], (0, a[-1], 1))
+        sb = _aligned(batch, r[:-2], b[:-2]) + ((0, b[-2], 1), spec[-1])
+        return [sa, sb]
+    return None
+
+
+def sink_slices(func: Func) -> Func:
+    """Compute sliced what is only read through a slice (see the module docstring). A value is
+    computed sliced when every op reading it is a slice, or an op computed sliced, and all
+    of them want the same part of it; the ops are walked last to first, so that a value's
+    readers are decided before it."""
+    readers: dict[Value, list[Op]] = {}
+    for op in func.ops:
+        for v in op.operands:
+            readers.setdefault(v, []).append(op)
+    returned = set(func.returns)
+    specs: dict[Value, Spec] = {}
+    for op in reversed(func.ops):
+        if len(op.results) != 1 or op.results[0] in returned or op.results[0] not in readers:
+            continue
+        v = op.results[0]
+        wanted = {spec for u in readers[v] for spec in _wanted(u, v, specs)}
+        if None in wanted or len(wanted) != 1:
+            continue
+        spec = wanted.pop()
+        if not _whole(spec, v.type.shape) and _slice_spec(op, spec) is not None:
+            specs[v] = spec
+    if not specs:
+        return func
+    ops: list[Op] = []
+    e = Emitter(ops, prefix="k")
+    sliced: dict[Value, Value] = {}
+    repl: dict[Value, Value] = {}
+    for op in func.ops:
+        v = op.results[0] if len(op.results) == 1 else None
+        if v in specs:
+            operands = []
+            for x, sx in zip(op.operands, _slice_spec(op, specs[v])):
+                x = repl.get(x, x)
+                if x in sliced:  # its readers all want sx
+                    operands.append(sliced[x])
+                elif _whole(sx, x.type.shape):
+                    operands.append(x)
+                else:
+                    operands.append(e("slice", x, start=[lo for lo, _, _ in sx], stop=[hi for _, hi, _ in sx],
+                                      step=[st for _, _, st in sx]))
+            attrs = dict(op.attrs)
+            if op.name == "broadcast_to":
+                attrs["shape"] = [(hi - lo + st - 1) // st for lo, hi, st in specs[v]]
+            sliced[v] = e(op.name, *operands, **attrs)
+        elif op.name == "slice" and op.operands[0] in sliced:
+            repl[v] = sliced[op.operands[0]]
+        else:
+            if any(x in repl for x in op.operands):
+                op = Op(op.name, tuple(repl.get(x, x) for x in op.operands), op.attrs, op.results, op.loc,
+                        op.attrs_key)
+            ops.append(op)
+    return new_func(func, ops, [repl.get(v, v) for v in func.returns])
+
+
+def _wanted(reader: Op, v: Value, specs: dict) -> list:
+    """The parts of v an op reading it wants: a slice its own, an op computed sliced what its
+    spec needs of each operand that is v; None: all of v."""
+    if reader.name == "slice":
+        return [_spec_of(reader)]
+    w = reader.results[0] if len(reader.results) == 1 else None
+    if w not in specs:
+        return [None]
+    return [sx for x, sx in zip(reader.operands, _slice_spec(reader, specs[w])) if x is v]
+
+
 def _chain(op: Op, defs: dict, e: Emitter) -> bool:
     """Merge reshape(reshape), permute(permute), broadcast_to(broadcast_to), concat(concat)."""
     if op.name == "concat":
@@ -179,6 +310,7 @@ def _chain(op: Op, defs: dict, e: Emitter) -> bool:
 
 
 def simplify(func: Func) -> Func:
+    func = sink_slices(func)
     assigned = {op.operands[0] for op in func.ops if op.name == "assign"}
     uses: dict[Value, int] = {v: 0 for v in func.returns}
     for op in func.ops:
@@ -199,6 +331,7 @@ def simplify(func: Func) -> Func:
                 op = ops.pop()
             elif op.name == "permute" and _transposed_product(op, defs, uses, e):
                 op = ops.pop()
+
             same = _identity(op, defs)
             if same is not None and same not in assigned:
                 repl[op.results[0]] = same
