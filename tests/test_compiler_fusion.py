@@ -290,3 +290,37 @@ def test_a_residual_stream_is_not_recomputed_by_every_reader():
         program = compile_func(dtm.jit(lambda x, *ws: f(x, ws, depth)).ir(x, *ws), "main", upto="lower_loops")
         loads[depth] = len(re.findall(r"= in\d+\[", dump(program)))
     assert loads[24] <= 2.2 * loads[12], loads  # 258 -> 948 (3.7x) without the rule
+
+
+def test_reductions_down_columns_keep_a_block_of_accumulators():
+    """Sums, products, max and min over outer dims (a bias's gradient, a norm over the batch)
+    run rows outside, a block of columns inside, one local array of accumulators per
+    reduction: 70 columns are a block of 64 and one of 6; a mean and the variance that reads
+    it are two sweeps; the normalised full-shape value is stored by the same kernel; NaNs in
+    a column propagate through max and min; symbolic rows. Against the reference."""
+    from dtm.compiler.passes import dump
+
+    x = rng.standard_normal((3, 50, 70)).astype(np.float32)
+    x[1, 7, 3] = np.nan
+    x[2, 49, 69] = np.nan
+    t = dtm.tensor(x)
+
+    def stats(x):
+        mean = x.mean(dim=(0, 1), keepdim=True)
+        var = ((x - mean) ** 2).mean(dim=(0, 1), keepdim=True)
+        return x.sum(dim=0), x.amax(dim=(0, 1)), x.amin(dim=1), (x - mean) / (var + 1e-5).sqrt(), \
+            (x * 0.5 + 1.0).prod(dim=0)
+
+    same(stats, t, tol=1e-4)
+    program = compile_func(dtm.jit(stats).ir(t), "main", upto="lower_loops")
+    text = dump(program)
+    assert "f32[64]" in text and "(vectorised)" in text, text
+    got = dtm.jit(stats)(t)
+    assert np.isnan(got[1].numpy()[3]) and np.isnan(got[2].numpy()[2, 69]) and not np.isnan(got[2].numpy()[0, 3])
+    m = parse("dtm 1.0\n\nfunc @f(%x: f32[B, 70]) -> (f32[70], f32[70]) {\n"
+              "  %s = reduce_sum %x {axes = [0]} : f32[70]\n  %m = reduce_max %x {axes = [0]} : f32[70]\n"
+              "  return %s, %m\n}\n")
+    for rows in (1, 5, 130):
+        a = rng.standard_normal((rows, 70)).astype(np.float32)
+        for g, w in zip(CPU.plan(m, "f").run([a]), ref_run(m, "f", [a])):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ Statements:
     Let(var, expr)          declare a temporary       Assign(var, expr)   update it
     Bind(name, expr)        declare an index variable (int64)
     Store(buf, index, expr) If(cond, body)
+    Array(name, dtype, size)  declare a small local buffer (accumulators for a block of columns)
     Gemm(...)               a call of the runtime's matrix product, with an epilogue body
 
 Buffers are flat and contiguous (row-major); index expressions compute the flat offset.
@@ -257,7 +258,8 @@ class Loop:
     stop: Expr
     body: list
     parallel: Expr | None = None      # run the iterations on threads when this work estimate is large
-    reduction: tuple | None = None    # ("+", var): the body only accumulates into var (vectorisable)
+    reduction: tuple | None = None    # (("+", var), ...): the body only accumulates into these (vectorisable)
+    simd: bool = False                # iterations independent (each writes its own elements): vectorise
 
 
 @dataclass
@@ -292,6 +294,13 @@ class If:
 
 
 @dataclass
+class Array:
+    name: str
+    dtype: Any
+    size: int
+
+
+@dataclass
 class Strided:
     """A matrix operand of Gemm: element (i, k) of batch entry `bt` is at
     buf[offset + i * rows + k * cols], offset an expression over the batch variables."""
@@ -322,7 +331,7 @@ class Gemm:
     jvar: str = "j"
 
 
-Stmt = Union[Loop, Let, Assign, Bind, Store, If, Gemm]
+Stmt = Union[Loop, Let, Assign, Bind, Store, If, Array, Gemm]
 
 
 @dataclass
@@ -368,7 +377,8 @@ def _fmt_body(body: list, depth: int, lines: list) -> None:
     for s in body:
         if isinstance(s, Loop):
             par = f"  (parallel when {s.parallel} is large)" if s.parallel is not None else ""
-            red = f"  (reduction {s.reduction[0]} into {s.reduction[1]})" if s.reduction else ""
+            red = "".join(f"  (reduction {op} into {var})" for op, var in s.reduction or ())
+            red += "  (vectorised)" if s.simd else ""
             lines.append(f"{pad}for {s.var} in {s.start}..{s.stop}:{par}{red}")
             _fmt_body(s.body, depth + 1, lines)
         elif isinstance(s, Let):
@@ -382,6 +392,8 @@ def _fmt_body(body: list, depth: int, lines: list) -> None:
         elif isinstance(s, If):
             lines.append(f"{pad}if {s.cond}:")
             _fmt_body(s.body, depth + 1, lines)
+        elif isinstance(s, Array):
+            lines.append(f"{pad}{s.name}: {s.dtype}[{s.size}]")
         elif isinstance(s, Gemm):
             batch = f" for ({', '.join(s.batch_vars)}) in [{', '.join(map(str, s.batch))}]" if s.batch else ""
             lines.append(f"{pad}gemm {s.dtype}{batch}: {s.c.buf}[{s.m} x {s.n}] = "

@@ -144,7 +144,7 @@ class KernelBuilder:
             if ix != want:
                 raise LoweringError(f"{self.name}: reduction read at {list(map(str, ix))}, computed at "
                                     f"{list(map(str, want))}")
-            return var
+            return self.let(var, key) if isinstance(var, L.Load) else var
         if self.is_loaded(v):
             return self.let(self.load(v, ix), key)
         op = self.producer[v]
@@ -283,11 +283,19 @@ class KernelBuilder:
             fn = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}[op.name]
             self.emit(L.Assign(acc, L.Op(fn, (acc, val), dt)))
             if fn in ("add", "mul") and dt.is_float:
-                reduction = ("+" if fn == "add" else "*", acc.name)
+                reduction = (("+" if fn == "add" else "*", acc.name),)
+            elif dt.is_float:
+                # vectorised like a sum; lanes combine without NaN's rule, so a flag carries it
+                nan = Var(self.fresh("nan"), _BOOL)
+                self.scopes[-1 - depth].body.append(L.Let(nan, Const(False, _BOOL)))
+                self.emit(L.Assign(nan, L.Op("logical_or", (nan, L.Op("ne", (val, val), _BOOL)), _BOOL)))
+                reduction = ((fn, acc.name), ("|", nan.name))
         for var, extent in reversed(axes_loops):
             body = self.pop()
             self.emit(L.Loop(var, Const(0, INDEX), extent, body, reduction=reduction))
             reduction = None
+        if not is_arg and dt.is_float and op.name in ("reduce_max", "reduce_min"):
+            self.emit(L.Assign(acc, L.Op("where", (nan, Const(math.nan, dt), acc), dt)))
         self.acc[r] = (row_ix, best_i if is_arg else acc)
 
     # -- kernels --
@@ -304,6 +312,8 @@ class KernelBuilder:
         g = self.group
         F, R = g.domain, g.axes
         rank = len(F)
+        if _down_columns(g):
+            return self.build_columns()
         full_ix = tuple(Const(0, INDEX) if d == 1 else Sym(f"i{k}") for k, d in enumerate(F))
         loops = [(f"i{k}", L.dim_expr(F[k])) for k in range(rank) if F[k] != 1]
         if g.passes:  # a row kernel (R may be empty: a reduction over no axes)
@@ -334,16 +344,10 @@ class KernelBuilder:
                     self.emit(b)
                     self.bind_name(b.name)
         for p in g.passes:
-            keep = p.attrs.get("keepdims", False)
-            rix = tuple(Const(0, INDEX) if k in R else i for k, i in enumerate(full_ix)) if keep else \
-                tuple(i for k, i in enumerate(full_ix) if k not in R)
-            self.reduce_pass(p, full_ix, rix, inner)
-        keep_shape, drop_shape = _row_shapes(F, R)
+            self.reduce_pass(p, full_ix, _row_index(full_ix, R, p.attrs.get("keepdims", False)), inner)
+        keep_shape, _ = _row_shapes(F, R)
         for v in row_stores:
-            if v.type.shape == keep_shape:
-                rix = tuple(Const(0, INDEX) if k in R else i for k, i in enumerate(full_ix))
-            else:
-                rix = tuple(i for k, i in enumerate(full_ix) if k not in R)
+            rix = _row_index(full_ix, R, v.type.shape == keep_shape)
             self.emit(L.Store(outs[v], L.flat_index(rix, v.type.shape), self.ev(v, rix)))
         if full_stores:
             for var, _ in inner:
@@ -359,6 +363,107 @@ class KernelBuilder:
             extent = L.dim_expr(dim_prod([F[k] for k in outer]))
             self.emit(L.Loop(o_var, Const(0, INDEX), extent, body, parallel=work))
         return self.pop_root()
+
+    def build_columns(self) -> list:
+        """A row kernel whose reductions run down columns (over outer dims, the last dim
+        kept: a bias's or a layer norm weight's gradient): for each block of COLUMN_BLOCK
+        columns (and each index of the other kept dims, all one parallel loop), one local
+        array of accumulators per reduction; the rows loop outside, the block's columns
+        inside, contiguous and vectorised, so a value of a row alone is computed once per
+        row. Then the stores, the same way."""
+        g = self.group
+        F, R = g.domain, g.axes
+        last = len(F) - 1
+        full_ix = tuple(Const(0, INDEX) if d == 1 else Sym(f"i{k}") for k, d in enumerate(F))
+        rows = [(f"i{k}", L.dim_expr(F[k])) for k in R if F[k] != 1]
+        outer = [k for k in range(last) if k not in R and F[k] != 1]
+        col = f"i{last}"
+        width = L.dim_expr(F[last])
+        block = min(COLUMN_BLOCK, F[last]) if isinstance(F[last], int) else COLUMN_BLOCK
+        blocks = L.idiv(L.iadd(width, Const(block - 1, INDEX)), Const(block, INDEX))
+        outs = {v: self.param(v, output=True) for v in g.stores}
+        self.push(("ob",))
+        binds = [L.Bind("jb", L.imul(L.imod(Sym("ob"), blocks), Const(block, INDEX)))]
+        stride = blocks
+        for pos, k in enumerate(reversed(outer)):
+            e = L.idiv(Sym("ob"), stride)
+            if pos != len(outer) - 1:
+                e = L.imod(e, L.dim_expr(F[k]))
+            binds.append(L.Bind(f"i{k}", e))
+            stride = L.imul(stride, L.dim_expr(F[k]))
+        for b in binds:
+            self.emit(b)
+            self.bind_name(b.name)
+        cols = (Sym("jb"), L.imin(L.iadd(Sym("jb"), Const(block, INDEX)), width))
+        lane = L.isub(Sym(col), Sym("jb"))
+        sweep: list[Op] = []
+        for p in g.passes:  # reductions that do not read each other share one sweep over the rows
+            if sweep and self.reads_any(p.operands[0], {q.results[0] for q in sweep}):
+                self.column_sweep(sweep, full_ix, rows, block, cols, lane)
+                sweep = []
+            sweep.append(p)
+        self.column_sweep(sweep, full_ix, rows, block, cols, lane)
+        keep_shape, _ = _row_shapes(F, R)
+        row_stores = [v for v in g.stores if v.type.shape != F]
+        full_stores = [v for v in g.stores if v.type.shape == F]
+        if row_stores:
+            self.push((col,))
+            for v in row_stores:
+                rix = _row_index(full_ix, R, v.type.shape == keep_shape)
+                self.emit(L.Store(outs[v], L.flat_index(rix, v.type.shape), self.ev(v, rix)))
+            self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+        if full_stores:
+            for var, _ in rows:
+                self.push((var,))
+            self.push((col,))
+            for v in full_stores:
+                self.emit(L.Store(outs[v], L.flat_index(full_ix, F), self.ev(v, full_ix)))
+            self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+            for var, extent in reversed(rows):
+                self.emit(L.Loop(var, Const(0, INDEX), extent, self.pop()))
+        extent = L.imul(blocks, L.dim_expr(dim_prod([F[k] for k in outer])))
+        self.emit(L.Loop("ob", Const(0, INDEX), extent, self.pop(), parallel=L.dim_expr(dim_prod(F))))
+        return self.pop_root()
+
+    def column_sweep(self, ops: list[Op], full_ix: tuple, rows: list, block: int, cols: tuple,
+                     lane: L.Expr) -> None:
+        """Reductions down the columns of a block, each into a local array, in one sweep over
+        the rows (see build_columns)."""
+        col = f"i{len(full_ix) - 1}"
+        accs = []
+        for op in ops:
+            dt = op.operands[0].type.dtype
+            acc = self.fresh("acc")
+            accs.append((acc, dt))
+            self.emit(L.Array(acc, dt, block))
+            self.push((col,))
+            self.emit(L.Store(acc, lane, Const(_init(op.name, dt), dt)))
+            self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+        for var, _ in rows:
+            self.push((var,))
+        self.push((col,))
+        for op, (acc, dt) in zip(ops, accs):
+            fn = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}[op.name]
+            self.emit(L.Store(acc, lane, L.Op(fn, (L.Load(acc, lane, dt), self.ev(op.operands[0], full_ix)), dt)))
+        self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+        for var, extent in reversed(rows):
+            self.emit(L.Loop(var, Const(0, INDEX), extent, self.pop()))
+        for op, (acc, dt) in zip(ops, accs):
+            rix = _row_index(full_ix, self.group.axes, op.attrs.get("keepdims", False))
+            self.acc[op.results[0]] = (rix, L.Load(acc, lane, dt))
+
+    def reads_any(self, v: Value, values: set) -> bool:
+        """Whether computing v here reads any of `values` (through what it computes inline)."""
+        stack, seen = [v], set()
+        while stack:
+            u = stack.pop()
+            if u in values:
+                return True
+            if u in seen or self.is_loaded(u) or u not in self.producer:
+                continue
+            seen.add(u)
+            stack.extend(self.producer[u].operands)
+        return False
 
     def pop_root(self) -> list:
         assert len(self.scopes) == 1
@@ -468,6 +573,24 @@ _NP_INT = {"i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
 
 def _row_shapes(F, R):
     return tuple(1 if i in R else d for i, d in enumerate(F)), tuple(d for i, d in enumerate(F) if i not in R)
+
+
+COLUMN_BLOCK = 64  # columns a reduction down columns keeps accumulators for, see build_columns
+
+
+def _down_columns(g: Group) -> bool:
+    """Whether a row kernel reduces over outer dims only, keeping the last (contiguous) one."""
+    F, R = g.domain, g.axes
+    last = len(F) - 1
+    return (bool(g.passes) and last >= 0 and last not in R and F[last] != 1 and any(F[k] != 1 for k in R)
+            and all(p.name in ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min") for p in g.passes))
+
+
+def _row_index(full_ix: tuple, R: tuple, keepdims: bool) -> tuple:
+    """The index of a row value (reduced over R) at full index full_ix."""
+    if keepdims:
+        return tuple(Const(0, INDEX) if k in R else i for k, i in enumerate(full_ix))
+    return tuple(i for k, i in enumerate(full_ix) if k not in R)
 
 
 def _batch_binds(bvars: tuple, dims: tuple, flat: L.Expr) -> list:

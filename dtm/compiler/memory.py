@@ -73,8 +73,12 @@ def in_place_pairs(step: KernelStep, several: bool = False) -> list[tuple[str, s
     order = _positions(step.kernel.body, ({}, {}, set()), [0]) if several else None
     pairs = []
     for o, o_idx in stores.items():
+        if o not in params:
+            continue  # a local array
         po, bo = params[o]
         for i, i_idx in loads.items():
+            if i not in params:
+                continue
             pi, bi = params[i]
             if pi.output or len(o_idx) != 1 or i_idx != o_idx:
                 continue

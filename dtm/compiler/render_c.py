@@ -10,9 +10,11 @@ or any fast-math; integers wrap (arithmetic in an unsigned type, then converted 
 signed overflow is undefined), integer division by zero gives 0 and MIN / -1 wraps;
 float-to-int conversion truncates and saturates (NaN -> 0). Transcendental functions are
 the C library's (within a few ulp), erf on f32 goes through double. Max and min propagate
-NaN. The outer loop runs on OpenMP threads when the work is large enough; sum and product
-reductions over the innermost loop are marked `omp simd reduction` (the spec leaves the
-accumulation order of reductions unspecified), so they vectorise.
+NaN. The outer loop runs on OpenMP threads when the work is large enough; reductions over
+the innermost loop are marked `omp simd reduction` (the spec leaves the accumulation order
+of reductions unspecified), so they vectorise (max and min with a flag that restores a NaN
+the lanes' combination drops); a reduction down columns
+keeps one accumulator per column of a block in a local array, its column loop `omp simd`.
 
 A Gemm statement calls the runtime library's tiled matrix product (c_runtime.py), passing
 its epilogue as a callback that runs on each finished block of the product.
@@ -241,7 +243,9 @@ class _Renderer:
                     out.append(f"{pad}#pragma omp parallel for schedule(static) "
                                f"if({self.expr(s.parallel)} >= {PARALLEL_WORK})")
                 elif s.reduction is not None:
-                    out.append(f"{pad}#pragma omp simd reduction({s.reduction[0]}:{s.reduction[1]})")
+                    out.append(f"{pad}#pragma omp simd " + " ".join(f"reduction({op}:{var})" for op, var in s.reduction))
+                elif s.simd:
+                    out.append(f"{pad}#pragma omp simd")
                 out.append(f"{pad}for (int64_t {s.var} = {self.expr(s.start)}; {s.var} < {self.expr(s.stop)}; "
                            f"{s.var}++) {{")
                 self.body(s.body, depth + 1, out)
@@ -258,6 +262,8 @@ class _Renderer:
                 out.append(f"{pad}if ({self.expr(s.cond)}) {{")
                 self.body(s.body, depth + 1, out)
                 out.append(f"{pad}}}")
+            elif isinstance(s, L.Array):
+                out.append(f"{pad}{ctype(s.dtype)} {s.name}[{s.size}];")
             elif isinstance(s, L.Gemm):
                 self.gemm(s, depth, out)
             else:  # pragma: no cover
