@@ -18,6 +18,10 @@ result is bit for bit the program's):
   values read only there: a prefill's `logits[:, -1]` computes one row of the vocabulary
   projection, not one per token (each element is the same expression of the same
   operands; a product's sums in the order its kernel picks, as for any product);
+- selects: an elementwise op of where(c, x, k), k smaller than its result (a mask's -inf,
+  a row value) and so are its other operands, is where(c, f(x), f(k)), f(k) computed at
+  k's own shape: a masked softmax takes exp of -inf once per row, not once per masked
+  element (which vector exp handles element by element, slowly);
 - chains: reshape of reshape is one reshape, permute of permute one permute, broadcast_to
   of broadcast_to one broadcast_to, a concat of concats along its axis one concat (a
   sampling loop's `idx = cat([idx, next], 1)` becomes one concat of every token, not a
@@ -35,6 +39,8 @@ import numpy as np
 from ..ir.dtypes import numpy_dtype
 from ..ir.module import Func, Op, Value
 from ..ir.registry import REGISTRY, Category
+from ..ir.typerules import broadcast_shapes
+from ..ir.types import TensorType
 from ..ref.context import RefContext
 from ..ref.ops import IMPLS
 from .irutil import Emitter, new_func
@@ -285,6 +291,35 @@ def _wanted(reader: Op, v: Value, specs: dict) -> list:
     return [sx for x, sx in zip(reader.operands, _slice_spec(reader, specs[w])) if x is v]
 
 
+def _size(t) -> int | None:
+    return int(np.prod(t.shape)) if all(isinstance(d, int) for d in t.shape) else None
+
+
+def _into_where(op: Op, defs: dict, e: Emitter) -> bool:
+    """f(.., where(c, x, k), ..) -> where(c, f(.., x, ..), f(.., k, ..)) for an elementwise f
+    when k and f's other operands together are smaller than f's result (see the module
+    docstring); element by element the same op on the same values. True when done."""
+    if REGISTRY[op.name].category not in _EW or op.name == "where" or len(op.results) != 1:
+        return False
+    size = _size(op.results[0].type)
+    for i, v in enumerate(op.operands):
+        sel = defs.get(v)
+        if sel is None or sel.name != "where" or size is None:
+            continue
+        c, x, y = sel.operands
+        others = [u.type for j, u in enumerate(op.operands) if j != i]
+        for big, small in ((x, y), (y, x)):
+            small_size = _size(TensorType(small.type.dtype, broadcast_shapes("where", small.type, *others)))
+            if small_size is None or small_size >= size:
+                continue
+            with_big = e(op.name, *op.operands[:i], big, *op.operands[i + 1:], **op.attrs)
+            with_small = e(op.name, *op.operands[:i], small, *op.operands[i + 1:], **op.attrs)
+            branches = (with_big, with_small) if big is x else (with_small, with_big)
+            e("where", c, *branches, result=op.results[0])
+            return True
+    return False
+
+
 def _chain(op: Op, defs: dict, e: Emitter) -> bool:
     """Merge reshape(reshape), permute(permute), broadcast_to(broadcast_to), concat(concat)."""
     if op.name == "concat":
@@ -323,30 +358,37 @@ def simplify(func: Func) -> Func:
     seen: dict[tuple, Op] = {}
     ops: list[Op] = []
     e = Emitter(ops, prefix="s")
-    for op in func.ops:
+
+    def visit(op: Op) -> None:
+        """Rewrite op (what a rule emits is visited in turn: folded, merged with an equal op),
+        or keep it unless an earlier op computes the same."""
         if any(v in repl for v in op.operands):
             op = Op(op.name, tuple(repl.get(v, v) for v in op.operands), op.attrs, op.results, op.loc, op.attrs_key)
         if _pure(op) and op.results:
-            if _fold(op, defs, e) or _chain(op, defs, e):
-                op = ops.pop()
-            elif op.name == "permute" and _transposed_product(op, defs, uses, e):
-                op = ops.pop()
-
+            start = len(ops)
+            if _fold(op, defs, e) or _chain(op, defs, e) or _into_where(op, defs, e) or \
+                    (op.name == "permute" and _transposed_product(op, defs, uses, e)):
+                emitted = ops[start:]
+                del ops[start:]
+                for new in emitted:
+                    visit(new)
+                return
             same = _identity(op, defs)
             if same is not None and same not in assigned:
                 repl[op.results[0]] = same
-                continue
+                return
             key = (op.name, op.operands, op.attrs_key, tuple(r.type for r in op.results))
             if key in seen:
                 for a, b in zip(op.results, seen[key].results):
                     repl[a] = b
-                continue
+                return
             seen[key] = op
-            ops.append(op)
-        else:
-            ops.append(op)
+        ops.append(op)
         for r in op.results:
             defs[r] = op
+
+    for op in func.ops:
+        visit(op)
     returns = [repl.get(v, v) for v in func.returns]
     return new_func(func, _dce(ops, returns), returns)
 
