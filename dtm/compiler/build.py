@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
-from .c_runtime import SOURCE as RUNTIME_SOURCE
+from .c_runtime import SOURCES as RUNTIME_SOURCES
 from .render_c import render_unit, vector_math_decls
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
@@ -44,7 +44,7 @@ STATS = {"compiles": 0, "hits": 0}  # counters, for tests and DTM_DEBUG
 _lock = threading.Lock()
 _versions: dict[str, str] = {}
 _loaded: dict[str, ctypes.CDLL] = {}
-_runtime: ctypes.CDLL | None = None
+_runtime: dict[str, ctypes.CDLL] = {}
 
 
 class BuildError(DTMError):
@@ -152,13 +152,12 @@ def load(path: Path, global_symbols: bool = False) -> ctypes.CDLL:
     return lib
 
 
-def runtime_library() -> ctypes.CDLL:
-    """The runtime library (matrix products), built and loaded once per process with its
-    symbols global, so the kernels that call it resolve against it."""
-    global _runtime
-    if _runtime is None:
-        _runtime = load(build(RUNTIME_SOURCE, "dtm_runtime", RUNTIME_FLAGS), global_symbols=True)
-    return _runtime
+def runtime_library(dtype: str = "f32") -> ctypes.CDLL:
+    """The runtime library for products of `dtype` ("f32" or "f64"), built and loaded once per
+    process with its symbols global, so the kernels that call it resolve against it."""
+    if dtype not in _runtime:
+        _runtime[dtype] = load(build(RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS), global_symbols=True)
+    return _runtime[dtype]
 
 
 def _function(lib: ctypes.CDLL, symbol: str):
@@ -168,10 +167,11 @@ def _function(lib: ctypes.CDLL, symbol: str):
     return fn
 
 
-def load_kernel(source: str, name: str = "kernel", needs_runtime: bool = False, symbol: str = "dtm_kernel"):
-    """The kernel function `symbol(void **bufs, int64_t *dims)` of `source`, built and loaded."""
-    if needs_runtime:
-        runtime_library()
+def load_kernel(source: str, name: str = "kernel", gemm_dtype: str | None = None, symbol: str = "dtm_kernel"):
+    """The kernel function `symbol(void **bufs, int64_t *dims)` of `source`, built and loaded
+    (after the runtime library for `gemm_dtype`, when it calls one)."""
+    if gemm_dtype:
+        runtime_library(gemm_dtype)
     return _function(load(build(source, name)), symbol)
 
 
@@ -195,14 +195,14 @@ def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
         fs, ns = unit
         return build(render_unit(fs, vector), ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}", libs=libs)
 
-    runtime = any(f.needs_runtime for f in funcs)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(units) + runtime, os.cpu_count() or 1))) as pool:
-        building = pool.submit(build, RUNTIME_SOURCE, "dtm_runtime", RUNTIME_FLAGS) if runtime else None
+    runtimes = sorted({f.gemm_dtype for f in funcs if f.gemm_dtype} - set(_runtime))
+    with ThreadPoolExecutor(max_workers=max(1, min(len(units) + len(runtimes), os.cpu_count() or 1))) as pool:
+        building = [pool.submit(build, RUNTIME_SOURCES[dt], f"dtm_runtime_{dt}", RUNTIME_FLAGS) for dt in runtimes]
         paths = list(pool.map(one, units))
-        if building is not None:
-            building.result()
-    if runtime:
-        runtime_library()  # loaded first, its symbols global: the kernels' calls resolve against it
+        for b in building:
+            b.result()
+    for dt in runtimes:
+        runtime_library(dt)  # loaded first, its symbols global: the kernels' calls resolve against it
     built = [_function(load(path), f.symbol) for path, (fs, _) in zip(paths, units) for f in fs]
     by_index = dict(zip(unique, built))
     return [by_index[i] for i in source_of]
@@ -215,23 +215,28 @@ void dtm_probe(const float *restrict x, float *restrict y, int64_t n) {{
   for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]) + expf(x[i]);
 }}
 """
-_vector_math: list[bool] = []
+_vector_math: dict[str, bool] = {}
 
 
 def vector_math() -> bool:
     """Whether kernels may call the C library's vector math functions (glibc's libmvec:
     tanh, exp, ... 8 or 16 lanes at a time, within a few ulp like the scalar ones): probed
-    once per process by building a function that uses them, as DTM_VECTOR_MATH=0 forbids."""
-    if not _vector_math:
-        ok = os.environ.get("DTM_VECTOR_MATH", "1") != "0"
-        if ok:
-            try:
-                probe = _VECTOR_MATH_PROBE.format(decls="\n".join(vector_math_decls()))
-                load(build(probe, "vector_math_probe", libs=("-lm", "-lmvec")))
-            except (DTMError, OSError):
-                ok = False
-        _vector_math.append(ok)
-    return _vector_math[0]
+    once per process and compiler by building a function that uses them, as
+    DTM_VECTOR_MATH=0 forbids. No compiler: False, not remembered (the build says why)."""
+    if os.environ.get("DTM_VECTOR_MATH", "1") == "0":
+        return False
+    try:
+        cc = compiler()
+    except DTMError:
+        return False
+    if cc not in _vector_math:
+        try:
+            probe = _VECTOR_MATH_PROBE.format(decls="\n".join(vector_math_decls()))
+            load(build(probe, "vector_math_probe", libs=("-lm", "-lmvec")))
+            _vector_math[cc] = True
+        except (DTMError, OSError):
+            _vector_math[cc] = False
+    return _vector_math[cc]
 
 
 def _anonymous(f) -> str:

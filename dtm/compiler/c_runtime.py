@@ -1,8 +1,10 @@
-"""The C runtime library the kernels call: a tiled matrix product for f32 and f64.
+"""The C runtime libraries the kernels call: a tiled matrix product, one library for f32 and
+one for f64 (`SOURCES`).
 
-Built once (and cached like any kernel) and loaded with RTLD_GLOBAL before the first kernel
-that calls it; `HEADER` is pasted into every kernel that does, so a change of the ABI
-changes those kernels' sources (and cache keys) too.
+Each is built once (and cached like any kernel), only for programs whose products use its
+type, and loaded with RTLD_GLOBAL before the first kernel that calls it; `HEADER` is pasted
+into every kernel that does, so a change of the ABI changes those kernels' sources (and
+cache keys) too.
 
 The product follows the BLIS design: for each NC-wide panel of B and each KC-deep slice of
 the contracted dim, B is packed into NR-wide column slivers; for each MC-high block of A,
@@ -27,7 +29,8 @@ void dtm_rt_gemm_f32(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, int64_t K,
                      const double *A, int64_t rsa, int64_t csa, const double *B, int64_t rsb, int64_t csb,
                      double *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx);
-int dtm_rt_version(void);"""
+int dtm_rt_version_f32(void);
+int dtm_rt_version_f64(void);"""
 
 VERSION = 7
 
@@ -303,15 +306,13 @@ def _instance(suffix: str, ctype: str, vec: str, width: int, nc: int, mr: int, k
 # the best everywhere (benchmarks/matmul.py).
 AVX512_MR, AVX512_NC, AVX512_KC = 12, 1024, 384
 
-SOURCE = r"""/* DTM runtime library: tiled matrix products. */
+_PRELUDE = r"""/* DTM runtime library: the tiled matrix product for one element type. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
 """ + HEADER + r"""
-
-int dtm_rt_version(void) { return """ + str(VERSION) + r"""; }
 
 static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -370,9 +371,19 @@ static inline void dtm_transpose16_f32(const float *src, int64_t ss, int rows, f
   }
 }
 #define TRANSPOSE16_f32 dtm_transpose16_f32
-""" + _instance("f32", "float", "dtm_v16f", 16, AVX512_NC, AVX512_MR, AVX512_KC) + \
-    _instance("f64", "double", "dtm_v8d", 8, AVX512_NC // 2, AVX512_MR, AVX512_KC // 2) + r"""
-#else
-""" + _instance("f32", "float", "dtm_v8f", 8, 2048, 6) + _instance("f64", "double", "dtm_v4d", 4, 1024, 6) + r"""
 #endif
 """
+
+
+def _library(dtype: str) -> str:
+    """The runtime library for one element type ("f32" or "f64"): built only for programs
+    whose products use that type (its compile is most of a small program's first build)."""
+    wide = {"f32": ("float", "dtm_v16f", 16, AVX512_NC, AVX512_KC), "f64": ("double", "dtm_v8d", 8, AVX512_NC // 2,
+                                                                         AVX512_KC // 2)}[dtype]
+    narrow = {"f32": ("float", "dtm_v8f", 8, 2048), "f64": ("double", "dtm_v4d", 4, 1024)}[dtype]
+    return (_PRELUDE + f"int dtm_rt_version_{dtype}(void) {{ return {VERSION}; }}\n"
+            + "#if defined(__AVX512F__)\n" + _instance(dtype, wide[0], wide[1], wide[2], wide[3], AVX512_MR, wide[4])
+            + "#else\n" + _instance(dtype, *narrow, 6) + "#endif\n")
+
+
+SOURCES = {dtype: _library(dtype) for dtype in ("f32", "f64")}

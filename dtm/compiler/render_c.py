@@ -342,7 +342,7 @@ class CFunction:
     helpers: dict
     decls: list
     code: str
-    needs_runtime: bool
+    gemm_dtype: str | None  # the element type of the runtime's product it calls, if any
 
 
 def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
@@ -367,7 +367,7 @@ def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
     main.append("  (void)bufs; (void)dims;")
     r.body(k.body, 1, main)
     main.append("}")
-    return CFunction(symbol, r.helpers, pre, "\n".join(main), gemm is not None)
+    return CFunction(symbol, r.helpers, pre, "\n".join(main), gemm.dtype.name if gemm is not None else None)
 
 
 # The C library's math functions the kernels call that glibc's libmvec has vector versions of.
@@ -390,7 +390,7 @@ def render_unit(funcs: list[CFunction], vector_math: bool = False) -> str:
     math functions may be called in their vector versions (glibc's libmvec)."""
     lines = ["/* DTM kernels */", "#include <stdint.h>", "#include <stdlib.h>", "#include <string.h>",
              "#include <math.h>", *(vector_math_decls() if vector_math else []), ""]
-    if any(f.needs_runtime for f in funcs):
+    if any(f.gemm_dtype for f in funcs):
         lines += [HEADER, ""]
     helpers: dict = {}
     for f in funcs:
