@@ -301,3 +301,42 @@ def test_a_batch_of_sequences_sharing_a_weight_is_one_product():
                      (lambda x, w: x.transpose(1, 2) @ w, (x, w)), (lambda x, w: x[:, :, 1:4] @ w + 1.0, (x, w))]:
         np.testing.assert_allclose(dtm.jit(fn)(*args).numpy(), dtm.jit(fn, backend="ref")(*args).numpy(),
                                    rtol=1e-5, atol=1e-5)
+
+
+SCATTER = parse("""dtm 1.0
+
+func @f(%x: f32[6, 4], %i: i64[5], %u: f32[5, 4], %j: i32[3], %v: i32[3, 2]) -> (f32[6, 4], f32[6, 4], f32[6, 4], i32[4, 2]) {
+  %e = exp %x : f32[6, 4]
+  %a = scatter_add %e, %i, %u {axis = 0} : f32[6, 4]
+  %d = mul %a, %e : f32[6, 4]
+  %z = full {value = 0.5} : f32[6, 4]
+  %b = scatter_add %z, %i, %u {axis = 0} : f32[6, 4]
+  %c = scatter_add %x, %i, %u {axis = 0} : f32[6, 4]
+  %k = full {value = 7} : i32[4, 2]
+  %n = scatter_add %k, %j, %v {axis = 0} : i32[4, 2]
+  %s = add %b, %x : f32[6, 4]
+  return %d, %s, %c, %n
+}
+""")
+
+
+def test_scatter_add_writes_into_planned_memory_in_place_over_a_dead_operand():
+    prog = compile_func(SCATTER, "f")
+    steps = [s for s in prog.fallbacks if s.op.name == "scatter_add"]
+    over_z, over_e, over_x, over_k = (s.outputs[0] for s in steps)  # in the order they run
+    # %e is read again (by %d): its scatter gets a slot of its own; the dead full's is reused
+    assert over_e.kind == "temp" and over_e.slot is not None and over_e.alias is None, str(prog)
+    assert over_z.alias is not None and over_z.slot == over_z.alias.slot, str(prog)
+    assert over_x.kind == "output" and over_k.kind == "output"  # returned: fresh arrays
+    ins = [rng.standard_normal((6, 4)).astype(np.float32), np.array([0, 5, 5, 9, -2]),
+           rng.standard_normal((5, 4)).astype(np.float32), np.array([3, 3, 1], np.int32),
+           np.array([[2**31 - 1, 1], [5, 6], [-7, 8]], np.int32)]
+    want = ref_run(SCATTER, "f", ins)
+    x, i, u = ins[:3]
+    np.add.at(expected := x.copy(), np.clip(i, 0, 5), u)  # independent of DTM: numpy's own
+    np.testing.assert_array_equal(want[2], expected)
+    for _ in range(2):  # replayed: planned memory holds no trace of the last call
+        got = CPU.run(SCATTER, "f", ins)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[2], expected)

@@ -29,7 +29,7 @@ from ..ir.module import Op, Value
 from ..ir.symbolic import Dim, SymDim, dim_add, dim_mul, dim_prod
 from . import loopir as L
 from .loopir import INDEX, Const, Sym, Var
-from .program import Buffer, FallbackStep, KernelStep, Program
+from .program import Buffer, FallbackStep, KernelStep, Program, writes_into
 from .schedule import Group, Schedule, gemm_dtype
 from .views import contiguous_strides, reshape_groups, strided_view
 
@@ -713,7 +713,8 @@ def lower_loops(sched: Schedule) -> Program:
     for grp in sched.groups:
         for v in grp.stores:
             if v not in buffers:
-                kind = "fallback" if grp.kind == "fallback" else ("output" if v in returned else "temp")
+                planned = grp.kind != "fallback" or writes_into(grp.op)
+                kind = "fallback" if not planned else ("output" if v in returned else "temp")
                 add(v, kind)
     steps = []
     for n, grp in enumerate(sched.groups):

@@ -5,7 +5,9 @@ input whose last use is this kernel when the kernel can write in place (below), 
 slot of the same byte size (sizes are dims, so equal means equal for every value of the
 symbols), else a new slot. A slot is free again after the step that last reads its
 occupant. Returned values and parameters never share: the caller owns them. Fallback
-results are the reference's own arrays and are only dropped after their last use.
+results are the reference's own arrays and are only dropped after their last use, except
+for ops whose reference works in place (scatter_add, `program.INTO_FALLBACKS`): their
+result takes a slot like a kernel's, x's own when this is x's last read.
 
 In place: a kernel may write output o over input p when both have the same number of
 elements of the same size, the kernel has a single store (to o, the last statement of its
@@ -174,6 +176,17 @@ def plan_memory(program: Program) -> Program:
             program.frees[i].append(b)
     slots: list = []          # size of each slot
     free: list[int] = []      # free slot numbers
+
+    def take_slot(b: Buffer) -> None:
+        size = nbytes(b)
+        for n in free:
+            if slots[n] == size:
+                free.remove(n)
+                b.slot = n
+                return
+        b.slot = len(slots)
+        slots.append(size)
+
     for i, s in enumerate(steps):
         if isinstance(s, KernelStep):
             pairs = {o: p for o, p in in_place_pairs(s)}
@@ -188,15 +201,15 @@ def plan_memory(program: Program) -> Program:
                     b.slot, b.alias = src.slot, src
                     s.kernel.aliases[names[id(b)]] = cand
                     continue
-                size = nbytes(b)
-                for n in free:
-                    if slots[n] == size:
-                        free.remove(n)
-                        b.slot = n
-                        break
-                else:
-                    b.slot = len(slots)
-                    slots.append(size)
+                take_slot(b)
+        elif s.writes_into and s.outputs[0].kind == "temp":
+            # scatter_add: over its operand x when this is x's last use (it only adds to it)
+            b, x = s.outputs[0], s.inputs[0]
+            if x.kind == "temp" and last.get(x) == i and x.slot is not None and x not in s.inputs[1:] \
+                    and nbytes(x) == nbytes(b):
+                b.slot, b.alias = x.slot, x
+            else:
+                take_slot(b)
         for b in program.frees[i]:
             if b.slot is not None and not any(o.alias is b for o in s.outputs):
                 free.append(b.slot)

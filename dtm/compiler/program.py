@@ -63,6 +63,25 @@ class FallbackStep:
     inputs: list
     outputs: list
 
+    @property
+    def writes_into(self) -> bool:
+        """Whether this step writes its result into memory the plan gives it (see
+        writes_into) rather than returning a fresh array."""
+        return writes_into(self.op)
+
+
+# Fallback ops whose reference has an in-place form (`ref.ops.scatter_add_into`): their
+# result is planned memory like a kernel's (a slot, or a dead operand's slot), not a fresh
+# array per call, whose pages the OS faults in and zeroes every step (an embedding
+# gradient: 154 MB for GPT-2).
+INTO_FALLBACKS = ("scatter_add",)
+_WIDE_ENOUGH = ("f32", "f64")  # narrow floats accumulate in f32 and round once: a fresh array
+
+
+def writes_into(op: Op) -> bool:
+    t = op.results[0].type.dtype if op.results else None
+    return op.name in INTO_FALLBACKS and t is not None and (t.is_int or t.name in _WIDE_ENOUGH)
+
 
 @dataclass(eq=False)
 class Program:

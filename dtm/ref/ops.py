@@ -286,11 +286,17 @@ def _gather(ctx, attrs, x, indices, *, out_types):
 def _scatter_add(ctx, attrs, x, indices, updates, *, out_types):
     """x plus every update added at its clamped index (the transpose of gather); repeated
     indices accumulate in row-major order of `indices`."""
-    axis, n = attrs["axis"], x.shape[attrs["axis"]]
     out = _wide(x).copy()
+    scatter_add_into(out, indices, updates, attrs["axis"])
+    return (_as(out, out_types[0]),)
+
+
+def scatter_add_into(out: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: int) -> None:
+    """scatter_add's accumulation, in place: `out` holds x on entry and the result on exit
+    (a compiled plan gives it memory it planned, so no fresh array is made per call)."""
+    n = out.shape[axis]
     if n > 0:
         np.add.at(out, _along(axis, _clamp_index(indices, 0, n - 1)), _wide(updates))
-    return (_as(out, out_types[0]),)
 
 
 @register("flip")

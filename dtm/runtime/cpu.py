@@ -41,7 +41,7 @@ from ..ir.types import TensorType
 from ..ref import quant
 from ..ref.context import RefContext
 from ..ref.interpreter import bind_symbols, check_array, evaluate, resolve_attrs, resolve_type
-from ..ref.ops import IMPLS
+from ..ref.ops import IMPLS, scatter_add_into
 
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
 _EMPTY_PTR = _EMPTY.ctypes.data
@@ -136,6 +136,8 @@ class Plan:
         # assign steps (an optimizer's updates: a few per parameter) run as one copy each, not
         # through the general fallback: (target buffer, value buffer) by step
         self.assigns = {id(s): tuple(self.fb_args[id(s)][0]) for s in program.fallbacks if s.op.name == "assign"}
+        # scatter_adds write into the memory the plan gave their result (memory.plan_memory)
+        self.into = {id(s) for s in program.fallbacks if s.writes_into}
         # the values a kernel writes straight into their parameter (plan_memory): (value, parameter)
         self.in_place = [(buf_index[id(b)], buf_index[id(b.alias)]) for b in self.buffers
                          if b.alias is not None and b.alias.kind == "param"]
@@ -211,6 +213,8 @@ class Plan:
                 if id(step) not in self.done_in_place:
                     target, value = self.assigns[id(step)]
                     self._assign(step, originals.get(target, vals[target]), vals[value])
+            elif id(step) in self.into:
+                self._scatter_add(step, vals, bindings)
             else:
                 ctx = self._fallback(step, vals, originals, bindings, ctx)
             if debug:
@@ -251,6 +255,18 @@ class Plan:
             IMPLS["assign"](None, {}, target, value, out_types=())
         except DTMError as e:
             raise DTMError(e.code, f"@{self.func.name} op assign ({step.name}): {e.message}") from e
+
+    def _scatter_add(self, step: FallbackStep, vals: list, bindings: dict) -> None:
+        """scatter_add into its planned result: x copied in unless the result is x's own
+        memory (x's last use), then the updates added there."""
+        ins, (out,) = self.fb_args[id(step)]
+        x, indices, updates = (vals[i] for i in ins)
+        result = vals[out]
+        if result is None:  # a returned value: a fresh array the caller will own
+            result = vals[out] = self.allocate(self.buffers[out], bindings, None)
+        if _ptr(result) != _ptr(x):
+            np.copyto(result, x)
+        scatter_add_into(result, indices, updates, step.op.attrs["axis"])
 
     def _fallback(self, step: FallbackStep, vals: list, originals: dict, bindings: dict,
                   ctx: RefContext | None) -> RefContext:
