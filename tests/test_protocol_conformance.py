@@ -96,6 +96,34 @@ def test_payload_sizes_named_in_the_manifest_are_the_vectors():
         assert struct.unpack_from("<Q", data, 16)[0] == len(data) - HEADER_SIZE == size, name
 
 
+@pytest.mark.parametrize("section, words, vectors", [
+    ("#### 9.1.7", "a stale frame's `seq` MUST be checked like any other's",
+     ["invalid/stale_frame_seq_checked", "invalid/stale_frame_seq_counted"]),
+    ("#### 9.1.7", "Decoding a `MeshView` does not by itself change the epoch",
+     ["valid/mesh_view_keeps_the_decoder_epoch"]),
+    ("#### 9.1.5", "a value below -1 is E0910", ["invalid/hello_rank_below_minus_one",
+                                                "invalid/join_mesh_rank_below_minus_one",
+                                                "invalid/error_rank_below_minus_one"]),
+    ("#### 9.1.5", "`host` MAY be empty", ["valid/mesh_view_empty_host", "invalid/join_mesh_empty_host"]),
+    ("#### 9.1.5", "a receiver MUST NOT refuse it with E0910, whatever its\n  shape", ["valid/quantized_dtypes"]),
+    ("#### 9.1.6", "it MUST carry the same `major.minor` as the first", []),
+    ("#### 9.1.12", "exceeds 2^53 is written as a string of decimal digits", ["valid/large_u64"]),
+])
+def test_spec_decisions_have_their_vectors(section, words, vectors):
+    """Each rule an independent implementation asked about is in the spec's words and has a
+    vector (the third Hello's version: a handshake transcript)."""
+    assert words in _section(section)
+    manifest = load_manifest()
+    for v in vectors:
+        kind, name = v.split("/")
+        assert name in manifest[kind] and (DEFAULT_ROOT / f"{v}.json").exists(), v
+    if section == "#### 9.1.6":
+        handshake = json.loads((DEFAULT_ROOT / "handshake.json").read_text(encoding="utf-8"))
+        t = next(t for t in handshake["transcripts"] if t["name"] == "third_hello_keeps_the_first_version")
+        versions = [bytes.fromhex("".join(f.split()))[4:6] for f in t["frames"]]
+        assert versions == [b"\x01\x03", b"\x01\x00", b"\x01\x03"] and t["version"] == [1, 0]
+
+
 @pytest.fixture
 def copy(tmp_path):
     shutil.copytree(DEFAULT_ROOT, tmp_path / "protocol", ignore=shutil.ignore_patterns("tools"))
