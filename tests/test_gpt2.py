@@ -131,6 +131,20 @@ def test_sampling_filters_as_transformers_warpers(temperature, top_k, top_p):
         assert (np.isfinite(got).sum(-1) < 101).all()
 
 
+def test_sample_draws_from_the_softmax_of_the_warped_logits():
+    """Evenly spaced draws pick each token as often as torch.softmax says, and never a
+    token the warpers removed."""
+    from dtm.models.sampling import sample, warp_logits
+
+    scores = warp_logits(np.random.default_rng(9).standard_normal((1, 50)) * 2, 0.8, 10, 0.9)
+    n = 20000
+    picked = sample(np.repeat(scores, n, 0), (np.arange(n) + 0.5) / n)
+    counts = np.bincount(picked[:, 0], minlength=50) / n
+    want = torch.softmax(torch.from_numpy(scores.astype(np.float64)), -1).numpy()[0]
+    assert np.abs(counts - want).max() < 2 / n
+    assert np.isfinite(scores[0, np.unique(picked)]).all() and (want == 0).sum() >= 40
+
+
 def test_sampling_is_reproducible_and_keeps_to_the_filter(tmp_path):
     hf = hf_checkpoint(tmp_path, seed=5, weight_std=0.3, **SMALL)
     model = GPT2.from_pretrained(str(tmp_path))
