@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,42 @@ def test_expected_files_are_canonical_and_complete():
         assert p.with_suffix(".dtm").exists(), f"stale {p.name}"
         text = p.read_bytes()
         assert text.endswith(b"\n") and b"\r" not in text and b"//" not in text
+
+
+_VALUE = re.compile(r"value = (\[.*\]|[^,}\s]+)\}.*: ([a-z0-9]+)\[")
+_NUMBER = re.compile(r"-?(?:inf|nan|[0-9][0-9.eE+-]*)")
+
+
+def _literals(path: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """(dtype, element spellings) of every `value = ...` of a vector, line by line."""
+    return [(m.group(2), _NUMBER.findall(m.group(1))) for m in map(_VALUE.search, path.read_text().splitlines()) if m]
+
+
+@pytest.mark.parametrize("name", ["literal_f16", "literal_f8", "literal_u64"])
+def test_narrow_literal_vectors_round_as_numpy_and_ml_dtypes(name):
+    """The values a narrow-dtype vector holds, checked against numpy's and ml_dtypes' own
+    round-to-nearest-even conversions, not DTM's: each element as written and as the
+    expected text prints it is one value of the dtype, the one DTM holds."""
+    import ml_dtypes
+    import numpy as np
+
+    np_dtype = {"f16": np.float16, "f8e4m3": ml_dtypes.float8_e4m3fn, "f8e5m2": ml_dtypes.float8_e5m2,
+                "u64": np.uint64, "i64": np.int64}
+
+    def held(dtype: str, spellings: list[str]) -> np.ndarray:
+        if dtype in ("u64", "i64"):
+            return np.array([int(x) for x in spellings], dtype=np_dtype[dtype])
+        return np.array([float(x) for x in spellings], dtype=np.float64).astype(np_dtype[dtype])
+
+    written, printed = _literals(ROOT / "valid" / f"{name}.dtm"), _literals(ROOT / "valid" / f"{name}.expected")
+    module = ir.verify(ir.parse((ROOT / "valid" / f"{name}.dtm").read_bytes()))
+    values = [op.attrs["value"] for op in module.funcs["f"].ops]
+    assert len(written) == len(printed) == len(values) > 0
+    for (dtype, src), (dtype2, out), value in zip(written, printed, values):
+        want = held(dtype, src)
+        assert dtype == dtype2 and held(dtype, out).tobytes() == want.tobytes(), (dtype, src, out)
+        data = value.data if isinstance(value, ir.Literal) else held(dtype, [repr(value)]).tobytes()  # `full`: a scalar
+        assert data == want.tobytes(), (dtype, src)
 
 
 def test_make_expected_finds_no_drift():

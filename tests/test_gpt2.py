@@ -20,7 +20,10 @@ SMALL = dict(vocab_size=101, n_positions=64, n_embd=64, n_layer=2, n_head=4)
 GPT2_124M_2L = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=2, n_head=12)
 
 
-def hf_checkpoint(tmp_path, seed: int = 0, **cfg):
+def hf_checkpoint(tmp_path, seed: int = 0, weight_std: float | None = None, **cfg):
+    """A random HF GPT-2 saved to tmp_path. `weight_std` redraws every matrix with that
+    spread: GPT-2's own init (0.02) makes a small model repeat one token forever, which
+    would let decoding bugs in positions or masks go unseen."""
     torch.manual_seed(seed)
     config = transformers.GPT2Config(**cfg, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config).eval()
@@ -28,6 +31,8 @@ def hf_checkpoint(tmp_path, seed: int = 0, **cfg):
         for name, p in model.named_parameters():
             if name.endswith("bias") or ".ln_" in name or "ln_f" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif weight_std is not None and p.ndim == 2:
+                p.normal_(0.0, weight_std)
     model.save_pretrained(tmp_path)
     return model
 
@@ -58,6 +63,115 @@ def test_greedy_continuation_matches_transformers(tmp_path):
     got = model.generate(prompt, max_new_tokens=32)
     assert got.shape == (1, 38)
     np.testing.assert_array_equal(got.numpy(), want)
+
+
+# Three prompts of 3, 6 and 5 tokens, left-padded to 6 (pad id 0, never attended).
+PADDED = np.array([[0, 0, 0, 5, 17, 42], [7, 3, 9, 1, 4, 2], [0, 11, 12, 13, 14, 15]], dtype=np.int64)
+PADDED_MASK = (np.arange(6)[None] >= np.array([3, 0, 1])[:, None]).astype(np.int64)
+
+
+def hf_generate(hf, ids: np.ndarray, mask: np.ndarray, **kw) -> np.ndarray:
+    with torch.no_grad():
+        return hf.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                           **kw).numpy()
+
+
+def test_left_padded_batch_matches_transformers(tmp_path):
+    """Prompts of different lengths in one batch: positions count from each row's first token
+    and padding is never attended, so every row continues as transformers continues it."""
+    hf = hf_checkpoint(tmp_path, seed=5, weight_std=0.3, **SMALL)
+    model = GPT2.from_pretrained(str(tmp_path))
+    want = hf_generate(hf, PADDED, PADDED_MASK, max_new_tokens=20, pad_token_id=0)
+    assert len({tuple(r) for r in want[:, 6:]}) == 3 and len(set(want[0, 6:])) > 3  # tokens that vary
+    got = model.generate(PADDED, 20, attention_mask=PADDED_MASK)
+    np.testing.assert_array_equal(got.numpy(), want)
+    # an all-ones mask is the unpadded batch
+    np.testing.assert_array_equal(model.generate(PADDED[1:2], 5, attention_mask=np.ones((1, 6))).numpy(),
+                                  want[1:2, :11])
+
+
+def test_eos_stops_each_row_then_the_batch(tmp_path):
+    hf = hf_checkpoint(tmp_path, seed=5, weight_std=0.3, **SMALL)
+    model = GPT2.from_pretrained(str(tmp_path))
+    free = hf_generate(hf, PADDED, PADDED_MASK, max_new_tokens=20, pad_token_id=0)
+    # rows 0 and 1 meet their eos early, row 2 never: every row runs to max_new_tokens
+    eos = [int(free[0, 9]), int(free[1, 13])]
+    for kw in ({"eos_token_id": eos, "pad_token_id": 1}, {"eos_token_id": eos[0]}):
+        want = hf_generate(hf, PADDED, PADDED_MASK, max_new_tokens=20, **kw)
+        got = model.generate(PADDED, 20, attention_mask=PADDED_MASK, **kw)
+        np.testing.assert_array_equal(got.numpy(), want)
+    # every row finished: decoding stops before max_new_tokens
+    eos = [int(free[0, 7]), int(free[1, 8]), int(free[2, 9])]
+    want = hf_generate(hf, PADDED, PADDED_MASK, max_new_tokens=20, eos_token_id=eos, pad_token_id=1)
+    got = model.generate(PADDED, 20, attention_mask=PADDED_MASK, eos_token_id=eos, pad_token_id=1)
+    assert got.shape[1] < 26
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, None, None), (1.0, 5, None), (1.0, None, 0.9),
+                                                       (1.3, 20, 0.8), (0.5, 3, 0.0), (2.0, 200, 1.0)])
+def test_sampling_filters_as_transformers_warpers(temperature, top_k, top_p):
+    """The distribution sampled from is transformers' on the same logits: temperature, then
+    top_k, then top_p, each as its LogitsWarper computes it."""
+    from transformers.generation import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                                         TopPLogitsWarper)
+    from dtm.models.sampling import warp_logits
+
+    logits = np.random.default_rng(6).standard_normal((4, 101)).astype(np.float32) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    want = warpers(None, torch.from_numpy(logits)).numpy()
+    got = warp_logits(logits, temperature, top_k, top_p)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6)
+    if (top_k or 101) < 101 or (top_p if top_p is not None else 1.0) < 1.0:  # a filter that removes tokens
+        assert (np.isfinite(got).sum(-1) < 101).all()
+
+
+def test_sample_draws_from_the_softmax_of_the_warped_logits():
+    """Evenly spaced draws pick each token as often as torch.softmax says, and never a
+    token the warpers removed."""
+    from dtm.models.sampling import sample, warp_logits
+
+    scores = warp_logits(np.random.default_rng(9).standard_normal((1, 50)) * 2, 0.8, 10, 0.9)
+    n = 20000
+    picked = sample(np.repeat(scores, n, 0), (np.arange(n) + 0.5) / n)
+    counts = np.bincount(picked[:, 0], minlength=50) / n
+    want = torch.softmax(torch.from_numpy(scores.astype(np.float64)), -1).numpy()[0]
+    assert np.abs(counts - want).max() < 2 / n
+    assert np.isfinite(scores[0, np.unique(picked)]).all() and (want == 0).sum() >= 40
+
+
+def test_sampling_is_reproducible_and_keeps_to_the_filter(tmp_path):
+    hf = hf_checkpoint(tmp_path, seed=5, weight_std=0.3, **SMALL)
+    model = GPT2.from_pretrained(str(tmp_path))
+    kw = dict(max_new_tokens=12, attention_mask=PADDED_MASK, do_sample=True, temperature=1.5, top_p=0.95)
+    first = model.generate(PADDED, generator=7, **kw).numpy()
+    np.testing.assert_array_equal(model.generate(PADDED, generator=np.random.default_rng(7), **kw).numpy(), first)
+    assert not np.array_equal(model.generate(PADDED, generator=8, **kw).numpy(), first)
+    dtm.manual_seed(3)
+    again = model.generate(PADDED, **kw).numpy()
+    dtm.manual_seed(3)
+    np.testing.assert_array_equal(model.generate(PADDED, **kw).numpy(), again)
+    # top_k = 1 leaves one token to sample: transformers' greedy continuation
+    want = hf_generate(hf, PADDED, PADDED_MASK, max_new_tokens=12, pad_token_id=0)
+    got = model.generate(PADDED, 12, attention_mask=PADDED_MASK, do_sample=True, top_k=1, generator=0)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("kw, code", [
+    (dict(do_sample=True, temperature=0.0), "E0306"), (dict(do_sample=True, top_k=-1), "E0306"),
+    (dict(do_sample=True, top_p=1.5), "E0306"), (dict(attention_mask=[[1, 1, 0]]), "E0306"),
+    (dict(attention_mask=[[0, 0, 0]]), "E0306"), (dict(attention_mask=[[1, 1]]), "E0403")])
+def test_generate_refuses_bad_arguments(kw, code):
+    dtm.manual_seed(0)
+    model = GPT2(dtm.models.gpt2.GPT2Config(**SMALL))
+    with pytest.raises(dtm.DTMError) as e:
+        model.generate([[1, 2, 3]], 2, **kw)
+    assert e.value.code.value == code
 
 
 def test_kv_cache_decoding_equals_full_recompute(tmp_path):

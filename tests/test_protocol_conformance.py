@@ -56,6 +56,74 @@ def test_the_files_are_what_the_generator_writes():
     assert make_vectors.main(["--check"]) == 0
 
 
+def _ints(obj) -> list[int]:
+    if isinstance(obj, dict):
+        return [i for v in obj.values() for i in _ints(v)]
+    if isinstance(obj, list):
+        return [i for v in obj for i in _ints(v)]
+    return [obj] if isinstance(obj, int) and not isinstance(obj, bool) else []
+
+
+def test_no_json_number_a_double_would_round():
+    """Integers past 2^53 are decimal strings in every file, and the reader takes them back."""
+    from dtm.protocol.messages import int_from_json, int_to_json
+
+    files = sorted(DEFAULT_ROOT.glob("**/*.json"))
+    assert len(files) > 60
+    for path in files:
+        big = [i for i in _ints(json.loads(path.read_text(encoding="utf-8"))) if abs(i) > 2 ** 53]
+        assert not big, f"{path.name}: {big}"
+    large = json.loads((DEFAULT_ROOT / "valid" / "large_u64.json").read_text(encoding="utf-8"))
+    assert large["frames"][0]["message"]["seq"] == str(2 ** 64 - 1) and large["decoder"]["expected_epoch"] == \
+        str(2 ** 53 + 1)
+    assert [int_to_json(v) for v in (2 ** 53, -2 ** 53, 2 ** 53 + 1, -2 ** 63)] == \
+        [2 ** 53, -2 ** 53, "9007199254740993", "-9223372036854775808"]
+    assert [int_from_json(v) for v in (5, "5", "-9223372036854775808")] == [5, 5, -2 ** 63]
+    for bad in ("5.0", 5.0, True, "0x10", " 5", None):
+        with pytest.raises(ValueError):
+            int_from_json(bad)
+
+
+def test_payload_sizes_named_in_the_manifest_are_the_vectors():
+    """An `about` that gives a payload's size gives the size the vector's frame has."""
+    manifest = load_manifest()
+    named = {n: int(m.group(1)) for n, v in manifest["invalid"].items()
+             if (m := re.search(r"(\d+)-byte payload", v["about"]))}
+    assert {"collective_group_count_too_big", "mesh_view_members_past_the_end"} <= set(named)
+    for name, size in named.items():
+        data = bytes.fromhex("".join(json.loads((DEFAULT_ROOT / "invalid" / f"{name}.json").read_text())["hex"]
+                                     ).replace(" ", ""))
+        assert struct.unpack_from("<Q", data, 16)[0] == len(data) - HEADER_SIZE == size, name
+
+
+@pytest.mark.parametrize("section, words, vectors", [
+    ("#### 9.1.7", "a stale frame's `seq` MUST be checked like any other's",
+     ["invalid/stale_frame_seq_checked", "invalid/stale_frame_seq_counted"]),
+    ("#### 9.1.7", "Decoding a `MeshView` does not by itself change the epoch",
+     ["valid/mesh_view_keeps_the_decoder_epoch"]),
+    ("#### 9.1.5", "a value below -1 is E0910", ["invalid/hello_rank_below_minus_one",
+                                                "invalid/join_mesh_rank_below_minus_one",
+                                                "invalid/error_rank_below_minus_one"]),
+    ("#### 9.1.5", "`host` MAY be empty", ["valid/mesh_view_empty_host", "invalid/join_mesh_empty_host"]),
+    ("#### 9.1.5", "a receiver MUST NOT refuse it with E0910, whatever its\n  shape", ["valid/quantized_dtypes"]),
+    ("#### 9.1.6", "it MUST carry the same `major.minor` as the first", []),
+    ("#### 9.1.12", "exceeds 2^53 is written as a string of decimal digits", ["valid/large_u64"]),
+])
+def test_spec_decisions_have_their_vectors(section, words, vectors):
+    """Each rule an independent implementation asked about is in the spec's words and has a
+    vector (the third Hello's version: a handshake transcript)."""
+    assert words in _section(section)
+    manifest = load_manifest()
+    for v in vectors:
+        kind, name = v.split("/")
+        assert name in manifest[kind] and (DEFAULT_ROOT / f"{v}.json").exists(), v
+    if section == "#### 9.1.6":
+        handshake = json.loads((DEFAULT_ROOT / "handshake.json").read_text(encoding="utf-8"))
+        t = next(t for t in handshake["transcripts"] if t["name"] == "third_hello_keeps_the_first_version")
+        versions = [bytes.fromhex("".join(f.split()))[4:6] for f in t["frames"]]
+        assert versions == [b"\x01\x03", b"\x01\x00", b"\x01\x03"] and t["version"] == [1, 0]
+
+
 @pytest.fixture
 def copy(tmp_path):
     shutil.copytree(DEFAULT_ROOT, tmp_path / "protocol", ignore=shutil.ignore_patterns("tools"))

@@ -237,6 +237,39 @@ def test_worked_example_bytes_and_hash():
     assert bytes.fromhex(" ".join(table)) == encoded, "the byte-by-byte table does not add up to the encoding"
 
 
+def test_a_float_scalar_encodes_rounded_to_its_dtype():
+    """5.2: a `scalar` attribute's f64 is the value rounded to the result dtype (as 4.4 and
+    5.4 say), so 0.1 in an f32 `full` encodes as the f32 nearest 0.1."""
+    import struct
+
+    import numpy as np
+
+    assert "The `f64` is the value rounded to the\n  result dtype (4.4)" in _section("5. Canonical encoding")
+    texts = [f"dtm 1.0\nfunc @f() -> (f32[]) {{\n  %y = full {{value = {v}}} : f32[]\n  return %y\n}}\n"
+             for v in ("0.1", "0.10000000149011612")]
+    encoded = [ir.encode(ir.verify(ir.parse(t))) for t in texts]
+    assert encoded[0] == encoded[1]
+    assert b"\x01" + struct.pack("<d", float(np.float32(0.1))) in encoded[0]
+    assert struct.pack("<d", 0.1) not in encoded[0]
+
+
+@pytest.mark.parametrize("line, ok", [("dtm 1.0", True), ("dtm 1.0.0", True), (" \tdtm\t1.0 // v1", True),
+                                      ("dtm 1.0//c\r", True), ("dtm 000001.000000.999999", True),
+                                      ("dtm 1 .0", False), ("dtm 1. 0", False), ("dtm 1.0x", False),
+                                      ("dtm v1.0", False), ("dtm1.0", False), ("dtm 1", False),
+                                      ("dtm 1234567.0", False), ("dtm 1.0.0.0", False)])
+def test_header_line_is_read_as_4_3_says(line, ok):
+    """4.3: the header line is matched whole (4.2's tokens cannot read `1.0.0`)."""
+    assert "header_line = " in _section("4. Text format")
+    text = line + "\nfunc @f() -> () {\n  return\n}\n"
+    if ok:
+        assert ir.parse(text).version == (1, 0)
+    else:
+        with pytest.raises(ir.IRError) as e:
+            ir.parse(text)
+        assert e.value.code is ErrorCode.INVALID_HEADER
+
+
 # --- random: the Philox test vectors the spec gives -----------------------------------------
 
 def test_philox_vectors_match_the_reference():

@@ -97,6 +97,6 @@ def sample(model: GPT2, prompt: str, n: int, temperature: float = 0.8, top_k: in
     tok = CharTokenizer()
     ids = tok.encode(prompt)[None]
     window = model.config.n_positions
-    out = model.generate(ids[:, -window:], max_new_tokens=min(n, window - ids.shape[1]),
+    out = model.generate(ids[:, -window:], max_new_tokens=min(n, window - ids.shape[1]), do_sample=True,
                          temperature=temperature, top_k=top_k)
     return tok.decode(out.numpy()[0])

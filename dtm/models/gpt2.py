@@ -18,6 +18,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, fields
+from typing import Sequence
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from .. import nn
 from ..errors import DTMError, ErrorCode
 from ..nn import functional as NF
 from ..tensor import Tensor, arange, jit, manual_seed, no_grad, rand, randn, tensor, zeros
+from .sampling import check_sampling, sample, warp_logits
 
 
 # Weights HF keeps in Conv1D layout, [in, out]: transposed to and from Linear's [out, in].
@@ -49,6 +51,25 @@ def hf_layout(name: str, w: np.ndarray, n_head: int) -> np.ndarray:
     if name.endswith(_CONV1D):
         w = w.T
     return np.ascontiguousarray(w)
+
+
+def _left_padding(attention_mask, shape: tuple[int, int]) -> np.ndarray | None:
+    """The number of padding tokens at the start of each row of `attention_mask` [B, T], or
+    None when no row has any (the unpadded decoding plan then runs)."""
+    if attention_mask is None:
+        return None
+    mask = np.asarray(attention_mask.numpy() if isinstance(attention_mask, Tensor) else attention_mask)
+    if mask.ndim == 1:
+        mask = mask[None]
+    if mask.shape != shape:
+        raise DTMError(ErrorCode.SHAPE_MISMATCH, f"GPT2.generate: attention_mask of shape {mask.shape} for "
+                       f"prompts of shape {shape}")
+    mask = mask != 0
+    pad = (~mask).cumprod(axis=1).sum(axis=1)
+    if (pad == shape[1]).any() or (mask.sum(axis=1) != shape[1] - pad).any():
+        raise DTMError(ErrorCode.ATTRIBUTE_VALUE, "GPT2.generate: attention_mask must pad on the left only (zeros "
+                       "before the first one, none after) and leave every row at least one token")
+    return pad.astype(np.int64) if pad.any() else None
 
 
 @dataclass
@@ -75,16 +96,22 @@ class KVCache:
     A forward pass writes its T new positions at `pos` (dynamic_update_slice) and each query
     attends to the positions up to its own, so every decode step has the same shapes: the
     position is data, not shape, and a jitted step replays one compiled plan for the whole
-    generation. `pos` is a Python int in eager code and a 0-d int64 tensor when traced."""
+    generation. `pos` is a Python int in eager code and a 0-d int64 tensor when traced.
+
+    `pad` (int64 [B], optional) is the number of left-padding tokens of each row, for a batch
+    of prompts of different lengths: a row's padding is hidden from its queries and its
+    positions count from its first real token, as transformers derives them from the
+    attention mask."""
 
     def __init__(self, config: "GPT2Config", batch: int, max_len: int, pos: "int | Tensor" = 0,
-                 kv: "list[Tensor] | None" = None):
+                 kv: "list[Tensor] | None" = None, pad: Tensor | None = None):
         shape = (batch, config.n_head, max_len, config.n_embd // config.n_head)
         kv = kv if kv is not None else [zeros(*shape) for _ in range(2 * config.n_layer)]
         self.k, self.v = list(kv[:config.n_layer]), list(kv[config.n_layer:])
         self.max_len = max_len
         self.pos = pos
-        self.allowed: Tensor | None = None  # [T, max_len] bool: query i may see key j
+        self.pad = pad
+        self.allowed: Tensor | None = None  # [T, max_len] (or [B, 1, T, max_len]) bool: query i may see key j
 
     def begin(self, T: int) -> Tensor:
         """Start a forward pass of T tokens: the mask of the keys each query may attend to,
@@ -94,8 +121,20 @@ class KVCache:
                            f"max_len = {self.max_len}")
         pos = self.pos if isinstance(self.pos, Tensor) else tensor(np.int64(self.pos))
         query_pos = F.add(pos, arange(T, dtype="i64"))
-        self.allowed = F.le(arange(self.max_len, dtype="i64").unsqueeze(0), query_pos.unsqueeze(1))
+        keys = arange(self.max_len, dtype="i64").unsqueeze(0)
+        self.allowed = F.le(keys, query_pos.unsqueeze(1))
+        if self.pad is not None:
+            # A padding query still sees itself: with no key at all its softmax is NaN, and
+            # its key and value, NaN in the next layer, would reach real queries as 0 * NaN.
+            seen = F.logical_or(F.ge(keys, self.pad.unsqueeze(1)).unsqueeze(1), F.eq(keys, query_pos.unsqueeze(1)))
+            self.allowed = F.logical_and(self.allowed, seen).unsqueeze(1)  # [B, 1, T, max_len], for every head
         return pos
+
+    def positions(self, pos: Tensor, T: int) -> Tensor:
+        """Position ids [B, T] of a padded batch: a token's index less its row's padding, 0 on
+        the padding itself (transformers: the attention mask's cumsum - 1, masked to 0)."""
+        index = F.add(pos, arange(T, dtype="i64")).unsqueeze(0)
+        return F.clamp(F.sub(index, self.pad.unsqueeze(1)), min=0)
 
     def write(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         self.k[layer] = F.dynamic_update_slice(self.k[layer], k, pos, dim=2)
@@ -187,7 +226,10 @@ class GPT2(nn.Module):
             pos, pos_emb = None, self.wpe(arange(T, dtype="i64"))
         else:
             pos = cache.begin(T)
-            pos_emb = F.dynamic_slice(self.wpe.weight, pos, dim=0, size=T)
+            if cache.pad is None:
+                pos_emb = F.dynamic_slice(self.wpe.weight, pos, dim=0, size=T)
+            else:
+                pos_emb = self.wpe(cache.positions(pos, T))
         x = self.drop(self.wte(ids) + pos_emb)
         for i, block in enumerate(self.h):
             x = block(x, cache, i, pos)
@@ -197,10 +239,21 @@ class GPT2(nn.Module):
         return F.matmul(x, self.wte.weight.transpose(0, 1))  # lm_head shares wte's weights
 
     @no_grad()
-    def generate(self, ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+    def generate(self, ids, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: "int | Sequence[int] | None" = None, pad_token_id: int | None = None,
+                 attention_mask=None, generator: "np.random.Generator | int | None" = None,
                  progress: bool = False) -> Tensor:
-        """The prompt followed by `max_new_tokens` tokens: greedy when temperature is 0,
-        else sampled from softmax(logits / temperature) over the top_k most likely."""
+        """The prompts [B, T] followed by up to `max_new_tokens` tokens each, as transformers'
+        `generate` gives them: greedy unless `do_sample`; sampling applies `temperature`, then
+        `top_k`, then `top_p` (dtm.models.sampling; top_k None keeps every token, where
+        transformers' default is 50). `generator` (a numpy Generator or a seed) draws the
+        samples; without one they come from DTM's generator (dtm.manual_seed).
+
+        `attention_mask` [B, T] (1 for a token, 0 for padding) gives a batch of prompts of
+        different lengths, padded on the left. With `eos_token_id` (one id or several), a row
+        that produced one is finished: it gets `pad_token_id` (by default the first eos id)
+        from then on, and decoding stops when every row is finished."""
         ids = np.asarray(ids.numpy() if isinstance(ids, Tensor) else ids, dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None]
@@ -209,20 +262,39 @@ class GPT2(nn.Module):
         if total > self.config.n_positions:
             raise DTMError(ErrorCode.SHAPE_MISMATCH, f"GPT2.generate: {T} prompt + {max_new_tokens} new tokens "
                            f"exceed n_positions = {self.config.n_positions}")
+        if do_sample:
+            check_sampling(temperature, top_k, top_p)
+        pad = _left_padding(attention_mask, ids.shape)
+        eos = None if eos_token_id is None else np.atleast_1d(np.asarray(eos_token_id, dtype=np.int64))
+        if eos is not None and pad_token_id is None:
+            pad_token_id = int(eos[0])  # as transformers does when only eos is given
+        rng = generator if generator is None or isinstance(generator, np.random.Generator) \
+            else np.random.default_rng(generator)
         # Cache lengths round up to a multiple of 64 so later calls reuse the compiled steps.
         max_len = min(self.config.n_positions, -(-total // 64) * 64)
         kv = [zeros(B, self.config.n_head, max_len, self.config.n_embd // self.config.n_head)
               for _ in range(2 * self.config.n_layer)]
+        step, extra = (self._step, ()) if pad is None else (self._padded_step, (tensor(pad),))
         out = [ids]
+        unfinished = np.ones(B, dtype=bool)
         step_input, pos = ids, 0
         for i in range(max_new_tokens):
-            logits, *kv = self._step(tensor(step_input), tensor(np.int64(pos)), *kv)
+            logits, *kv = step(tensor(step_input), tensor(np.int64(pos)), *extra, *kv)
             pos += step_input.shape[1]
-            nxt = self._pick(logits, temperature, top_k)
+            if do_sample:
+                u = rng.random(B) if rng is not None else rand(B, dtype="f64").numpy()
+                nxt = sample(warp_logits(logits.numpy(), temperature, top_k, top_p), u)
+            else:
+                nxt = F.argmax(logits, dim=-1, keepdim=True).numpy()
+            if eos is not None:
+                nxt = np.where(unfinished[:, None], nxt, np.int64(pad_token_id))
+                unfinished &= ~np.isin(nxt[:, 0], eos)
             out.append(nxt)
             step_input = nxt
             if progress:
                 print(f"\rgenerating: {i + 1}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
+            if not unfinished.any():
+                break
         if progress:
             print(file=sys.stderr)
         return tensor(np.concatenate(out, axis=1))
@@ -231,27 +303,25 @@ class GPT2(nn.Module):
     def _step(self) -> jit:
         """One decoding step, (ids [B, T], pos, *cache) -> (last logits, *new cache), jitted:
         traced once per (T, cache length) and replayed for every later step."""
-        if self.__dict__.get("_step_jit") is None:
-            def step(ids: Tensor, pos: Tensor, *kv: Tensor):
-                cache = KVCache(self.config, ids.shape[0], kv[0].shape[2], pos, list(kv))
+        return self._jitted_step(padded=False)
+
+    @property
+    def _padded_step(self) -> jit:
+        """_step for a left-padded batch, (ids, pos, pad [B], *cache): a plan of its own, so
+        the unpadded step keeps its cheaper mask and position slice."""
+        return self._jitted_step(padded=True)
+
+    def _jitted_step(self, padded: bool) -> jit:
+        key = "_padded_step_jit" if padded else "_step_jit"
+        if self.__dict__.get(key) is None:
+            def step(ids: Tensor, pos: Tensor, *rest: Tensor):
+                pad, kv = (rest[0], rest[1:]) if padded else (None, rest)
+                cache = KVCache(self.config, ids.shape[0], kv[0].shape[2], pos, list(kv), pad)
                 logits = self(ids, cache)[:, -1, :]
                 return (logits, *cache.k, *cache.v)
 
-            self.__dict__["_step_jit"] = jit(step)
-        return self.__dict__["_step_jit"]
-
-    @staticmethod
-    def _pick(logits: Tensor, temperature: float, top_k: int | None) -> np.ndarray:
-        if temperature == 0.0:
-            return F.argmax(logits, dim=-1, keepdim=True).numpy()
-        logits = F.div(logits, temperature)
-        if top_k is not None:
-            kth = np.sort(logits.numpy(), axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
-            logits = F.masked_fill(logits, logits < tensor(kth), float("-inf"))
-        probs = F.softmax(logits, dim=-1).numpy().astype(np.float64)
-        u = rand(probs.shape[0], 1, dtype="f64").numpy()
-        cdf = np.cumsum(probs, axis=-1)
-        return np.minimum((cdf < u * cdf[:, -1:]).sum(-1, keepdims=True), probs.shape[-1] - 1).astype(np.int64)
+            self.__dict__[key] = jit(step)
+        return self.__dict__[key]
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:
         """This model's weights under HF GPT2LMHeadModel's names and layouts (Conv1D weights

@@ -35,7 +35,7 @@ from ..ir.conformance import VectorResult, summary  # one result type and report
 from .errors import ProtocolError
 from .frame import MAX_PAYLOAD, FrameDecoder, FrameHeader, encode_frame
 from .handshake import Handshake, check_answer, hmac_answer, negotiate
-from .messages import MESSAGES, decode_message
+from .messages import MESSAGES, decode_message, int_from_json, int_to_json
 
 DEFAULT_ROOT = pathlib.Path(__file__).resolve().parents[2] / "conformance" / "protocol"
 
@@ -43,8 +43,8 @@ DEFAULT_ROOT = pathlib.Path(__file__).resolve().parents[2] / "conformance" / "pr
 # --- JSON forms, shared with conformance/protocol/tools/make_vectors.py --------------------------
 
 def header_to_json(h: FrameHeader) -> dict:
-    return {"version": list(h.version), "type": int(h.msg_type), "flags": h.flags, "epoch": h.epoch,
-            "stream": h.stream, "seq": h.seq, "length": h.length, "crc": h.crc}
+    return {"version": list(h.version), "type": int(h.msg_type), "flags": h.flags, "epoch": int_to_json(h.epoch),
+            "stream": h.stream, "seq": int_to_json(h.seq), "length": int_to_json(h.length), "crc": h.crc}
 
 
 def frame_to_json(h: FrameHeader, payload: bytes) -> dict:
@@ -59,8 +59,8 @@ def encode_from_json(frame: dict) -> bytes:
     h = frame["header"]
     cls = next(c for c in MESSAGES.values() if c.__name__ == frame["message_type"])
     payload = cls.from_json(frame["message"]).encode() + bytes.fromhex(frame.get("trailing", ""))
-    return encode_frame(cls.TYPE, payload, epoch=h["epoch"], stream=h["stream"], seq=h["seq"], flags=h["flags"],
-                        version=tuple(h["version"]))
+    return encode_frame(cls.TYPE, payload, epoch=int_from_json(h["epoch"]), stream=h["stream"],
+                        seq=int_from_json(h["seq"]), flags=h["flags"], version=tuple(h["version"]))
 
 
 def stream_bytes(vector: dict) -> bytes:
@@ -70,9 +70,10 @@ def stream_bytes(vector: dict) -> bytes:
 def decode_stream(data: bytes, decoder: dict, *, bytewise: bool = False) -> list[dict]:
     """Decode `data` as a receiver configured by `decoder` does; the frames as JSON.
     ProtocolError on the first fault; a stale frame's error too, after the whole stream."""
-    dec = FrameDecoder(max_payload=decoder.get("max_payload", MAX_PAYLOAD),
-                       expected_epoch=decoder.get("expected_epoch"), check_seq=True,
-                       next_seq={int(k): v for k, v in decoder.get("next_seq", {}).items()})
+    epoch = decoder.get("expected_epoch")
+    dec = FrameDecoder(max_payload=int_from_json(decoder.get("max_payload", MAX_PAYLOAD)),
+                       expected_epoch=None if epoch is None else int_from_json(epoch), check_seq=True,
+                       next_seq={int(k): int_from_json(v) for k, v in decoder.get("next_seq", {}).items()})
     frames = []
     chunks = [data[i:i + 1] for i in range(len(data))] if bytewise else [data]
     for chunk in chunks:
@@ -126,8 +127,9 @@ def check_invalid(vector: dict, code: str) -> str | None:
 
 
 def _hs(role: str, token: bytes, params: dict) -> Handshake:
-    return Handshake(role, token, level=params["level"], caps=params["caps"], rank=params["rank"], name=params["name"],
-                     max_payload=params["max_payload"], versions=[tuple(v) for v in params["versions"]],
+    return Handshake(role, token, level=params["level"], caps=int_from_json(params["caps"]), rank=params["rank"],
+                     name=params["name"], max_payload=int_from_json(params["max_payload"]),
+                     versions=[tuple(v) for v in params["versions"]],
                      challenge=bytes.fromhex(params["challenge"]))
 
 

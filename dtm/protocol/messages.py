@@ -97,13 +97,38 @@ class Message:
 
     @classmethod
     def from_json(cls, obj: dict):
-        names = [f.name for f in dataclasses.fields(cls)]
-        if set(obj) != set(names):
-            raise ValueError(f"{cls.__name__} has fields {names}, the JSON has {sorted(obj)}")
-        return cls(**{k: cls._JSON_IN.get(k, _tuples)(v) for k, v in obj.items()})
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        if set(obj) != set(fields):
+            raise ValueError(f"{cls.__name__} has fields {list(fields)}, the JSON has {sorted(obj)}")
+        return cls(**{k: cls._JSON_IN.get(k, _JSON_INTS.get(fields[k], _tuples))(v) for k, v in obj.items()})
+
+
+# Integers past 2^53 are written as decimal strings: many JSON parsers read every number as
+# an f64 and would round them (a u64 of caps, seq, epoch or offset can be that large).
+JSON_EXACT = 1 << 53
+
+
+def int_to_json(v: int) -> int | str:
+    """An integer as the vectors' JSON writes it: a number, or a decimal string past 2^53."""
+    return str(v) if abs(v) > JSON_EXACT else v
+
+
+def int_from_json(v: Any) -> int:
+    """An integer of the vectors' JSON: a number, or a string of decimal digits."""
+    if isinstance(v, str) and re.fullmatch(r"-?[0-9]+", v):
+        return int(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    raise ValueError(f"expected an integer (a JSON number or a decimal string), found {v!r}")
+
+
+_JSON_INTS: dict[str, Callable[[Any], Any]] = {"int": int_from_json,
+                                               "tuple[int, ...]": lambda v: tuple(map(int_from_json, v))}
 
 
 def _to_json(v: Any) -> Any:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return int_to_json(v)
     if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v).hex()
     if dataclasses.is_dataclass(v):
@@ -559,4 +584,4 @@ def decode_message(header: FrameHeader, payload: Buffer) -> Message:
 __all__ = ["Message", "Hello", "JoinMesh", "Member", "MeshView", "Heartbeat", "Leave", "CollectiveStart", "Data",
            "P2PSend", "Error", "Cancel", "MESSAGES", "frame_parts", "encode_message", "decode_message",
            "CHALLENGE_SIZE", "ANSWER_SIZE", "MIN_MAX_PAYLOAD", "MAX_MEMBERS", "MAX_AXES", "MAX_VERSIONS",
-           "DATA_HEADER_SIZE", "COLLECTIVE_OPS", "REDUCE_OPS"]
+           "DATA_HEADER_SIZE", "COLLECTIVE_OPS", "REDUCE_OPS", "int_to_json", "int_from_json"]

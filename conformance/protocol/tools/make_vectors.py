@@ -35,6 +35,7 @@ from dtm.ir.version import SPEC_VERSION  # noqa: E402
 from dtm.protocol import (FLAG_LAST, FLAG_RELAYED, PROTOCOL_VERSION, Cancel, Cap, CollectiveStart, Data,  # noqa: E402
                           Error, Handshake, Heartbeat, Hello, JoinMesh, Leave, Member, MeshView, MsgType, P2PSend,
                           encode_frame, encode_message, hmac_answer, level_caps)
+from dtm.protocol.messages import int_to_json  # noqa: E402
 from dtm.protocol.conformance import header_to_json, run_protocol_vectors, summary  # noqa: E402
 from dtm.protocol.frame import FrameDecoder  # noqa: E402
 
@@ -137,6 +138,22 @@ VALID = {
                           [frame(HELLO_C), frame(JoinMesh(1, 2, "h", 1, "n", 1), seq=1),
                            frame(Error("E0909", "bad token"), seq=2)], {"expected_epoch": 5}),
     "empty_stream": ("no bytes: no frames, and no error", [], {}),
+    "large_u64": ("u64 fields past 2^53 (seq, epoch, offset), written in the JSON as decimal strings",
+                  [frame(Cancel(2 ** 64 - 1, "x"), epoch=2 ** 53 + 1, stream=7, seq=2 ** 60),
+                   frame(Data(2 ** 63, 0, 0, 2 ** 62 + 3, b"\x01"), epoch=2 ** 53 + 1, stream=7, seq=2 ** 60 + 1,
+                         flags=FLAG_LAST)], {"expected_epoch": 2 ** 53 + 1, "next_seq": {"7": 2 ** 60}}),
+    "mesh_view_empty_host": ("a MeshView member's host may be empty (9.1.5)",
+                             [frame(MeshView(1, 1, 1, (Member("", 1, "n"), Member("h", 2, "n")), ()), epoch=1)], {}),
+    "mesh_view_keeps_the_decoder_epoch": (
+        "decoding a MeshView of epoch 6 does not raise the decoder's epoch of 5: a Leave of epoch 5 after it is "
+        "decoded (the rank raises its epoch when it accepts the view, 9.1.7)",
+        [frame(MeshView(6, 1, 1, (Member("h", 1, "n"),), ()), epoch=6), frame(Leave(0, ""), epoch=5, seq=1)],
+        {"expected_epoch": 5}),
+    "quantized_dtypes": ("CollectiveStart and P2PSend may name quantized dtypes; the codec does not check 2.2's "
+                         "block rule (9.1.5)",
+                         [frame(CollectiveStart(0, "all_gather", "", "q8_0", (4, 64), (0, 1), -1, "q.py:1"),
+                                epoch=1, stream=3),
+                          frame(P2PSend(0, 1, "q4_0", (3,), "q.py:2"), epoch=1, stream=3, seq=1)], {}),
 }
 
 
@@ -152,6 +169,9 @@ def _payload(msg) -> bytes:
 
 # the group count follows seq (8), op (2 + 10), reduce_op (2 + 3), dtype (2 + 3) and the shape (1 + 2 * 8)
 GROUP_COUNT_AT = 8 + 12 + 5 + 5 + 17
+GROUP_COUNT_TOO_BIG = patch(_payload(ALL_REDUCE), GROUP_COUNT_AT, b"\xff" * 4)
+MEMBERS_PAST_THE_END = patch(_payload(VIEW), 16, struct.pack("<I", 1000))  # the count follows 8 + 4 + 4 bytes
+STALE_HB = frame(Heartbeat(1, 0.0, 0, 0, 0, 0, ""), epoch=2, seq=3)["bytes"]
 
 
 INVALID = {
@@ -188,6 +208,12 @@ INVALID = {
     "stale_mesh_view": ("a MeshView of epoch 7 reaches a receiver at epoch 8", frame(VIEW, epoch=7)["bytes"],
                         {"expected_epoch": 8}, "E0907"),
     "first_seq_not_zero": ("the first frame of stream 0 has seq 5", LEAVE, {}, "E0908"),
+    "stale_frame_seq_checked": ("a stale heartbeat with seq 3 where 0 is due: its seq is checked (9.1.7)", STALE_HB,
+                                {"expected_epoch": 3}, "E0908"),
+    "stale_frame_seq_counted": ("a stale heartbeat (seq 0), then a Leave of the current epoch with seq 0 again: the "
+                                "stale frame took seq 0 (9.1.7)",
+                                frame(Heartbeat(1, 0.0, 0, 0, 0, 0, ""), epoch=2)["bytes"]
+                                + frame(Leave(1, ""), epoch=3)["bytes"], {"expected_epoch": 3}, "E0908"),
     "seq_gap": ("seq 0 then seq 2 on stream 0", frame(Leave(1, ""))["bytes"] + frame(Leave(1, ""), seq=2)["bytes"],
                 {}, "E0908"),
     "seq_repeated": ("seq 0 twice on stream 4", frame(Cancel(1, ""), stream=4)["bytes"] * 2, {}, "E0908"),
@@ -212,16 +238,14 @@ INVALID = {
                               raw(MsgType.COLLECTIVE_START, _payload(ALL_REDUCE).replace(b"all_reduce",
                                                                                          b"all_reduse")), {},
                               "E0910"),
-    "collective_group_count_too_big": ("a group count of 2^32 - 1 in a 71-byte payload",
-                                       raw(MsgType.COLLECTIVE_START, patch(_payload(ALL_REDUCE), GROUP_COUNT_AT,
-                                                                           b"\xff" * 4)), {}, "E0910"),
+    "collective_group_count_too_big": (f"a group count of 2^32 - 1 in a {len(GROUP_COUNT_TOO_BIG)}-byte payload",
+                                       raw(MsgType.COLLECTIVE_START, GROUP_COUNT_TOO_BIG), {}, "E0910"),
     "mesh_view_axes_product": ("axes 2x3 over 4 members",
                                raw(MsgType.MESH_VIEW, _payload(VIEW)[:-4] + struct.pack("<I", 3), epoch=7), {},
                                "E0910"),
-    "mesh_view_members_past_the_end": ("a member count of 1000 in a 61-byte payload, under the limit of 2^20 but "
-                                       "more than the bytes left can hold",
-                                       raw(MsgType.MESH_VIEW, patch(_payload(VIEW), 16, struct.pack("<I", 1000)),
-                                           epoch=7), {}, "E0910"),
+    "mesh_view_members_past_the_end": (f"a member count of 1000 in a {len(MEMBERS_PAST_THE_END)}-byte payload, "
+                                       "under the limit of 2^20 but more than the bytes left can hold",
+                                       raw(MsgType.MESH_VIEW, MEMBERS_PAST_THE_END, epoch=7), {}, "E0910"),
     "mesh_view_epoch_differs": ("a MeshView of epoch 7 in a frame of epoch 6", raw(MsgType.MESH_VIEW, _payload(VIEW),
                                                                                    epoch=6), {}, "E0910"),
     "data_nbytes_mismatch": ("a Data chunk header saying 9 bytes before 8",
@@ -230,6 +254,15 @@ INVALID = {
     "heartbeat_nan_cpu": ("a Heartbeat whose cpu_percent is NaN",
                           raw(MsgType.HEARTBEAT, patch(_payload(Heartbeat(1, 0.0, 0, 0, 0, 0, "")), 4,
                                                        struct.pack("<d", float("nan")))), {}, "E0910"),
+    "hello_rank_below_minus_one": ("a Hello of rank -2", raw(MsgType.HELLO, patch(_payload(HELLO_C), 20, struct.pack(
+        "<i", -2))), {}, "E0910"),
+    "join_mesh_rank_below_minus_one": ("a JoinMesh asking for rank -2", raw(MsgType.JOIN_MESH, patch(_payload(
+        JoinMesh(-1, 4, "h", 1, "n", 1)), 0, struct.pack("<i", -2))), {}, "E0910"),
+    "join_mesh_empty_host": ("a JoinMesh with an empty host (a MeshView member's host may be empty, not this one)",
+                             raw(MsgType.JOIN_MESH, struct.pack("<iIH", -1, 4, 0) + _payload(
+                                 JoinMesh(-1, 4, "h", 1, "n", 1))[11:]), {}, "E0910"),
+    "error_rank_below_minus_one": ("an Error from rank -2", raw(MsgType.ERROR, _payload(Error("E0001", ""))[:-4]
+                                                                 + struct.pack("<i", -2)), {}, "E0910"),
     "error_bad_code": ("an Error whose code is X0001", raw(MsgType.ERROR, _payload(Error("E0001", "")).replace(
         b"E0001", b"X0001")), {}, "E0910"),
 }
@@ -243,10 +276,10 @@ def _params(h: Hello) -> dict:
     return j
 
 
-def _handshake_doc() -> dict:
-    other_token = b"another-token"
+def _three_hellos(connect_versions=((1, 0),)) -> tuple[Handshake, Handshake, list[bytes]]:
+    """Both sides of a whole handshake, and the three Hello frames they send."""
     hs_c = Handshake("connect", TOKEN, level=1, caps=L1_CAPS, rank=-1, name="127.0.0.1:4242", max_payload=1 << 30,
-                     challenge=C_CONNECT)
+                     challenge=C_CONNECT, versions=connect_versions)
     hs_a = Handshake("accept", TOKEN, level=1, caps=L1_CAPS, rank=0, name="coordinator", max_payload=1 << 26,
                      challenge=C_ACCEPT)
     to_a, to_c = FrameDecoder(check_seq=True), FrameDecoder(check_seq=True)
@@ -255,6 +288,16 @@ def _handshake_doc() -> dict:
     f3 = hs_c.receive(*to_c.feed(f2)[0])[0]
     hs_a.receive(*to_a.feed(f3)[0])
     assert hs_a.done and hs_c.done
+    return hs_c, hs_a, [f1, f2, f3]
+
+
+def _handshake_doc() -> dict:
+    other_token = b"another-token"
+    hs_c, hs_a, (f1, f2, f3) = _three_hellos()
+    # a connecting peer of 1.3 meets one of 1.0: they negotiate 1.0, yet its third Hello, like
+    # its first, is a frame of 1.3, the highest version of its lowest major (9.1.6)
+    newer_c, newer_a, newer_frames = _three_hellos(((1, 3),))
+    assert FrameDecoder().feed(newer_frames[2])[0][0].version == (1, 3)
     wrong = hmac_answer(other_token, C_ACCEPT, responder_challenge=C_CONNECT, role="connect")
     hello_c_wrong = Hello(HELLO_C.versions, HELLO_C.level, HELLO_C.caps, HELLO_C.max_payload, HELLO_C.rank,
                           HELLO_C.name, C_CONNECT, wrong)
@@ -287,6 +330,8 @@ def _handshake_doc() -> dict:
         "transcripts": [
             {"name": "three_hellos", "token": TOKEN.hex(), "connect": _params(hs_c.hello),
              "accept": _params(hs_a.hello), "version": [1, 0], "frames": [fmt(f) for f in (f1, f2, f3)]},
+            {"name": "third_hello_keeps_the_first_version", "token": TOKEN.hex(), "connect": _params(newer_c.hello),
+             "accept": _params(newer_a.hello), "version": [1, 0], "frames": [fmt(f) for f in newer_frames]},
         ],
         "refusals": [
             {**accepting, "name": "wrong_token",
@@ -327,16 +372,22 @@ def build() -> dict[str, str]:
                            {"name": "0_to_31", "hex": bytes(range(32)).hex(), "crc": "46dd794e"}],
                 "valid": {}, "invalid": {}}
     for name, (about, frames, decoder) in VALID.items():
-        files[f"valid/{name}.json"] = _json({"hex": [fmt(f["bytes"]) for f in frames], "decoder": decoder,
+        files[f"valid/{name}.json"] = _json({"hex": [fmt(f["bytes"]) for f in frames], "decoder": _decoder(decoder),
                                              "frames": [f["json"] for f in frames]})
         manifest["valid"][name] = {"about": about, "frames": len(frames)}
     for name, (about, data, decoder, code) in INVALID.items():
         files[f"invalid/{name}.json"] = _json({"hex": [fmt(data)] if data[:4] == b"DTMW" else [data.hex()],
-                                               "decoder": decoder})
+                                               "decoder": _decoder(decoder)})
         manifest["invalid"][name] = {"about": about, "code": code}
     files["handshake.json"] = _json(_handshake_doc())
     files["manifest.json"] = _json(manifest)
     return files
+
+
+def _decoder(decoder: dict) -> dict:
+    """A decoder's settings as the vectors hold them: integers past 2^53 as decimal strings."""
+    return {k: {s: int_to_json(n) for s, n in v.items()} if k == "next_seq" else int_to_json(v)
+            for k, v in decoder.items()}
 
 
 def _json(obj) -> str:
