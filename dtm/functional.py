@@ -882,12 +882,19 @@ def setitem(x: Tensor, index, value) -> Tensor:
 
 def to(x: Tensor, *args, **kwargs) -> Tensor:
     """x.to(dtype) / x.to("cpu") / x.to(device, dtype) / x.to(other) (other's dtype)."""
+    dtype = _to_dtype(args, kwargs)
+    return cast(x, dtype) if dtype is not None else x
+
+
+def _to_dtype(args: tuple, kwargs: dict):
+    """The dtype a torch-style .to(...) call names (a Tensor names its own), or None for
+    a device alone: Tensor.to and Module.to read their arguments alike."""
     dtype = kwargs.get("dtype")
     for a in args:
         if isinstance(a, str) and a.startswith("cpu"):
             continue
         dtype = a.dtype if isinstance(a, Tensor) else a
-    return cast(x, dtype) if dtype is not None else x
+    return dtype
 
 
 def _setitem_method(self: Tensor, index, value) -> None:

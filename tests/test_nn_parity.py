@@ -188,7 +188,7 @@ def test_module_dtype_casts_like_torch(backend, method, dtype):
 def test_module_to_forms():
     m = dtm.nn.Linear(2, 2)
     assert m.to("cpu").weight.dtype is dtm.float32
-    assert m.to(torch.float64 if False else dtm.float64).weight.dtype is dtm.float64
+    assert m.to(dtm.float64).weight.dtype is dtm.float64
     assert m.to("cpu", dtm.float16).weight.dtype is dtm.float16
     assert m.to(dtm.zeros(1, dtype="bf16")).bias.dtype is dtm.bfloat16
     assert m.to(dtype="f32").weight.dtype is dtm.float32

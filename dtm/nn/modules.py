@@ -114,11 +114,7 @@ class Module:
         """module.to(dtype), .to("cpu"), .to("cpu", dtype), .to(tensor) (its dtype): the
         float parameters and buffers take the dtype in place, as in torch, so an optimizer
         made before keeps holding them; integer ones keep theirs."""
-        dtype = kwargs.get("dtype")
-        for a in args:
-            if isinstance(a, str) and a.startswith("cpu"):
-                continue
-            dtype = a.dtype if isinstance(a, Tensor) else a
+        dtype = F._to_dtype(args, kwargs)
         if dtype is None:
             return self
         dtype = as_dtype(dtype)
