@@ -162,14 +162,13 @@ def test_module_dict_names_like_torch():
 @pytest.mark.parametrize("method,dtype", [("half", torch.float16), ("bfloat16", torch.bfloat16),
                                           ("float", torch.float32), ("double", torch.float64)])
 def test_module_dtype_casts_like_torch(backend, method, dtype):
-    def build(nn):
-        m = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
-        m.register_buffer("count", (torch if nn is torch.nn else dtm).zeros(2, dtype=(torch if nn is torch.nn
-                                                                                      else dtm).int64))
-        m.register_buffer("scale", (torch if nn is torch.nn else dtm).ones(2))
+    def build(lib):
+        m = lib.nn.Sequential(lib.nn.Linear(3, 4), lib.nn.LayerNorm(4))
+        m.register_buffer("count", lib.zeros(2, dtype=lib.int64))  # an integer buffer keeps its dtype
+        m.register_buffer("scale", lib.ones(2))
         return m
 
-    dm, tm = build(dtm.nn), build(torch.nn)
+    dm, tm = build(dtm), build(torch)
     dm.load_state_dict({k: v.numpy() for k, v in tm.state_dict().items()})
     weight = dm[0].weight
     opt = dtm.optim.SGD(dm.parameters(), lr=0.1)
@@ -198,13 +197,13 @@ def test_module_to_forms():
 
 
 def test_non_persistent_buffers_like_torch(tmp_path):
-    def build(nn, lib):
-        m = nn.Linear(2, 2)
+    def build(lib):
+        m = lib.nn.Linear(2, 2)
         m.register_buffer("mask", lib.ones(2, 2), persistent=False)
         m.register_buffer("stat", lib.zeros(2))
         return m
 
-    dm, tm = build(dtm.nn, dtm), build(torch.nn, torch)
+    dm, tm = build(dtm), build(torch)
     assert list(dm.state_dict()) == list(tm.state_dict()) == ["weight", "bias", "stat"]
     assert dm.mask.shape == (2, 2)
     dm.save(str(tmp_path / "m.safetensors"))

@@ -131,6 +131,26 @@ def test_state_dict_round_trip_resumes_identically(backend, tmp_path, cls, kw):
     assert ropt.state_dict()["param_groups"] == dopt.state_dict()["param_groups"]
 
 
+@pytest.mark.parametrize("cls,kw", [("Adam", dict(lr=0.02, weight_decay=0.1, amsgrad=True)),
+                                    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1))])
+def test_resume_from_torchs_state_dict(backend, cls, kw):
+    """torch trains three steps; dtm takes its weights and optimizer state_dict and both go
+    on for three more: the same weights."""
+    dm, tm = models()
+    topt = getattr(torch.optim, cls)(tm.parameters(), **kw)
+    train_torch(tm, topt, 3)
+    dm.load_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+    dopt = getattr(dtm.optim, cls)(dm.parameters(), lr=1.0)
+    dopt.load_state_dict(topt.state_dict())
+    train(dm, dopt, 3, first=3)
+    for i in range(3, 6):
+        _, _, x, y = batch(i)
+        topt.zero_grad()
+        torch.nn.functional.mse_loss(tm(x), y).backward()
+        topt.step()
+    assert_same_params(dm, tm, 1e-9)
+
+
 def test_load_state_dict_errors():
     dm, _ = models()
     opt = dtm.optim.Adam(dm.parameters())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 
 import numpy as np
 
@@ -386,7 +386,7 @@ class ModuleList(Module):
 class ModuleDict(Module):
     """Sub-modules by name, in insertion order, registered like attributes."""
 
-    def __init__(self, modules: "dict[str, Module] | None" = None):
+    def __init__(self, modules: Mapping[str, Module] | None = None):
         super().__init__()
         if modules is not None:
             self.update(modules)
@@ -412,16 +412,16 @@ class ModuleDict(Module):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def keys(self):
+    def keys(self) -> KeysView[str]:
         return self._modules.keys()
 
-    def values(self):
+    def values(self) -> ValuesView[Module]:
         return self._modules.values()
 
-    def items(self):
+    def items(self) -> ItemsView[str, Module]:
         return self._modules.items()
 
-    def update(self, modules) -> None:
+    def update(self, modules: Mapping[str, Module] | Iterable[tuple[str, Module]]) -> None:
         """Add or replace from a mapping or from (name, module) pairs."""
         for key, module in (modules.items() if hasattr(modules, "items") else modules):
             self[key] = module

@@ -97,14 +97,17 @@ class Optimizer:
 
     @staticmethod
     def _loaded(name: str, value: Any, p: Tensor) -> Any:
+        """A saved state entry for p: a count, a plain value, or array data (a DTM tensor,
+        numpy, or a torch tensor from torch's own state_dict) copied in p's dtype."""
         if name == "step":  # a count here (torch keeps a 0-d float tensor)
             return int(value.item() if isinstance(value, Tensor) else value)
-        if not isinstance(value, Tensor):
+        if value is None or isinstance(value, (bool, int, float, str)):
             return value
-        if value.shape != p.shape:
-            raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: state {name!r} is {value.type}, "
-                        f"its parameter {p.type}")
-        return _like(p, np.array(value.numpy(), dtype=numpy_dtype(p.dtype), copy=True))
+        arr = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
+        if tuple(arr.shape) != p.shape:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: state {name!r} has shape {tuple(arr.shape)}, "
+                        f"its parameter is {p.type}")
+        return _like(p, np.array(arr, dtype=numpy_dtype(p.dtype), copy=True))
 
     @no_grad()
     def step(self) -> None:
@@ -190,6 +193,12 @@ class SGD(Optimizer):
                  weight_decay: float = 0.0, nesterov: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch's SGD keeps no count: a saved buffer means a step was taken
+            if "momentum_buffer" in state:
+                state.setdefault("step", 1)
 
     def _scalars(self, group, step):
         # the momentum buffer: the gradient itself on the first step (torch), then a blend
