@@ -93,8 +93,8 @@ def test_random_inits_follow_torchs_distribution(backend, name):
     w = dtm.nn.Parameter(dtm.zeros(256, 384, 3))
     assert ours(w) is w and w.requires_grad and w.dtype is dtm.float32
     a, b = w.numpy().astype(np.float64), theirs(torch.empty(256, 384, 3)).numpy().astype(np.float64)
-    # 295k draws: the moments agree to 1% (of the std for the mean: 4 standard errors); the bounded ones (uniform, truncated)
-    # reach their bounds to the spacing of the extreme draws.
+    # 295k draws: the moments agree to 1% (of the std for the mean: 4 standard errors);
+    # the bounded ones (uniform, truncated) reach their bounds to the extreme draws' spacing.
     np.testing.assert_allclose([a.mean(), a.std()], [b.mean(), b.std()], rtol=0.01, atol=0.01 * b.std())
     if "uniform" in name or "trunc" in name:
         np.testing.assert_allclose([a.min(), a.max()], [b.min(), b.max()], atol=1e-3 * b.std())

@@ -85,7 +85,9 @@ def test_adam_steps_match_torch(backend, name, dtype):
 
 def test_state_dict_has_torchs_layout(backend):
     dm, tm = models()
-    groups = lambda m: [{"params": list(m[0].parameters()), "lr": 0.03}, {"params": list(m[2].parameters())}]  # noqa: E731
+    def groups(m):
+        return [{"params": list(m[0].parameters()), "lr": 0.03}, {"params": list(m[2].parameters())}]
+
     dopt = dtm.optim.Adam(groups(dm), lr=0.01, amsgrad=True)
     topt = torch.optim.Adam(groups(tm), lr=0.01, amsgrad=True)
     train(dm, dopt, 3)

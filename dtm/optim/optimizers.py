@@ -88,7 +88,8 @@ class Optimizer:
         for i, entries in saved_state.items():
             p = params.get(int(i))
             if p is None:
-                raise error(ErrorCode.UNDEFINED_VALUE, f"load_state_dict: state for parameter {i}, which no group holds")
+                raise error(ErrorCode.UNDEFINED_VALUE, f"load_state_dict: state for parameter {i}, which no group "
+                            "holds")
             state[id(p)] = {name: self._loaded(name, v, p) for name, v in entries.items()}
         for own, saved in zip(self.param_groups, saved_groups):
             own.update({k: v for k, v in saved.items() if k != "params"})
