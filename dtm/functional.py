@@ -20,6 +20,7 @@ from .ir.dtypes import numpy_dtype
 from .ir.types import TensorType
 from .tensor import (DEFAULT_FLOAT, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
                      normalize_dim, result_type, tensor)
+from .tensor import rand  # dropout's draws
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -722,25 +723,36 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
     return reshape(out, x.shape)
 
 
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """Zero each element with probability p and scale the rest by 1 / (1 - p)."""
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"dropout: p must be in [0, 1), found {p}")
+    keep = rand(*x.shape) >= p
+    return where(keep, mul(x, 1.0 / (1.0 - p)), 0.0)
+
+
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None) -> Tensor:
-    if dropout_p:
-        raise error(ErrorCode.ATTRIBUTE_VALUE, "scaled_dot_product_attention: dropout_p is not supported; "
-                    "apply dropout to the result or compose softmax(q @ k^T) yourself")
-    if attn_mask is None:
-        return apply("scaled_dot_product_attention", q, k, v, causal=is_causal, scale=scale)
-    if is_causal:
+    if attn_mask is not None and is_causal:
         raise error(ErrorCode.ATTRIBUTE_VALUE, "scaled_dot_product_attention: give attn_mask or is_causal=True, not both")
-    # torch's semantics: a bool mask says which keys each query may attend to; a float
-    # mask is added to the scores.
+    if attn_mask is None and not dropout_p:
+        return apply("scaled_dot_product_attention", q, k, v, causal=is_causal, scale=scale)
+    # Composed, with torch's semantics: a bool mask says which keys each query may attend
+    # to, a float mask is added to the scores, and dropout applies to the attention weights
+    # (as torch's does, always: the caller passes dropout_p=0 in eval).
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = mul(matmul(q, transpose(k, -2, -1)), scale)
-    attn_mask = as_tensor(attn_mask)
-    if attn_mask.dtype is bool_:
-        scores = masked_fill(scores, logical_not(attn_mask), float("-inf"))
-    else:
-        scores = add(scores, attn_mask)
-    return matmul(softmax(scores, dim=-1), v)
+    if is_causal:
+        attn_mask = tril(apply("full", type=TensorType(bool_, (q.shape[-2], k.shape[-2])), value=True))
+    if attn_mask is not None:
+        attn_mask = as_tensor(attn_mask)
+        if attn_mask.dtype is bool_:
+            scores = masked_fill(scores, logical_not(attn_mask), float("-inf"))
+        else:
+            scores = add(scores, attn_mask)
+    return matmul(dropout(softmax(scores, dim=-1), dropout_p), v)
 
 
 # --- indexing -----------------------------------------------------------------------------
@@ -870,12 +882,19 @@ def setitem(x: Tensor, index, value) -> Tensor:
 
 def to(x: Tensor, *args, **kwargs) -> Tensor:
     """x.to(dtype) / x.to("cpu") / x.to(device, dtype) / x.to(other) (other's dtype)."""
+    dtype = _to_dtype(args, kwargs)
+    return cast(x, dtype) if dtype is not None else x
+
+
+def _to_dtype(args: tuple, kwargs: dict):
+    """The dtype a torch-style .to(...) call names (a Tensor names its own), or None for
+    a device alone: Tensor.to and Module.to read their arguments alike."""
     dtype = kwargs.get("dtype")
     for a in args:
         if isinstance(a, str) and a.startswith("cpu"):
             continue
         dtype = a.dtype if isinstance(a, Tensor) else a
-    return cast(x, dtype) if dtype is not None else x
+    return dtype
 
 
 def _setitem_method(self: Tensor, index, value) -> None:

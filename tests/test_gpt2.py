@@ -267,3 +267,23 @@ def test_a_second_process_builds_no_kernel(tmp_path):
                                       text=True, timeout=300, check=True).stdout) for _ in range(2)]
     assert runs[0]["compiles"] > 0 and runs[1]["compiles"] == 0
     assert runs[0]["tokens"] == runs[1]["tokens"]
+
+
+def test_attention_dropout_in_training_only():
+    """config.dropout also drops attention weights (as HF's attn_pdrop), in train mode only:
+    eval gives the dropout-free model's logits."""
+    ids = [[1, 5, 9, 2, 7]]
+    dtm.manual_seed(0)
+    model = GPT2(dtm.models.gpt2.GPT2Config(**SMALL, dropout=0.5))
+    plain = GPT2(dtm.models.gpt2.GPT2Config(**SMALL))
+    plain.load_state_dict(model.state_dict())
+    want = plain.eval()(ids).numpy()
+    np.testing.assert_array_equal(model.eval()(ids).numpy(), want)
+    attn = model.h[0].attn
+    model.train()
+    x = dtm.randn(1, 5, SMALL["n_embd"])
+    attn.resid_dropout.p = 0.0  # leave only the attention weights' dropout
+    first, second = attn(x).numpy(), attn(x).numpy()
+    assert not np.allclose(first, second)
+    attn.dropout = 0.0
+    np.testing.assert_allclose(attn(x).numpy(), attn.eval()(x).numpy(), rtol=1e-6)

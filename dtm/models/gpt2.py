@@ -149,6 +149,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v of each head, head by head
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout  # on the attention weights too (HF's attn_pdrop), in training
 
     def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, pos: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
@@ -157,7 +158,8 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x).view(B, T, self.n_head, 3, C // self.n_head)
         q, k, v = (t.squeeze(3).transpose(1, 2) for t in F.split(qkv, 1, dim=3))
         if cache is None:
-            y = NF.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = NF.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                dropout_p=self.dropout if self.training else 0.0)
         else:
             k, v = cache.write(layer, k, v, pos)
             y = NF.scaled_dot_product_attention(q, k, v, attn_mask=cache.allowed)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 
 import numpy as np
 
 from .. import functional as F
 from ..errors import ErrorCode
-from ..tensor import Tensor, error, no_grad, rand, randn, zeros, ones
-from .functional import cross_entropy, dropout, embedding
+from ..ir.types import TensorType
+from ..tensor import Tensor, as_dtype, bfloat16, error, float16, float32, float64, no_grad, rand, randn, zeros, ones
+from .functional import cross_entropy, dropout, embedding, mse_loss
 from .weights import load_safetensors, save_safetensors
 
 
@@ -33,6 +34,7 @@ class Module:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_non_persistent_buffers", set())
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -47,9 +49,15 @@ class Module:
             self._modules[name] = value
         object.__setattr__(self, name, value)
 
-    def register_buffer(self, name: str, value: Tensor) -> None:
-        """State saved in state_dict that is not trained (e.g. a running statistic)."""
+    def register_buffer(self, name: str, value: Tensor, persistent: bool = True) -> None:
+        """State that is not trained (e.g. a running statistic, a causal mask). It is in
+        state_dict unless `persistent` is False: a value the module can always rebuild
+        need not be saved."""
         self._buffers[name] = value
+        if persistent:
+            self._non_persistent_buffers.discard(name)
+        else:
+            self._non_persistent_buffers.add(name)
         object.__setattr__(self, name, value)
 
     def forward(self, *args, **kwargs):
@@ -101,12 +109,50 @@ class Module:
             fn(m)
         return self
 
+    # -- dtype --
+    def to(self, *args, **kwargs) -> "Module":
+        """module.to(dtype), .to("cpu"), .to("cpu", dtype), .to(tensor) (its dtype): the
+        float parameters and buffers take the dtype in place, as in torch, so an optimizer
+        made before keeps holding them; integer ones keep theirs."""
+        dtype = F._to_dtype(args, kwargs)
+        if dtype is None:
+            return self
+        dtype = as_dtype(dtype)
+        if not dtype.is_float:
+            raise error(ErrorCode.DTYPE_MISMATCH, f"Module.to only accepts float dtypes, found {dtype}")
+        seen = set()
+        with no_grad():
+            for m in self.modules():
+                for t in (*m._parameters.values(), *m._buffers.values()):
+                    if id(t) in seen or not t.dtype.is_float or t.dtype is dtype:
+                        continue
+                    seen.add(id(t))  # a tied weight is cast once
+                    t._set_value(F.cast(t, dtype).numpy())
+                    t.type = TensorType(dtype, t.shape)
+                    if t.grad is not None:
+                        t.grad = F.cast(t.grad, dtype)
+        return self
+
+    def half(self) -> "Module":
+        return self.to(float16)
+
+    def bfloat16(self) -> "Module":
+        return self.to(bfloat16)
+
+    def float(self) -> "Module":
+        return self.to(float32)
+
+    def double(self) -> "Module":
+        return self.to(float64)
+
     # -- state --
     def state_dict(self) -> "OrderedDict[str, Tensor]":
         out: OrderedDict[str, Tensor] = OrderedDict()
         for mname, m in self.named_modules():
             for table in (m._parameters, m._buffers):
                 for name, t in table.items():
+                    if table is m._buffers and name in m._non_persistent_buffers:
+                        continue
                     out[f"{mname}.{name}" if mname else name] = t
         return out
 
@@ -185,16 +231,29 @@ class Linear(Module):
 
 
 class Embedding(Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    """A table of `num_embeddings` vectors. The row at `padding_idx` starts as zeros and
+    receives no gradient, so a padding token keeps its vector."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = Parameter(_normal((num_embeddings, embedding_dim)))
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise error(ErrorCode.ATTRIBUTE_VALUE, f"Embedding: padding_idx {padding_idx} is out of range for "
+                            f"{num_embeddings} embeddings")
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
+        weight = _normal((num_embeddings, embedding_dim))
+        if padding_idx is not None:
+            weight[padding_idx] = 0.0
+        self.weight = Parameter(weight)
 
     def forward(self, ids: Tensor) -> Tensor:
-        return embedding(ids, self.weight)
+        return embedding(ids, self.weight, self.padding_idx)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
 
 
 class LayerNorm(Module):
@@ -243,6 +302,50 @@ class Tanh(Module):
         return F.tanh(x)
 
 
+class SiLU(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.silu(x)
+
+
+class Identity(Module):
+    """Returns its input; takes (and ignores) any arguments, as torch's does, so it can
+    stand in for a layer that was configured away."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+class Softmax(Module):
+    def __init__(self, dim: int | None = None):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        # torch's legacy choice when no dim is given: dim 0 for ranks 0, 1 and 3, else dim 1
+        dim = self.dim if self.dim is not None else 0 if x.ndim in (0, 1, 3) else 1
+        return F.softmax(x, dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class Flatten(Module):
+    """Flattens dims start_dim..end_dim into one; by default all but the batch dim."""
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1):
+        super().__init__()
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.flatten(x, self.start_dim, self.end_dim)
+
+    def extra_repr(self) -> str:
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+
+
 class Sequential(Module):
     def __init__(self, *modules: Module):
         super().__init__()
@@ -280,14 +383,69 @@ class ModuleList(Module):
         return len(self._modules)
 
 
-class CrossEntropyLoss(Module):
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
+class ModuleDict(Module):
+    """Sub-modules by name, in insertion order, registered like attributes."""
+
+    def __init__(self, modules: Mapping[str, Module] | None = None):
         super().__init__()
-        self.ignore_index, self.reduction = ignore_index, reduction
+        if modules is not None:
+            self.update(modules)
+
+    def __getitem__(self, key: str) -> Module:
+        return self._modules[key]
+
+    def __setitem__(self, key: str, module: Module) -> None:
+        if not isinstance(module, Module):
+            raise error(ErrorCode.ATTRIBUTE_TYPE, f"ModuleDict[{key!r}] must be a Module, found {type(module).__name__}")
+        setattr(self, key, module)
+
+    def __delitem__(self, key: str) -> None:
+        del self._modules[key]
+        object.__delattr__(self, key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._modules
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def keys(self) -> KeysView[str]:
+        return self._modules.keys()
+
+    def values(self) -> ValuesView[Module]:
+        return self._modules.values()
+
+    def items(self) -> ItemsView[str, Module]:
+        return self._modules.items()
+
+    def update(self, modules: Mapping[str, Module] | Iterable[tuple[str, Module]]) -> None:
+        """Add or replace from a mapping or from (name, module) pairs."""
+        for key, module in (modules.items() if hasattr(modules, "items") else modules):
+            self[key] = module
+
+
+class CrossEntropyLoss(Module):
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-        return cross_entropy(logits, target, ignore_index=self.ignore_index, reduction=self.reduction)
+        return cross_entropy(logits, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                             label_smoothing=self.label_smoothing)
+
+
+class MSELoss(Module):
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return mse_loss(input, target, self.reduction)
 
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh",
-           "Sequential", "ModuleList", "CrossEntropyLoss", "no_grad"]
+           "Sequential", "ModuleList", "CrossEntropyLoss", "no_grad", "SiLU", "Identity", "Softmax", "Flatten",
+           "ModuleDict", "MSELoss"]

@@ -6,6 +6,7 @@ every DTM dtype round-trips."""
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import tempfile
@@ -51,13 +52,19 @@ def save_safetensors(state: Mapping[str, Tensor | np.ndarray], path: str, metada
 
 
 def load_safetensors(path: str) -> dict[str, Tensor]:
+    return read_safetensors(path)[0]
+
+
+def read_safetensors(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors of the file at `path`, and the string metadata saved with them."""
     with open(path, "rb") as f:
         data = f.read()
     # The header length is bounded before the library reads (and allocates for) the header.
-    if len(data) < 8 or struct.unpack("<Q", data[:8])[0] > min(MAX_HEADER, len(data) - 8):
+    if len(data) < 8 or (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
         raise DTMError(ErrorCode.BAD_ENCODING, f"{path}: not a safetensors file (bad header length)")
     try:
         items = deserialize(data)
+        metadata = json.loads(data[8:8 + n]).get("__metadata__") or {}
     except Exception as e:  # the library's own error types: report them as ours
         raise DTMError(ErrorCode.BAD_ENCODING, f"{path}: not a valid safetensors file: {e}") from None
     out = {}
@@ -68,4 +75,4 @@ def load_safetensors(path: str) -> dict[str, Tensor]:
         dt = numpy_dtype(DTYPES[_ST[st]])
         arr = np.frombuffer(bytes(info["data"]), dtype=dt.newbyteorder("<")).astype(dt).reshape(info["shape"])
         out[name] = Tensor.from_numpy(arr.copy())
-    return out
+    return out, metadata

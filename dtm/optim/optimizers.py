@@ -1,4 +1,4 @@
-"""SGD and AdamW, with PyTorch's update formulas (so a step matches torch's to rounding).
+"""SGD, Adam and AdamW, with PyTorch's update formulas (so a step matches torch's to rounding).
 
 A step is written with tensor ops under no_grad and run as one program for all parameters:
 each parameter and each piece of state (a leaf tensor per parameter, laid out like it)
@@ -16,7 +16,7 @@ before each replay (`on_replay`), writing into the tensors the traced program re
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -54,10 +54,61 @@ class Optimizer:
         """p's state tensor `name`, made on first use: zeros, laid out like p."""
         t = state.get(name)
         if t is None:
-            zeros = np.zeros(p.shape, numpy_dtype(p.dtype))
-            t = state[name] = Tensor(p.type, buffer=p._mesh.split(zeros, p.placements) if p._mesh is not None
-                                     else zeros)
+            t = state[name] = _like(p, np.zeros(p.shape, numpy_dtype(p.dtype)))
         return t
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: {"state": {index: {name: value}}, "param_groups": [{setting:
+        value, "params": [index, ...]}]}, parameters numbered in the order of the groups.
+        The state's tensors are the optimizer's own (save them before the next step)."""
+        index: dict[int, int] = {}
+        groups = []
+        for g in self.param_groups:
+            ids = [index.setdefault(id(p), len(index)) for p in g["params"]]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        state = {index[pid]: dict(s) for pid, s in self.state.items() if pid in index}
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from `state_dict` (from `state_dict()`, this optimizer's or one made alike
+        on other parameters of the same shapes): the groups' settings and each parameter's
+        state, copied into tensors laid out like the parameter."""
+        try:
+            saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        except (KeyError, TypeError):
+            raise error(ErrorCode.MISSING_ATTRIBUTE, "load_state_dict: an optimizer state_dict holds 'state' and "
+                        "'param_groups'") from None
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
+            raise error(ErrorCode.SHAPE_MISMATCH, "load_state_dict: the saved param groups hold "
+                        f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer's "
+                        f"{[len(g['params']) for g in self.param_groups]}")
+        params = {i: p for saved, own in zip(saved_groups, self.param_groups)
+                  for i, p in zip(saved["params"], own["params"])}
+        state: dict[int, dict] = {}
+        for i, entries in saved_state.items():
+            p = params.get(int(i))
+            if p is None:
+                raise error(ErrorCode.UNDEFINED_VALUE, f"load_state_dict: state for parameter {i}, which no group "
+                            "holds")
+            state[id(p)] = {name: self._loaded(name, v, p) for name, v in entries.items()}
+        for own, saved in zip(self.param_groups, saved_groups):
+            own.update({k: v for k, v in saved.items() if k != "params"})
+        self.state = state
+        self._compiled = None  # the eager step's program reads the state tensors it was traced with
+
+    @staticmethod
+    def _loaded(name: str, value: Any, p: Tensor) -> Any:
+        """A saved state entry for p: a count, a plain value, or array data (a DTM tensor,
+        numpy, or a torch tensor from torch's own state_dict) copied in p's dtype."""
+        if name == "step":  # a count here (torch keeps a 0-d float tensor)
+            return int(value.item() if isinstance(value, Tensor) else value)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        arr = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
+        if tuple(arr.shape) != p.shape:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: state {name!r} has shape {tuple(arr.shape)}, "
+                        f"its parameter is {p.type}")
+        return _like(p, np.array(arr, dtype=numpy_dtype(p.dtype), copy=True))
 
     @no_grad()
     def step(self) -> None:
@@ -126,6 +177,11 @@ class Optimizer:
                 t._buffer[...] = values[name]
 
 
+def _like(p: Tensor, array: np.ndarray) -> Tensor:
+    """A leaf holding `array`, laid out like p (split over its mesh when p is distributed)."""
+    return Tensor(p.type, buffer=p._mesh.split(array, p.placements) if p._mesh is not None else array)
+
+
 def _tensors(values: dict[str, float], like: Tensor) -> dict[str, Tensor]:
     """Each number as a 0-d tensor of `like`'s dtype (rounded once, as torch rounds a
     Python scalar it multiplies a tensor by)."""
@@ -139,11 +195,17 @@ class SGD(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch's SGD keeps no count: a saved buffer means a step was taken
+            if "momentum_buffer" in state:
+                state.setdefault("step", 1)
+
     def _scalars(self, group, step):
         # the momentum buffer: the gradient itself on the first step (torch), then a blend
         first = step == 1
         return {"lr": group["lr"], "keep": 0.0 if first else group["momentum"],
-                "take": 1.0 if first else 1 - group["dampening"]}
+                "take": 1.0 if first else 1 - group["dampening"], "momentum": group["momentum"]}
 
     def _update(self, p, group, state, s):
         g = p.grad
@@ -153,28 +215,53 @@ class SGD(Optimizer):
         if group["momentum"]:
             buf = F.add(F.mul(self._state(state, "momentum_buffer", p), s["keep"]), F.mul(g, s["take"]))
             new_state["momentum_buffer"] = buf
-            g = F.add(g, F.mul(buf, group["momentum"])) if group["nesterov"] else buf
+            g = F.add(g, F.mul(buf, s["momentum"])) if group["nesterov"] else buf
         return F.sub(p, F.mul(g, s["lr"])), new_state
 
 
-class AdamW(Optimizer):
+class Adam(Optimizer):
+    """Adam (Kingma and Ba, 2014) as torch computes it: weight_decay is an L2 term added to
+    the gradient; amsgrad divides by the largest second moment seen so far. beta1 enters
+    the program as a number of the step, so a schedule may cycle it (OneCycleLR)."""
+
+    decoupled_weight_decay = False
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+                 weight_decay: float = 0.0, amsgrad: bool = False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
 
     def _scalars(self, group, step):
         b1, b2 = group["betas"]
         lr = group["lr"]
-        return {"decay": 1 - lr * group["weight_decay"], "step_size": lr / (1 - b1 ** step),
-                "bias2_sqrt": math.sqrt(1 - b2 ** step)}
+        s = {"step_size": lr / (1 - b1 ** step), "bias2_sqrt": math.sqrt(1 - b2 ** step), "1-b1": 1 - b1}
+        if self.decoupled_weight_decay:
+            s["decay"] = 1 - lr * group["weight_decay"]
+        return s
 
     def _update(self, p, group, state, s):
-        b1, b2 = group["betas"]
+        _, b2 = group["betas"]
         g = p.grad
         m, v = self._state(state, "exp_avg", p), self._state(state, "exp_avg_sq", p)
-        decayed = F.mul(p, s["decay"])
-        m = F.add(m, F.mul(F.sub(g, m), 1 - b1))  # torch's lerp
+        start = p
+        if self.decoupled_weight_decay:
+            start = F.mul(p, s["decay"])
+        elif group["weight_decay"]:
+            g = F.add(g, F.mul(p, group["weight_decay"]))
+        m = F.add(m, F.mul(F.sub(g, m), s["1-b1"]))  # torch's lerp
         v = F.add(F.mul(v, b2), F.mul(F.mul(g, g), 1 - b2))
+        new_state = {"exp_avg": m, "exp_avg_sq": v}
+        if group["amsgrad"]:
+            v = new_state["max_exp_avg_sq"] = F.maximum(self._state(state, "max_exp_avg_sq", p), v)
         denom = F.add(F.div(F.sqrt(v), s["bias2_sqrt"]), group["eps"])
-        new_p = F.sub(decayed, F.mul(F.div(m, denom), s["step_size"]))
-        return new_p, {"exp_avg": m, "exp_avg_sq": v}
+        return F.sub(start, F.mul(F.div(m, denom), s["step_size"])), new_state
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov and Hutter, 2017): each step first
+    scales the parameters by 1 - lr * weight_decay."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
