@@ -12,6 +12,10 @@ from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, flo
                      result_type, tensor, uint8, uint16, uint32, uint64, zeros, zeros_like)
 from .functional import *  # noqa: F401,F403 - torch-style dtm.cat, dtm.where, dtm.softmax, ...
 from . import functional, nn, optim  # noqa: E402
+from .tensor import Generator, enable_grad, inference_mode, randint  # noqa: E402
+from .tensor.extra_ops import (all, allclose, any, argsort, bmm, cumsum, einsum, empty, isclose, isnan,  # noqa: E402
+                               linspace, multinomial, norm, outer, sort, topk, unbind)
+from . import autograd  # noqa: E402 - dtm.autograd.grad
 from . import parallel  # noqa: E402
 from .parallel import Mesh, Partial, Replicate, Shard, devices, distribute, shard_map  # noqa: E402
 from . import distributed  # noqa: E402 - the collectives: recorded in a shard_map, or between processes

@@ -55,7 +55,7 @@ class Optimizer:
         t = state.get(name)
         if t is None:
             zeros = np.zeros(p.shape, numpy_dtype(p.dtype))
-            t = state[name] = Tensor(p.type, buffer=p._mesh.split(zeros, p.placements) if p._mesh is not None
+            t = state[name] = Tensor(p._type, buffer=p._mesh.split(zeros, p.placements) if p._mesh is not None
                                      else zeros)
         return t
 
