@@ -558,7 +558,8 @@ for _name, _eq, _shapes in [("matmul", "ij,jk->ik", [(3, 4), (4, 5)]), ("implici
                             ("ellipsis", "...ij,...jk->...ik", [(2, 3, 4), (4, 5)]), ("outer", "i,j->ij", [(3,), (4,)]),
                             ("diagonal", "ii->i", [(4, 4)]), ("trace", "ii", [(4, 4)]), ("sum", "ij->", [(3, 4)]),
                             ("transpose", "ij->ji", [(3, 4)]), ("three", "ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),
-                            ("summed-early", "ij,k->jk", [(3, 4), (2,)]), ("broadcast", "bij,bjk->bik", [(1, 3, 4), (2, 4, 5)])]:
+                            ("summed-early", "ij,k->jk", [(3, 4), (2,)]),
+                            ("broadcast", "bij,bjk->bik", [(1, 3, 4), (2, 4, 5)])]:
     case(f"einsum-{_name}", lambda M, *xs, _eq=_eq: M.einsum(_eq, *xs), *(A(s) for s in _shapes))
 case("bmm", lambda M, x, y: M.bmm(x, y), A((2, 3, 4)), A((2, 4, 5)), dtypes=ALL)
 case("outer", lambda M, x, y: M.outer(x, y), A((3,)), A((4,)), dtypes=ALL)
@@ -641,7 +642,8 @@ for _name, _fn in [("cumsum", lambda M, x: x.cumsum(1)), ("cumsum-0", lambda M, 
                    ("topk-values", lambda M, x: x.topk(2)[0]), ("any", lambda M, x: x.any(1)),
                    ("all", lambda M, x: M.all(x)), ("repeat", lambda M, x: x.repeat(1, 2)),
                    ("unbind", lambda M, x: M.unbind(x)), ("isnan", lambda M, x: M.isnan(x)),
-                   ("bmm", lambda M, x: M.bmm(x[None], x.T[None])), ("einsum", lambda M, x: M.einsum("ij,kj->ik", x, x))]:
+                   ("bmm", lambda M, x: M.bmm(x[None], x.T[None])),
+                   ("einsum", lambda M, x: M.einsum("ij,kj->ik", x, x))]:
     case(f"int-{_name}", _fn, I(4, 6), dtypes=INTS + ("i8", "u8"))
 case("bool-cumsum", lambda M, x: x.cumsum(0), MASK(3, 4), dtypes=MIXED)
 case("bool-any-all", lambda M, x: (x.any(1), x.all(0), M.any(x)), MASK(3, 4), dtypes=MIXED)

@@ -111,7 +111,8 @@ def is_grad_enabled() -> bool:
 # --- the Tensor ---------------------------------------------------------------------------
 
 class Tensor:
-    """A lazy n-dimensional array. `_op` is None for a leaf (data, or a jit placeholder
+    """A lazy n-dimensional array of IR type `_type` (dtype and shape; `type()` is torch's
+    method, tensor/extra_ops.py). `_op` is None for a leaf (data, or a jit placeholder
     when `_buffer` is None too); otherwise the tensor is the result of `_op` applied to
     `_inputs` with `_attrs`, computed once into `_buffer` by realize().
 
@@ -736,8 +737,8 @@ def assign(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
     trace = STATE.trace
     for target, _ in pairs:
         if target._op is not None or target._buffer is None:
-            raise error(ErrorCode.ATTRIBUTE_VALUE, f"assign: the target must be a leaf with a value, this {target._type} "
-                        "is computed by an op or is a dtm.jit placeholder")
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"assign: the target must be a leaf with a value, this "
+                        f"{target._type} is computed by an op or is a dtm.jit placeholder")
     if trace is None:
         realize(*(v for _, v in pairs))
         for target, value in pairs:

@@ -22,13 +22,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import functional as F
-from ..errors import ErrorCode
+from ..errors import ErrorCode, user_error as error
 from ..ir.dtypes import numpy_dtype
 from ..ir.types import TensorType
 from .core import Tensor, apply, normalize_dim
 from .creation import GENERATOR, Generator, _shape, full
 from .dtypes import DEFAULT_FLOAT, as_dtype, bool_, float64, int64
-from ..errors import user_error as error
 
 SortResult = namedtuple("SortResult", ["values", "indices"])  # torch.return_types.sort / topk
 
