@@ -12,7 +12,7 @@ import numpy as np
 from .compiler.autodiff import grad as grad_ir
 from .errors import ErrorCode, user_error as error
 from .tensor import Tensor, enable_grad, inference_mode, is_grad_enabled, no_grad  # noqa: F401 - torch.autograd's names
-from .tensor.core import _free, _frontier, _recomputed, capture, realize, record_func
+from .tensor.core import STATE, _free, _frontier, _recomputed, capture, realize, record_func
 
 __all__ = ["grad", "no_grad", "enable_grad", "inference_mode", "is_grad_enabled"]
 
@@ -77,14 +77,14 @@ def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
             raise error(ErrorCode.ATTRIBUTE_VALUE, f"autograd.grad: input {i} ({ins[i]._type}) is not used to "
                         "compute the outputs (pass allow_unused=True to get None for it)")
     _, consts, inner = _frontier(total)
-    realize(*consts)
+    if STATE.trace is None:  # computed first, so no gradient flows through them (as backward() does)
+        realize(*consts)
     module, params = capture([total], params=ins, keep=_recomputed)
     wrt = list(range(len(ins)))
     name = grad_ir(module, "main", wrt, seed="ones")
+    # Recorded, not run: eagerly the gradients compute when read; inside dtm.jit they join
+    # the traced program.
     results = record_func(module.funcs[name], params, history=create_graph)[1:]
-    if not create_graph:
-        realize(*results)
-        results = [r.detach() for r in results]
     if not (create_graph if retain_graph is None else retain_graph):
         _free(inner)
     return tuple(r if u else None for r, u in zip(results, used))
