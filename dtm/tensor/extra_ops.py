@@ -392,7 +392,7 @@ _DTYPE_OF_TYPE = {v: k for k, v in _TENSOR_TYPES.items()}
 _METHODS = {
     "cumsum": cumsum, "argsort": argsort, "sort": sort, "topk": topk, "repeat": repeat, "unbind": unbind,
     "norm": norm, "any": any, "all": all, "isnan": isnan, "isclose": isclose, "allclose": allclose,
-    "outer": outer, "bmm": bmm, "type": _type,
+    "outer": outer, "bmm": bmm, "multinomial": multinomial, "type": _type,
 }
 for _name, _fn in _METHODS.items():
     setattr(Tensor, _name, _fn)
