@@ -36,8 +36,9 @@ SortResult = namedtuple("SortResult", ["values", "indices"])  # torch.return_typ
 
 def cumsum(x: Tensor, dim: int, dtype: Any = None) -> Tensor:
     """torch.cumsum. Integer and bool inputs sum in (and give) int64, as in torch. Floats
-    sum in f64 and round once per element: torch's CPU kernel accumulates sequentially in
-    double, so the results agree to the last bit but for rare double-rounding cases."""
+    sum in f64 and round once per element: torch's CPU kernel accumulates f32 sequentially
+    in double, so f32 results agree to the last bit but for rare double-rounding cases; f64
+    results differ from torch's sequential order by about an f64 rounding of the partial sums."""
     d = normalize_dim(dim, x.ndim) if x.ndim else 0
     out_dtype = as_dtype(dtype) if dtype is not None else (x.dtype if x.dtype.is_float else int64)
     if x.ndim == 0:
