@@ -13,6 +13,10 @@ from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, flo
 from .functional import *  # noqa: F401,F403 - torch-style dtm.cat, dtm.where, dtm.softmax, ...
 from . import functional, nn, optim  # noqa: E402
 from .nn.serialization import load, save  # noqa: E402 - dtm.save / dtm.load, as torch.save / torch.load
+from .tensor import Generator, enable_grad, inference_mode, randint  # noqa: E402
+from .tensor.extra_ops import (all, allclose, any, argsort, bmm, cumsum, einsum, empty, isclose, isnan,  # noqa: E402
+                               linspace, multinomial, norm, outer, sort, topk, unbind)
+from . import autograd  # noqa: E402 - dtm.autograd.grad
 from . import parallel  # noqa: E402
 from .parallel import Mesh, Partial, Replicate, Shard, devices, distribute, shard_map  # noqa: E402
 from . import distributed  # noqa: E402 - the collectives: recorded in a shard_map, or between processes

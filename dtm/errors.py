@@ -8,11 +8,15 @@ the same code for the same fault.
 
 from __future__ import annotations
 
+import copy
 import enum
 import os
 import sys
 
 _DTM_DIR = os.path.dirname(os.path.abspath(__file__))
+# Standard-library code that calls a Tensor's protocol methods for the user (copy.deepcopy):
+# the user's line is the one that called it.
+_PROTOCOL_FILES = {copy.__file__}
 
 
 class ErrorCode(str, enum.Enum):
@@ -136,7 +140,7 @@ class TensorError(DTMError):
 def user_line() -> str | None:
     """"file:line" of the innermost frame outside the dtm package: the user's own code."""
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_DTM_DIR):
+    while f is not None and (f.f_code.co_filename.startswith(_DTM_DIR) or f.f_code.co_filename in _PROTOCOL_FILES):
         f = f.f_back
     return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else None
 

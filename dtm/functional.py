@@ -450,7 +450,7 @@ def reshape(x: Tensor, *shape) -> Tensor:
             if s != -1:
                 known *= s
         if known == 0 or x.numel() % known:
-            raise error(ErrorCode.SHAPE_MISMATCH, f"reshape: cannot view {x.type} as {tuple(shape)}")
+            raise error(ErrorCode.SHAPE_MISMATCH, f"reshape: cannot view {x._type} as {tuple(shape)}")
         shape[shape.index(-1)] = x.numel() // known
     shape = tuple(int(s) for s in shape)
     return x if shape == x.shape else apply("reshape", x, shape=shape)
@@ -568,7 +568,7 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]
     else:
         sizes = list(split_size_or_sections)
         if builtins.sum(sizes) != n:
-            raise error(ErrorCode.SHAPE_MISMATCH, f"split: sizes {sizes} do not add up to dim {d} of {x.type}")
+            raise error(ErrorCode.SHAPE_MISMATCH, f"split: sizes {sizes} do not add up to dim {d} of {x._type}")
     out, at = [], 0
     for s in sizes:
         out.append(_slice(x, d, at, at + s, 1))
@@ -633,7 +633,7 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
         raise error(ErrorCode.DTYPE_MISMATCH, f"gather: index must be an integer tensor, found {index.dtype}")
     index = cast(index, int64)
     if index.ndim != x.ndim:
-        raise error(ErrorCode.RANK_MISMATCH, f"gather: index {index.type} must have the rank of {x.type}")
+        raise error(ErrorCode.RANK_MISMATCH, f"gather: index {index._type} must have the rank of {x._type}")
     strides = [1] * x.ndim
     for a in range(x.ndim - 2, -1, -1):
         strides[a] = strides[a + 1] * x.shape[a + 1]
@@ -674,7 +674,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     d = result_type(a, b)
     a, b = as_tensor(a, d), as_tensor(b, d)
     if a.ndim == 0 or b.ndim == 0:
-        raise error(ErrorCode.RANK_MISMATCH, f"matmul: both operands need at least one dim, found {a.type} and {b.type}")
+        raise error(ErrorCode.RANK_MISMATCH, f"matmul: both operands need at least one dim, found {a._type} and {b._type}")
     squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
     if squeeze_a:
         a = reshape(a, (1, a.shape[0]))
@@ -710,7 +710,7 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
                eps: float = 1e-5) -> Tensor:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if x.shape[x.ndim - len(shape):] != shape:
-        raise error(ErrorCode.SHAPE_MISMATCH, f"layer_norm: normalized_shape {shape} does not end {x.type}")
+        raise error(ErrorCode.SHAPE_MISMATCH, f"layer_norm: normalized_shape {shape} does not end {x._type}")
     lead = x.shape[:x.ndim - len(shape)]
     flat = reshape(x, lead + (int(np.prod(shape)),)) if len(shape) != 1 else x
     w = reshape(weight, (-1,)) if weight is not None else None
@@ -809,8 +809,8 @@ def getitem(x: Tensor, index) -> Tensor:
                 # A mask's result shape depends on its values: read it now (like torch, which
                 # syncs). A k-D mask covers k dims: the k index tensors of its True elements.
                 if t.shape != out.shape[axis:axis + t.ndim]:
-                    raise error(ErrorCode.SHAPE_MISMATCH, f"the mask {t.type} does not match dims {axis}.. "
-                                f"of {out.type}")
+                    raise error(ErrorCode.SHAPE_MISMATCH, f"the mask {t._type} does not match dims {axis}.. "
+                                f"of {out._type}")
                 for k, where_true in enumerate(np.nonzero(t.numpy())):
                     advanced.append((axis + k, as_tensor(where_true.astype(np.int64))))
                 axis += t.ndim
@@ -909,7 +909,7 @@ def _setitem_method(self: Tensor, index, value) -> None:
     if leaf:  # written under no_grad: it stays a leaf that requires grad, as in torch
         self._buffer = new.realize()._buffer
         return
-    self.type, self._op, self._inputs, self._attrs, self._buffer = new.type, new._op, new._inputs, new._attrs, None
+    self._type, self._op, self._inputs, self._attrs, self._buffer = new._type, new._op, new._inputs, new._attrs, None
     self.requires_grad = new.requires_grad
     for t in new._inputs:
         t._add_user(self)

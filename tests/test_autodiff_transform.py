@@ -39,7 +39,7 @@ def test_rules_name_registry_ops_and_never_both():
 def test_non_differentiable_ops_are_the_expected_ones():
     assert NON_DIFFERENTIABLE == {
         "sign", "floor", "ceil", "round", "logical_not", "bitcast", "logical_and", "logical_or", "logical_xor",
-        "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin", "constant", "full", "iota", "random",
+        "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin", "argsort", "constant", "full", "iota", "random",
         "assign", "barrier", "send", "recv", "store_get", "store_put"}
 
 

@@ -282,6 +282,22 @@ def test_arg_reduce():
     bt.check()
 
 
+@covers("argsort")
+def test_argsort():
+    bt = Batch()
+    for dtype in [F32, F64, np.dtype(np.int8), np.dtype(np.uint16)]:
+        x = randn((4, 6), dtype) if dtype.kind == "f" else randint((4, 6), dtype)
+        x[1, 2] = x[1, 4] = x[1, 0]  # ties keep their order
+        if dtype.kind == "f":
+            x[2, 3] = x[2, 5] = np.nan
+            x[3, 1] = -np.inf
+        for axis in (0, 1):
+            for desc in (False, True):
+                bt.add("argsort", x, axis=axis, descending=desc)
+        bt.add("argsort", randn((0, 3), dtype) if dtype.kind == "f" else randint((0, 3), dtype), axis=0)
+    bt.check()
+
+
 # --- movement ------------------------------------------------------------------------------
 
 @covers("reshape", "permute", "broadcast_to", "flip")

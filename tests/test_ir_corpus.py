@@ -104,6 +104,7 @@ func @reduce(%x: f32[B, 3, 4], %i: i32[5, 6]) -> (f32[B], i64[B, 1, 4]) {
   %d = reduce_min %i {axes = [0, 1]} : i32[]
   %e = argmax %x {axis = 1, keepdims = true} : i64[B, 1, 4]
   %f = argmin %i {axis = 0} : i64[6]
+  %g = argsort %x {axis = 2, descending = true} : i64[B, 3, 4]
   return %a, %e
 }
 """,

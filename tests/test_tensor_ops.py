@@ -541,6 +541,35 @@ for _name, _fn in [("relu", lambda M, x: M.relu(x)), ("clamp", lambda M, x: x.cl
                    ("masked-softmax", lambda M, x: M.softmax(x.masked_fill(x != x, float("-inf")), -1))]:
     case(f"special-{_name}", _fn, A((8, 8), "special"), grad=False)
 
+# sorting, scans, einsum and the other names of issue 16 (tensor/extra_ops.py)
+for _name, _fn in [("cumsum", lambda M, x: M.cumsum(x, 1)), ("cumsum-method", lambda M, x: x.cumsum(-2)),
+                   ("sort", lambda M, x: x.sort()), ("sort-desc", lambda M, x: M.sort(x, 0, descending=True)),
+                   ("topk", lambda M, x: x.topk(3)), ("topk-smallest", lambda M, x: M.topk(x, 2, 0, largest=False)),
+                   ("repeat", lambda M, x: x.repeat(2, 1, 3)), ("unbind", lambda M, x: x.unbind(1)),
+                   ("norm", lambda M, x: x.norm()), ("norm-1", lambda M, x: x.norm(1, dim=1)),
+                   ("norm-inf", lambda M, x: M.norm(x, float("inf"), dim=0, keepdim=True)),
+                   ("norm-3", lambda M, x: x.norm(3, dim=(0, 1)))]:
+    case(_name, _fn, D(4, 6), dtypes=ALL)
+case("norm-0", lambda M, x: x.norm(0, dim=1), A((4, 6), "zeros"), grad=False)
+case("argsort", lambda M, x: M.argsort(x, -1, descending=True), D(4, 6), dtypes=ALL, grad=False)
+for _name, _eq, _shapes in [("matmul", "ij,jk->ik", [(3, 4), (4, 5)]), ("implicit", "ij,jk", [(3, 4), (4, 5)]),
+                            ("batched", "bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+                            ("attention", "bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+                            ("ellipsis", "...ij,...jk->...ik", [(2, 3, 4), (4, 5)]), ("outer", "i,j->ij", [(3,), (4,)]),
+                            ("diagonal", "ii->i", [(4, 4)]), ("trace", "ii", [(4, 4)]), ("sum", "ij->", [(3, 4)]),
+                            ("transpose", "ij->ji", [(3, 4)]), ("three", "ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),
+                            ("summed-early", "ij,k->jk", [(3, 4), (2,)]),
+                            ("broadcast", "bij,bjk->bik", [(1, 3, 4), (2, 4, 5)])]:
+    case(f"einsum-{_name}", lambda M, *xs, _eq=_eq: M.einsum(_eq, *xs), *(A(s) for s in _shapes))
+case("bmm", lambda M, x, y: M.bmm(x, y), A((2, 3, 4)), A((2, 4, 5)), dtypes=ALL)
+case("outer", lambda M, x, y: M.outer(x, y), A((3,)), A((4,)), dtypes=ALL)
+case("isclose", lambda M, x, y: M.isclose(x, y, rtol=0.5, atol=0.1), A((4, 5)), A((4, 5)), grad=False)
+case("any-all", lambda M, x: (x.any(), x.all(1), M.any(x, 0, keepdim=True)), A((4, 5), "zeros"), grad=False)
+for _name, _fn in [("isnan", lambda M, x: M.isnan(x)), ("sort-values", lambda M, x: x.sort(-1)[0]),
+                   ("topk-values", lambda M, x: x.topk(3, 0)[0]), ("cumsum", lambda M, x: x.cumsum(1)),
+                   ("any", lambda M, x: x.any(1)), ("norm", lambda M, x: x.norm(dim=0))]:
+    case(f"special-{_name}", _fn, A((8, 8), "special"), grad=False)
+
 # a few compositions, to check gradients flowing through several ops and reused values
 case("chain", lambda M, x, y: ((x @ y).tanh() * x.sum(-1, keepdim=True)).softmax(-1).log().mean(), A((3, 4)),
      A((4, 4)))
@@ -608,6 +637,17 @@ for _name, _fn in [("add-scalar", lambda M, x: x + 3), ("rsub-scalar", lambda M,
                    ("to-bool", lambda M, x: x.bool()), ("to-i8", lambda M, x: x.to(M.int8)),
                    ("to-long", lambda M, x: x.long())]:
     case(f"int-{_name}", _fn, INZ(4, 6), dtypes=INTS)
+for _name, _fn in [("cumsum", lambda M, x: x.cumsum(1)), ("cumsum-0", lambda M, x: M.cumsum(x, 0)),
+                   ("sort-values", lambda M, x: x.sort(0, descending=True)[0]),
+                   ("topk-values", lambda M, x: x.topk(2)[0]), ("any", lambda M, x: x.any(1)),
+                   ("all", lambda M, x: M.all(x)), ("repeat", lambda M, x: x.repeat(1, 2)),
+                   ("unbind", lambda M, x: M.unbind(x)), ("isnan", lambda M, x: M.isnan(x)),
+                   ("bmm", lambda M, x: M.bmm(x[None], x.T[None])),
+                   ("einsum", lambda M, x: M.einsum("ij,kj->ik", x, x))]:
+    case(f"int-{_name}", _fn, I(4, 6), dtypes=INTS + ("i8", "u8"))
+case("bool-cumsum", lambda M, x: x.cumsum(0), MASK(3, 4), dtypes=MIXED)
+case("bool-any-all", lambda M, x: (x.any(1), x.all(0), M.any(x)), MASK(3, 4), dtypes=MIXED)
+case("bool-sort", lambda M, x: x.sort(1, descending=True)[0], MASK(3, 4), dtypes=MIXED)
 case("int-neg-step", lambda M, x: x[::-2], I(5, 3), dtypes=INTS,
      torch_fn=lambda M, x: _sel(x, 0, slice(None, None, -2)))
 case("int-gather", lambda M, x, i: x.gather(1, i), I(3, 4), IDX((3, 2), 4, negative=False), dtypes=INTS)

@@ -15,6 +15,6 @@ The cpu lowering (passes.py lists it; dtm/runtime/cpu.py runs its result):
     build.py       the C compiler, the on-disk kernel cache, loading with ctypes
 
 Ops on f16, bf16, f8 and quantized dtypes, and the ops without a loop lowering (gather,
-scatter_add, dynamic_slice, dynamic_update_slice, random, collectives, p2p, store, call,
+scatter_add, argsort, dynamic_slice, dynamic_update_slice, random, collectives, p2p, store, call,
 assign) run through the reference implementation as fallback kernels.
 """

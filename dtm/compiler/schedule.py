@@ -27,7 +27,7 @@ Each stored value gets a kernel, one of:
   - matmul: a matrix product, followed by an epilogue: the elementwise ops that read the
     product at its own index and produce one stored value of its type (bias, activation,
     residual: gelu(x @ w + b) is one kernel);
-  - fallback: any other op (gather, scatter, random, collectives, store, call, ops on
+  - fallback: any other op (gather, scatter, argsort, random, collectives, store, call, ops on
     narrow floats or quantized dtypes) runs the reference implementation.
 Loop kernels over the same shape that are related are then merged when the merged kernel
 can compute everything in place (see `merge`). Kernels are ordered by their data

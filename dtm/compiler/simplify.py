@@ -204,6 +204,9 @@ def _slice_spec(op: Op, spec: Spec) -> list[Spec] | None:
         for i, p in enumerate(op.attrs["perm"]):
             inv[p] = spec[i]
         return [tuple(inv)]
+    if op.name == "argsort":  # each slice along the axis sorts on its own: any part of the others
+        a = op.attrs["axis"]
+        return [spec] if _whole((spec[a],), (x[a],)) else None
     if cat is Category.REDUCE:
         axes = (op.attrs["axis"],) if "axis" in op.attrs else tuple(op.attrs["axes"])
         axes = tuple(a % len(x) for a in axes)

@@ -54,7 +54,7 @@ NON_DIFFERENTIABLE: set[str] = {
     "sign", "floor", "ceil", "round", "logical_not", "bitcast",
     "logical_and", "logical_or", "logical_xor",
     "eq", "ne", "lt", "le", "gt", "ge",
-    "argmax", "argmin",
+    "argmax", "argmin", "argsort",
     "constant", "full", "iota", "random",
     "assign", "barrier", "send", "recv", "store_get", "store_put",
 }

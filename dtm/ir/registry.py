@@ -154,6 +154,9 @@ for _name, _cls, _doc in [
 for _name, _doc in [("argmax", "index of the first maximum along `axis`"),
                     ("argmin", "index of the first minimum along `axis`")]:
     _op(_name, C.REDUCE, ("x",), R.arg_rule, _doc, (A("axis", K.INT), A("keepdims", K.BOOL, False)))
+_op("argsort", C.REDUCE, ("x",), R.argsort_rule,
+    "the indices that sort x along `axis` (stable; NaN above every number)",
+    (A("axis", K.INT), A("descending", K.BOOL, False)))
 
 # --- movement --------------------------------------------------------------------------
 _op("reshape", C.MOVEMENT, ("x",), R.reshape_rule, "the same elements in row-major order, in a new shape",

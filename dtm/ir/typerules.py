@@ -160,6 +160,13 @@ def arg_rule(op, ins, attrs, declared, ctx):
     return (TensorType(i64, _reduced_shape(x, (attrs["axis"],), attrs["keepdims"])),)
 
 
+def argsort_rule(op, ins, attrs, declared, ctx):
+    x = ins[0]
+    check_class(op, x, "numeric")
+    check_axis(op, attrs["axis"], x.rank)
+    return (TensorType(i64, x.shape),)
+
+
 # --- movement --------------------------------------------------------------------------
 
 def reshape_rule(op, ins, attrs, declared, ctx):

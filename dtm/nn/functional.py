@@ -23,7 +23,7 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
         logits, target = F.unsqueeze(logits, 0), F.reshape(target, (1,))
     if logits.ndim != 2 or target.ndim != 1 or target.shape[0] != logits.shape[0]:
         raise error(ErrorCode.SHAPE_MISMATCH, f"cross_entropy: expected logits [N, C] and target [N], "
-                    f"found {logits.type} and {target.type}")
+                    f"found {logits._type} and {target._type}")
     if not target.dtype.is_int:
         raise error(ErrorCode.DTYPE_MISMATCH, f"cross_entropy: target must hold integer class ids, found {target.dtype}")
     logp = log_softmax(logits, dim=-1)

@@ -24,7 +24,7 @@ class Parameter(Tensor):
 
     def __init__(self, data: Tensor, requires_grad: bool = True):
         data.realize()
-        super().__init__(data.type, buffer=data._buffer)
+        super().__init__(data._type, buffer=data._buffer)
         if requires_grad:
             self.requires_grad_(True)
 
@@ -128,7 +128,7 @@ class Module:
                         continue
                     seen.add(id(t))  # a tied weight is cast once
                     t._set_value(F.cast(t, dtype).numpy())
-                    t.type = TensorType(dtype, t.shape)
+                    t._type = TensorType(dtype, t.shape)
                     if t.grad is not None:
                         t.grad = F.cast(t.grad, dtype)
         return self
@@ -170,7 +170,7 @@ class Module:
             v = state[k]
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
-                raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t.type} here, {arr.shape} in the state")
+                raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t._type} here, {arr.shape} in the state")
             t._set_value(np.array(arr, dtype=t.numpy().dtype, copy=True))
 
     def save(self, path: str) -> None:

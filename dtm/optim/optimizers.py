@@ -107,7 +107,7 @@ class Optimizer:
         arr = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
         if tuple(arr.shape) != p.shape:
             raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: state {name!r} has shape {tuple(arr.shape)}, "
-                        f"its parameter is {p.type}")
+                        f"its parameter is {p._type}")
         return _like(p, np.array(arr, dtype=numpy_dtype(p.dtype), copy=True))
 
     @no_grad()
@@ -179,7 +179,7 @@ class Optimizer:
 
 def _like(p: Tensor, array: np.ndarray) -> Tensor:
     """A leaf holding `array`, laid out like p (split over its mesh when p is distributed)."""
-    return Tensor(p.type, buffer=p._mesh.split(array, p.placements) if p._mesh is not None else array)
+    return Tensor(p._type, buffer=p._mesh.split(array, p.placements) if p._mesh is not None else array)
 
 
 def _tensors(values: dict[str, float], like: Tensor) -> dict[str, Tensor]:

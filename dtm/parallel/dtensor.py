@@ -38,7 +38,7 @@ def distribute(t: Any, mesh: Mesh, placements: Any) -> Tensor:
     t = t if isinstance(t, Tensor) else as_tensor(t)
     if not isinstance(mesh, Mesh):
         raise error(E.INVALID_MESH, f"distribute: expected a dtm.Mesh, found {type(mesh).__name__}")
-    pl = mesh.placements(placements, t.type, f"distribute({t._describe()})")
+    pl = mesh.placements(placements, t._type, f"distribute({t._describe()})")
     if t._mesh is not None:
         if t._mesh != mesh:
             raise error(E.MESH_MISMATCH, f"distribute({t._describe()}, {mesh}, {list(pl)}): the tensor is already on "
@@ -49,7 +49,7 @@ def distribute(t: Any, mesh: Mesh, placements: Any) -> Tensor:
         out = apply("reshape", t, shape=t.shape)
         out._mesh, out._placements = mesh, pl
         return out
-    return Tensor(t.type, buffer=mesh.split(t.numpy(), pl), requires_grad=t.requires_grad)
+    return Tensor(t._type, buffer=mesh.split(t.numpy(), pl), requires_grad=t.requires_grad)
 
 
 def place(p: Tensor, mesh: Mesh, spec: dict, what: str) -> None:
@@ -59,7 +59,7 @@ def place(p: Tensor, mesh: Mesh, spec: dict, what: str) -> None:
     if p._mesh is not None and p._mesh != mesh:
         raise error(E.MESH_MISMATCH, f"{what} ({p._describe()}) is on {p._mesh}, not on {mesh}")
     current = p.placements if p._mesh is not None else (Replicate(),) * mesh.ndim
-    merged = mesh.placements({**dict(zip(mesh.axis_names, current)), **spec}, p.type, what)
+    merged = mesh.placements({**dict(zip(mesh.axis_names, current)), **spec}, p._type, what)
     if p._mesh is None:
         value = mesh.split(p.numpy(), merged)
     elif merged != current:

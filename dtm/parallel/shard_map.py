@@ -67,7 +67,7 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callab
             inputs.append(d)
         ir_mesh = mesh.ir()
         # every rank's local argument types (computed, so that a process knows the others')
-        by_rank = [[local_type(x.type, mesh.sharding(x._buffer.placements), ir_mesh, coords(ir_mesh, r))
+        by_rank = [[local_type(x._type, mesh.sharding(x._buffer.placements), ir_mesh, coords(ir_mesh, r))
                     if x is not None else None for x in inputs] for r in range(mesh.size)]
         traced: dict[tuple, tuple] = {}  # local signature -> (module, captured tensors, out_is_tuple)
         per_rank = []  # rank -> its traced entry
@@ -115,7 +115,7 @@ def _trace(fn: Callable, mesh: Mesh, args: Sequence, inputs: Sequence, types: Se
     captured = found[len(params):]
     for c in captured:
         if c._mesh is not None:
-            raise error(E.MESH_MISMATCH, f"shard_map: the function reads a distributed {c.type} from outside; "
+            raise error(E.MESH_MISMATCH, f"shard_map: the function reads a distributed {c._type} from outside; "
                         "pass it as an argument with an in_spec")
     module.meshes[IR_NAME] = mesh.ir()
     return module, captured, isinstance(out, (tuple, list))

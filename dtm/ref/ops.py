@@ -229,6 +229,19 @@ _arg_reduction("argmax", np.argmax)
 _arg_reduction("argmin", np.argmin)
 
 
+@register("argsort")
+def _argsort(ctx, attrs, x, *, out_types):
+    """Stable: equal elements keep their order (numpy's stable sort puts NaN last). In
+    descending order the operand is reversed, sorted ascending, and the result reversed:
+    equal elements then keep their order too, and NaN comes first."""
+    axis, x = attrs["axis"], _wide(x)
+    if not attrs["descending"]:
+        return (np.argsort(x, axis=axis, kind="stable").astype(np.int64),)
+    n = x.shape[axis]
+    rev = np.argsort(np.flip(x, axis), axis=axis, kind="stable")
+    return (np.flip(n - 1 - rev, axis).astype(np.int64),)
+
+
 # --- movement ------------------------------------------------------------------------------
 
 @register("reshape")

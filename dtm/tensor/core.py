@@ -6,6 +6,7 @@ state of dtm.jit live here too (STATE).
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -50,21 +51,57 @@ class _State(threading.local):
 STATE = _State()
 
 
-class no_grad:  # noqa: N801 - torch's name
-    """Ops inside record no gradient history (usable as a decorator too)."""
+class _GradMode:
+    """A context manager (and decorator) that sets grad mode inside and restores it after;
+    `enabled` is the mode inside, None to leave it as it is."""
+
+    enabled: bool | None = False
+
+    def __new__(cls, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]):  # a bare decorator: @dtm.no_grad
+            return cls()(args[0])
+        return super().__new__(cls)
 
     def __enter__(self):
         self.prev = STATE.grad_enabled
-        STATE.grad_enabled = False
+        if self.enabled is not None:
+            STATE.grad_enabled = self.enabled
 
     def __exit__(self, *exc):
         STATE.grad_enabled = self.prev
 
     def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
         def wrapped(*a, **kw):
-            with no_grad():
+            with self._fresh():
                 return fn(*a, **kw)
         return wrapped
+
+    def _fresh(self) -> "_GradMode":
+        """A new manager of the same mode: each call of a decorated function keeps its own `prev`."""
+        fresh = object.__new__(type(self))
+        fresh.enabled = self.enabled
+        return fresh
+
+
+class no_grad(_GradMode):  # noqa: N801 - torch's name
+    """Ops inside record no gradient history (usable as a decorator too)."""
+
+    enabled = False
+
+
+class enable_grad(_GradMode):  # noqa: N801 - torch's name
+    """Ops inside record gradient history, even within no_grad (usable as a decorator too)."""
+
+    enabled = True
+
+
+class inference_mode(_GradMode):  # noqa: N801 - torch's name
+    """torch.inference_mode: no gradient history inside (mode=False: grad mode unchanged).
+    DTM's tensors carry no version counters, so this is no_grad by another name."""
+
+    def __init__(self, mode: bool = True):
+        self.enabled = False if mode else None
 
 
 def is_grad_enabled() -> bool:
@@ -74,7 +111,8 @@ def is_grad_enabled() -> bool:
 # --- the Tensor ---------------------------------------------------------------------------
 
 class Tensor:
-    """A lazy n-dimensional array. `_op` is None for a leaf (data, or a jit placeholder
+    """A lazy n-dimensional array of IR type `_type` (dtype and shape; `type()` is torch's
+    method, tensor/extra_ops.py). `_op` is None for a leaf (data, or a jit placeholder
     when `_buffer` is None too); otherwise the tensor is the result of `_op` applied to
     `_inputs` with `_attrs`, computed once into `_buffer` by realize().
 
@@ -86,13 +124,13 @@ class Tensor:
     `sum`, `reshape`, `softmax`, ...) are the functions of functional.py, attached from the
     one table at its end (`_METHODS`)."""
 
-    __slots__ = ("type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "_mesh",
+    __slots__ = ("_type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "_mesh",
                  "_placements", "_freed", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our operators: ndarray + Tensor -> Tensor
 
     def __init__(self, type: TensorType, op: str | None = None, inputs: tuple["Tensor", ...] = (),
                  attrs: dict | None = None, buffer: np.ndarray | None = None, requires_grad: bool = False):
-        self.type = type
+        self._type = type
         self._op = op
         self._inputs = inputs
         self._attrs = attrs if attrs is not None else {}
@@ -121,7 +159,7 @@ class Tensor:
         """A new tensor with this one's current value and history, which the ops that have
         read this tensor so far now read instead. An in-place write (x[i] = v) then changes
         only what later ops see, as in torch, where the earlier ops would have run already."""
-        old = Tensor(self.type, self._op, self._inputs, self._attrs, self._buffer, self.requires_grad)
+        old = Tensor(self._type, self._op, self._inputs, self._attrs, self._buffer, self.requires_grad)
         old._mesh, old._placements, old._freed = self._mesh, self._placements, self._freed
         for ref in self._users or ():
             u = ref()
@@ -165,18 +203,18 @@ class Tensor:
     # -- shape and dtype --
     @property
     def dtype(self) -> DType:
-        return self.type.dtype
+        return self._type.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.type.shape
+        return self._type.shape
 
     def size(self, dim: int | None = None):
         return self.shape if dim is None else self.shape[normalize_dim(dim, self.ndim)]
 
     @property
     def ndim(self) -> int:
-        return len(self.type.shape)
+        return len(self._type.shape)
 
     def dim(self) -> int:
         return self.ndim
@@ -206,7 +244,7 @@ class Tensor:
 
     def item(self):
         if self.numel() != 1:
-            raise error(ErrorCode.SHAPE_MISMATCH, f"item() needs a tensor with one element, this one is {self.type}")
+            raise error(ErrorCode.SHAPE_MISMATCH, f"item() needs a tensor with one element, this one is {self._type}")
         return self.numpy().reshape(()).item()
 
     def tolist(self):
@@ -224,7 +262,7 @@ class Tensor:
 
     def __repr__(self) -> str:
         if STATE.tracing:
-            return f"Tensor(<traced {self.type}>)"
+            return f"Tensor(<traced {self._type}>)"
         body = np.array2string(self.numpy(), separator=", ", prefix="tensor(")
         extra = f", dtype={self.dtype}" if self.dtype not in (float32, int64, bool_) else ""
         grad = ", requires_grad=True" if self.requires_grad else ""
@@ -264,10 +302,24 @@ class Tensor:
     def detach(self) -> "Tensor":
         """The same value with no gradient history."""
         if self._buffer is not None:
-            return Tensor(self.type, buffer=self._buffer)
-        t = Tensor(self.type, self._op, self._inputs, self._attrs)
+            return Tensor(self._type, buffer=self._buffer)
+        t = Tensor(self._type, self._op, self._inputs, self._attrs)
         t._placements = self._placements
         return t
+
+    def __deepcopy__(self, memo: dict) -> "Tensor":
+        """copy.deepcopy: a leaf of the same class (a Parameter stays one) with its own copy
+        of the value, requires_grad and .grad; as in torch, only graph leaves copy."""
+        if self._op is not None and self.requires_grad:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"deepcopy: only leaf tensors can be copied, this {self._type} is "
+                        "computed by an op that records gradient history (copy its .detach())")
+        self.realize()
+        new = type(self).__new__(type(self))
+        Tensor.__init__(new, self._type, buffer=_copy(self._buffer), requires_grad=self.requires_grad)
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = self.grad.__deepcopy__(memo)
+        return new
 
     # -- distribution (dtm.distribute makes a distributed tensor) --
     @property
@@ -293,7 +345,7 @@ class Tensor:
         if self._mesh is None:
             raise error(ErrorCode.INVALID_PLACEMENT, f"redistribute: {self._describe()} is not distributed; use "
                         "dtm.distribute(t, mesh, placements)")
-        pl = self._mesh.placements(placements, self.type, f"redistribute({self._describe()})", rest=FREE)
+        pl = self._mesh.placements(placements, self._type, f"redistribute({self._describe()})", rest=FREE)
         out = apply("reshape", self, shape=self.shape)
         out._placements = pl
         return out
@@ -318,7 +370,7 @@ class Tensor:
     def _describe(self) -> str:
         """"tensor f32[8, 4]", with the placements of a distributed tensor when known."""
         layout = f" {list(self._placements)}" if self._placements is not None else ""
-        return f"tensor {self.type}{layout}"
+        return f"tensor {self._type}{layout}"
 
 
 # --- recording ops ------------------------------------------------------------------------
@@ -337,7 +389,7 @@ def apply(op: str, /, *inputs: Tensor, type: TensorType | None = None, **attrs: 
     user's line) and return the lazy result. (`op` is positional-only: collectives have an
     attribute named op.)"""
     opdef = REGISTRY[op]
-    in_types = tuple(t.type for t in inputs)
+    in_types = tuple(t._type for t in inputs)
     declared = (type,) if type is not None else ()
     try:
         norm = normalize_attrs(op, opdef.attr_index, attrs, type.dtype if type is not None else None)
@@ -350,8 +402,8 @@ def apply(op: str, /, *inputs: Tensor, type: TensorType | None = None, **attrs: 
     for i, t in placed[1:]:
         (j, first) = placed[0]
         if t._mesh != first._mesh:
-            raise error(ErrorCode.MESH_MISMATCH, f"{op}: operand {j} ({first.type} {list(first._placements or ())}) "
-                        f"is on {first._mesh}, operand {i} ({t.type} {list(t._placements or ())}) on {t._mesh}; "
+            raise error(ErrorCode.MESH_MISMATCH, f"{op}: operand {j} ({first._type} {list(first._placements or ())}) "
+                        f"is on {first._mesh}, operand {i} ({t._type} {list(t._placements or ())}) on {t._mesh}; "
                         "one op runs on one mesh: distribute both tensors on the same mesh")
     trace = STATE.trace
     if trace is not None and trace.updated and any(id(t) in trace.updated for t in inputs):
@@ -396,7 +448,7 @@ class _Walk:
 def _walk(outputs: Sequence[Tensor], params: Sequence[Tensor], keep: Callable[[Tensor], bool] | None,
           effects: Sequence[tuple[Tensor, Tensor]]) -> _Walk:
     pos: dict[int, int] = {id(t): i for i, t in enumerate(params)}
-    key: list = [(t.type, t._mesh, t._placements) for t in params]
+    key: list = [(t._type, t._mesh, t._placements) for t in params]
     nodes: list[Tensor] = []
     found: list[Tensor] = []
     mesh = next((t._mesh for t in params if t._mesh is not None), None)  # of distributed tensors
@@ -415,7 +467,7 @@ def _walk(outputs: Sequence[Tensor], params: Sequence[Tensor], keep: Callable[[T
                 raise error(ErrorCode.UNDEFINED_VALUE, "a traced placeholder from another dtm.jit call was used here")
             pos[id(t)] = len(pos)
             found.append(t)
-            key.append((t.type, t._mesh, t._placements))
+            key.append((t._type, t._mesh, t._placements))
             continue
         if not ready:
             stack.append((t, True))
@@ -425,7 +477,7 @@ def _walk(outputs: Sequence[Tensor], params: Sequence[Tensor], keep: Callable[[T
             continue
         pos[id(t)] = len(pos)
         nodes.append(t)
-        key.append((t._op, t.type, tuple(pos[id(i)] for i in t._inputs), tuple(t._attrs.items()), t._placements))
+        key.append((t._op, t._type, tuple(pos[id(i)] for i in t._inputs), tuple(t._attrs.items()), t._placements))
     key.append(tuple(pos[id(t)] for t in outputs))
     key.append(tuple((pos[id(a)], pos[id(b)]) for a, b in effects))
     return _Walk(nodes, found, tuple(key), mesh)
@@ -438,14 +490,14 @@ def _build(w: _Walk, params: Sequence[Tensor], outputs: Sequence[Tensor], name: 
     index: dict[int, Value] = {}
     args = []
     for t in list(params) + w.found:
-        v = index[id(t)] = Value(t.type, f"p{len(args)}", _sharding(t))
+        v = index[id(t)] = Value(t._type, f"p{len(args)}", _sharding(t))
         args.append(v)
     ops: list[Op] = []
     for t in w.nodes:
-        v = index[id(t)] = Value(t.type, f"t{len(ops)}", _sharding(t))
+        v = index[id(t)] = Value(t._type, f"t{len(ops)}", _sharding(t))
         ops.append(Op(t._op, tuple(index[id(i)] for i in t._inputs), t._attrs, (v,)))
     ops += [Op("assign", (index[id(target)], index[id(value)]), {}, ()) for target, value in effects]
-    func = Func(name, args, [(t.type, None) for t in outputs], ops, [index[id(t)] for t in outputs])
+    func = Func(name, args, [(t._type, None) for t in outputs], ops, [index[id(t)] for t in outputs])
     module = Module()
     module.funcs[name] = func
     if w.mesh is not None:  # the mesh the shardings name (one per program: the runtime checks)
@@ -546,7 +598,7 @@ def _frontier(root: Tensor) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
             leaves.append(t)
             continue
         if t._freed:
-            raise error(ErrorCode.GRAPH_FREED, f"backward(): trying to go through the graph of a {t.type} a second "
+            raise error(ErrorCode.GRAPH_FREED, f"backward(): trying to go through the graph of a {t._type} a second "
                         "time; an earlier backward() freed it. Pass retain_graph=True to the first backward() "
                         "to go through it again, or compute the value anew")
         inner.append(t)
@@ -565,7 +617,7 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
         raise error(ErrorCode.ATTRIBUTE_VALUE, "backward(): this tensor does not require grad "
                     "(no input has requires_grad=True, or it was computed under no_grad)")
     if gradient is None and loss.numel() != 1:
-        raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): a gradient is needed for a non-scalar output {loss.type}")
+        raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): a gradient is needed for a non-scalar output {loss._type}")
     if STATE.trace is not None:
         return _backward_traced(loss, gradient, retain_graph)
     _, consts, inner = _frontier(loss)
@@ -577,8 +629,8 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
     inputs = [p._buffer for p in params]
     if gradient is not None:
         g = gradient if isinstance(gradient, Tensor) else Tensor.from_numpy(np.asarray(gradient))
-        if g.type != loss.type:
-            raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g.type}, the output is {loss.type}")
+        if g._type != loss._type:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g._type}, the output is {loss._type}")
         inputs.append(g.realize()._buffer)
     seed = "ones" if gradient is None else "param"
     module, name = _program(("grad", seed, tuple(wrt)), w, lambda: _gradient_program(w, [loss], wrt, seed))
@@ -590,7 +642,7 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
         if type(g) is not Shards:
             g = Tensor.from_numpy(g)
         else:
-            g = Tensor(leaf.type, buffer=g) if leaf._mesh is not None else Tensor.from_numpy(g.numpy())
+            g = Tensor(leaf._type, buffer=g) if leaf._mesh is not None else Tensor.from_numpy(g.numpy())
         if leaf.grad is None:
             leaf.grad = g
         elif type(leaf.grad._buffer) is np.ndarray and type(g._buffer) is np.ndarray:
@@ -641,8 +693,8 @@ def _backward_traced(loss: Tensor, gradient: Tensor | None, retain_graph: bool) 
     args = list(params)
     if gradient is not None:
         g = gradient if isinstance(gradient, Tensor) else Tensor.from_numpy(np.asarray(gradient))
-        if g.type != loss.type:
-            raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g.type}, the output is {loss.type}")
+        if g._type != loss._type:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g._type}, the output is {loss._type}")
         args.append(g)
     name = grad(module, "main", wrt, seed="ones" if gradient is None else "param")
     results = record_func(module.funcs[name], args)
@@ -656,14 +708,18 @@ def _backward_traced(loss: Tensor, gradient: Tensor | None, retain_graph: bool) 
         _free(inner)
 
 
-def record_func(f: Func, args: Sequence[Tensor]) -> list[Tensor]:
+def record_func(f: Func, args: Sequence[Tensor], history: bool = False) -> list[Tensor]:
     """Record the ops of IR function f on tensors `args` (one per parameter) as lazy
-    tensors, without gradient history; f's results. (Every op has one result here: a
-    differentiated function has no effects.)"""
+    tensors, without gradient history unless `history` (then a result requires grad where
+    an operand does, in grad mode, as `apply` decides); f's results. (Every op has one
+    result here: a differentiated function has no effects.)"""
     env: dict[int, Tensor] = {id(v): t for v, t in zip(f.params, args)}
+    history = history and STATE.grad_enabled
     for op in f.ops:
         (r,) = op.results
-        t = Tensor(r.type, op.name, tuple(env[id(v)] for v in op.operands), op.attrs)
+        ins = tuple(env[id(v)] for v in op.operands)
+        requires = history and r.type.dtype.is_float and any(i.requires_grad for i in ins)
+        t = Tensor(r.type, op.name, ins, op.attrs, requires_grad=requires)
         if r.sharding is not None and t._mesh is not None:  # a layout the user pinned
             t._placements = r.sharding.placements
         env[id(r)] = t
@@ -681,8 +737,8 @@ def assign(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
     trace = STATE.trace
     for target, _ in pairs:
         if target._op is not None or target._buffer is None:
-            raise error(ErrorCode.ATTRIBUTE_VALUE, f"assign: the target must be a leaf with a value, this {target.type} "
-                        "is computed by an op or is a dtm.jit placeholder")
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"assign: the target must be a leaf with a value, this "
+                        f"{target._type} is computed by an op or is a dtm.jit placeholder")
     if trace is None:
         realize(*(v for _, v in pairs))
         for target, value in pairs:
@@ -690,7 +746,7 @@ def assign(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
         return
     for target, value in pairs:
         if id(target) in trace.updated:
-            raise error(ErrorCode.USE_AFTER_ASSIGN, f"assign: a {target.type} is updated twice in one dtm.jit-traced "
+            raise error(ErrorCode.USE_AFTER_ASSIGN, f"assign: a {target._type} is updated twice in one dtm.jit-traced "
                         "step")
         trace.effects.append((target, value))
         trace.updated.add(id(target))

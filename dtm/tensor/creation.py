@@ -4,6 +4,7 @@ numbers for the same seed)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -94,45 +95,82 @@ def arange(start, end=None, step=1, dtype: Any = None) -> Tensor:
     return Tensor.from_numpy(np.arange(start, end, step).astype(numpy_dtype(d)))
 
 
-class _Generator:
-    """Random numbers come from the IR's counter-based `random` op, keyed by (seed, call
-    number), so every backend draws the same numbers for the same seed."""
+class Generator:
+    """torch.Generator: a seed and a count of draws. Random numbers come from the IR's
+    counter-based `random` op, keyed by (seed, draw number), so every backend draws the
+    same numbers for the same seed, and a generator seeded like the default one draws
+    what the default one would."""
 
-    def __init__(self, seed: int = 0):
-        self.manual_seed(seed)
+    def __init__(self, device: str = "cpu"):
+        self.manual_seed(0)
 
-    def manual_seed(self, seed: int) -> None:
-        self.seed = int(seed) & 0xFFFFFFFF
+    def manual_seed(self, seed: int) -> "Generator":
+        self._seed = int(seed) & 0xFFFFFFFF
         self.counter = 0
+        return self
+
+    def initial_seed(self) -> int:
+        return self._seed
+
+    def seed(self) -> int:
+        """Seed from the OS's entropy, as torch's Generator.seed(); the new seed."""
+        self.manual_seed(int.from_bytes(os.urandom(4), "little"))
+        return self._seed
+
+    def get_state(self) -> Tensor:
+        return Tensor.from_numpy(np.array([self._seed, self.counter], dtype=np.int64))
+
+    def set_state(self, state: Tensor) -> "Generator":
+        self._seed, self.counter = (int(v) for v in np.asarray(state.numpy()).reshape(2))
+        return self
 
     def key(self) -> Tensor:
-        k = np.array([self.seed, self.counter & 0xFFFFFFFF], dtype=np.uint32)
+        k = np.array([self._seed, self.counter & 0xFFFFFFFF], dtype=np.uint32)
         self.counter += 1
         return Tensor.from_numpy(k)
 
 
-GENERATOR = _Generator()
+GENERATOR = Generator()
 
 
-def manual_seed(seed: int) -> None:
-    GENERATOR.manual_seed(seed)
+def manual_seed(seed: int) -> Generator:
+    return GENERATOR.manual_seed(seed)
 
 
-def _random(size, distribution: str, dtype: Any, requires_grad: bool) -> Tensor:
+def _random(size, distribution: str, dtype: Any, requires_grad: bool, generator: Generator | None = None) -> Tensor:
     t = TensorType(as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT, _shape(size))
     with no_grad():
-        out = apply("random", GENERATOR.key(), type=t, distribution=distribution)
+        out = apply("random", (generator or GENERATOR).key(), type=t, distribution=distribution)
     out.realize()
-    out = Tensor(out.type, buffer=out._buffer)
+    out = Tensor(out._type, buffer=out._buffer)
     return out.requires_grad_(True) if requires_grad else out
 
 
-def randn(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return _random(size, "normal", dtype, requires_grad)
+def randn(*size, generator: Generator | None = None, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return _random(size, "normal", dtype, requires_grad, generator)
 
 
-def rand(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return _random(size, "uniform", dtype, requires_grad)
+def rand(*size, generator: Generator | None = None, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return _random(size, "uniform", dtype, requires_grad, generator)
+
+
+def randint(low: int, high: int | None = None, size: Sequence[int] | None = None, *,
+            generator: Generator | None = None, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    """torch.randint: integers uniform in [low, high) (randint(high, size) starts at 0),
+    int64 by default: floor(low + u * (high - low)) of an f64 uniform u."""
+    if size is None:  # randint(high, size)
+        if high is None:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, "randint: needs high and size")
+        low, high, size = 0, low, high
+    if high is None:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "randint: needs high and size")
+    if high <= low:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"randint: low ({low}) must be below high ({high})")
+    u = _random(size, "uniform", "f64", False, generator).numpy()
+    # u < 1 in f64, but u * span may round up to span: the min keeps it in range
+    values = np.minimum(np.floor(u * (high - low)), high - low - 1).astype(np.int64) + low
+    d = as_dtype(dtype) if dtype is not None else int64
+    return Tensor.from_numpy(values.astype(numpy_dtype(d)), requires_grad)
 
 
 def randn_like(t: Tensor) -> Tensor:

@@ -63,7 +63,7 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         for a in args:
             if isinstance(a, Tensor) and a._mesh is not None:
                 a.realize()  # its layout is part of the signature
-        return tuple(("T", a.type, a._mesh, a._placements) if isinstance(a, Tensor) else ("V", repr(a))
+        return tuple(("T", a._type, a._mesh, a._placements) if isinstance(a, Tensor) else ("V", repr(a))
                      for a in args)
 
     def _trace(self, args) -> tuple[_Traced, bool]:
@@ -72,7 +72,7 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         traced = self.cache.get(key)
         if traced is not None:
             return traced, False
-        placeholders = [Tensor(a.type) if isinstance(a, Tensor) else a for a in args]
+        placeholders = [Tensor(a._type) if isinstance(a, Tensor) else a for a in args]
         tensor_args = [p for p in placeholders if isinstance(p, Tensor)]
         for p, a in zip(placeholders, args):
             if isinstance(a, Tensor):

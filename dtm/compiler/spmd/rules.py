@@ -246,6 +246,13 @@ def _arg(op: Op, cur, n) -> list[Strategy]:
             for d in range(x.rank) if d != axis]
 
 
+@rule("argsort")
+def _argsort(op: Op, cur, n) -> list[Strategy]:
+    """Each slice along `axis` sorts on its own: any other dim may be sharded."""
+    x, axis = op.operands[0].type, op.attrs["axis"]
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(x.rank) if d != axis]
+
+
 # --- movement ----------------------------------------------------------------------------
 
 def _divides(d, n: int) -> bool:
