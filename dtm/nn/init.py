@@ -41,7 +41,7 @@ def _calculate_fan_in_and_fan_out(tensor: Tensor) -> tuple[int, int]:
     """torch's fans: dim 1 is the inputs, dim 0 the outputs, and the dims after them (a
     convolution's kernel) multiply both."""
     if tensor.ndim < 2:
-        raise error(ErrorCode.RANK_MISMATCH, f"fan in and fan out cannot be computed for a {tensor.type} "
+        raise error(ErrorCode.RANK_MISMATCH, f"fan in and fan out cannot be computed for a {tensor._type} "
                     "(it needs at least 2 dims)")
     receptive = math.prod(tensor.shape[2:])
     return tensor.shape[1] * receptive, tensor.shape[0] * receptive
