@@ -3,6 +3,8 @@ losses and layers that are compositions of them."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import ErrorCode
 from ..functional import (gelu, layer_norm, linear, log_softmax, pad, relu, scaled_dot_product_attention, sigmoid,
                           silu, softmax, tanh, take)
@@ -24,6 +26,13 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
                     f"found {logits.type} and {target.type}")
     if not target.dtype.is_int:
         raise error(ErrorCode.DTYPE_MISMATCH, f"cross_entropy: target must hold integer class ids, found {target.dtype}")
+    n_classes = logits.shape[1]
+
+    def fault(v: np.ndarray) -> str | None:  # as torch: a class id in [0, C), no wrapping
+        bad = ((v < 0) | (v >= n_classes)) & (v != ignore_index)
+        return (f"cross_entropy: target {v[bad].flat[0]} is out of bounds for {n_classes} classes "
+                f"(expected 0 <= target < {n_classes}, or ignore_index={ignore_index})") if bad.any() else None
+    F._check_values(target, ErrorCode.INDEX_OUT_OF_RANGE, fault)
     logp = log_softmax(logits, dim=-1)
     keep = target != ignore_index
     safe = F.where(keep, target, 0)
@@ -51,7 +60,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
 
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     """Rows of `weight` at `ids` (any shape of integer ids)."""
-    return take(weight, ids, 0)
+    return take(weight, ids, 0, wrap=False)  # torch: a negative id is out of range
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
