@@ -217,3 +217,25 @@ def test_complex_scalars_are_refused():
     with pytest.raises(TypeError) as e:
         dtm.tensor([1.0]) + 1j
     raised_here(e, ErrorCode.DTYPE_MISMATCH, "complex")
+
+
+# --- long float sums ------------------------------------------------------------------------
+
+def test_sum_of_a_billion_ones(backend):
+    """One running f32 sum stops at 2^24 ones (2^28 over 16 vector lanes); torch and numpy
+    sum blockwise / pairwise. DTM blocks (spec 2.8)."""
+    assert torch.ones(1).expand(10**9).sum().item() == 1e9
+    assert dtm.ones(1).expand(10**9).sum().item() == 1e9
+    assert dtm.ones(1).expand(10**9).mean().item() == 1.0
+    np.testing.assert_array_equal(dtm.ones(1, 1).expand(10**8, 3).sum(0).numpy(), [1e8] * 3)  # down columns
+    assert dtm.ones(1, 1, 1).expand(3, 10**8, 2).sum((0, 1, 2)).item() == 6e8  # several summed loops
+
+
+@pytest.mark.parametrize("shape, dims", [((2**25,), None), ((2**23, 5), 0), ((5, 2**23), 1), ((2**22, 3, 3), (0, 2)),
+                                         ((2**24, 2), None)])
+def test_long_sums_stay_accurate(backend, shape, dims):
+    """Random data, against numpy in f64: the f32 result is within a few ulp of the exact sum."""
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    want = x.astype(np.float64).sum(axis=dims)
+    got = dtm.tensor(x).sum(dims).numpy() if dims is not None else dtm.tensor(x).sum().numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-6)
