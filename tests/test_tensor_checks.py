@@ -159,6 +159,16 @@ def test_integer_division_by_zero_raises_like_torch(backend, expr, divisor):
     raised_here(e, ErrorCode.DIVISION_BY_ZERO, "division by zero")
 
 
+def test_jit_checks_divisor_arguments_on_every_call(backend):
+    step = dtm.jit(lambda x, y: x // y + x % y)
+    x, y = [7, -7, 3], [2, 3, -2]
+    np.testing.assert_array_equal(step(dtm.tensor(x), dtm.tensor(y)).numpy(),
+                                  (torch.tensor(x) // torch.tensor(y) + torch.tensor(x) % torch.tensor(y)).numpy())
+    with pytest.raises(ZeroDivisionError) as e:
+        step(dtm.tensor(x), dtm.tensor([2, 0, 1]))
+    raised_here(e, ErrorCode.DIVISION_BY_ZERO, "division by zero", "traced at")
+
+
 def test_division_without_zero_and_float_division_match_torch(backend):
     x, y = [7, -7, 3, -8], [2, 2, -2, 3]
     tx, ty, dx, dy = torch.tensor(x), torch.tensor(y), dtm.tensor(x), dtm.tensor(y)
