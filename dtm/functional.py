@@ -888,7 +888,8 @@ def _advanced(x: Tensor, advanced: list[tuple[int, Tensor]]) -> Tensor:
     axes = [a for a, _ in advanced]
     for a, t in advanced:
         if not t.dtype.is_int:
-            raise error(ErrorCode.DTYPE_MISMATCH, f"tensors used as indices must be integer or bool tensors, found {t.dtype}")
+            raise error(ErrorCode.DTYPE_MISMATCH, f"tensors used as indices must be integer or bool tensors, "
+                        f"found {t.dtype}")
         _check_values(t, ErrorCode.INDEX_OUT_OF_RANGE, _index_fault(f"index into dim {a}", x.shape[a], True))
     idx = [cast(t, int64) for _, t in advanced]
     shape = np.broadcast_shapes(*[t.shape for t in idx])
