@@ -88,6 +88,8 @@ class ErrorCode(str, enum.Enum):
     READ_ONLY_INPUT = "E0805"
     BUILD_FAILED = "E0806"
     GRAPH_FREED = "E0807"
+    INDEX_OUT_OF_RANGE = "E0808"
+    DIVISION_BY_ZERO = "E0809"
     # E09xx: the wire protocol
     BAD_MAGIC = "E0901"
     UNSUPPORTED_PROTOCOL_VERSION = "E0902"
@@ -137,6 +139,27 @@ class TensorError(DTMError):
         return (f"{self.where}: " if self.where else "") + f"{self.code.value}: {self.message}"
 
 
+class TensorIndexError(TensorError, IndexError):
+    """An index out of range in tensor code; an IndexError too, as torch's and Python's are,
+    so `except IndexError` written for torch keeps working."""
+
+
+class TensorZeroDivisionError(TensorError, ZeroDivisionError):
+    """Integer division by zero in tensor code; a ZeroDivisionError too, as Python's is."""
+
+
+class TensorTypeError(TensorError, TypeError):
+    """An operand of a kind no tensor op takes (a string, a dict); a TypeError too, as
+    Python's and torch's are."""
+
+
+# The Python exception a tensor-code error also is, where the code has one.
+_PYTHON_KIND: dict[ErrorCode, type[TensorError]] = {
+    ErrorCode.INDEX_OUT_OF_RANGE: TensorIndexError,
+    ErrorCode.DIVISION_BY_ZERO: TensorZeroDivisionError,
+}
+
+
 def user_line() -> str | None:
     """"file:line" of the innermost frame outside the dtm package: the user's own code."""
     f = sys._getframe(1)
@@ -147,4 +170,4 @@ def user_line() -> str | None:
 
 def user_error(code: ErrorCode, message: str) -> TensorError:
     """A mistake in the user's tensor code, reported at the user's own line."""
-    return TensorError(code, message, user_line())
+    return _PYTHON_KIND.get(code, TensorError)(code, message, user_line())

@@ -11,16 +11,17 @@ from __future__ import annotations
 import builtins
 import math
 from collections import namedtuple
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import ErrorCode
+from .errors import ErrorCode, user_line
 from .ir.dtypes import numpy_dtype
 from .ir.types import TensorType
-from .tensor import (DEFAULT_FLOAT, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
+from .tensor import (DEFAULT_FLOAT, STATE, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
                      normalize_dim, result_type, tensor)
 from .tensor import rand  # dropout's draws
+from .tensor.jit import value_fault
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -88,6 +89,66 @@ def _arithmetic(op: str, a: Any, b: Any, dtype=None) -> Tensor:
     return _binary(op, a, b, d)
 
 
+# --- checks on values the front end already knows ----------------------------------------
+
+# Ops through which every value of their operand reaches the result unchanged: a check on
+# the result's values is a check on the operand's (a cast only when it is value-safe).
+_SAME_VALUES = ("reshape", "permute", "broadcast_to")
+
+
+def _value_source(t: Tensor) -> Tensor:
+    """The tensor whose values t holds unchanged: t itself, or what a chain of reshapes,
+    permutes, broadcasts and widening casts starts from (`targets.view(-1)` is the batch's
+    targets), so a check can read values that are known though t is still pending."""
+    while t._buffer is None and t._inputs and (t._op in _SAME_VALUES or (
+            t._op == "cast" and np.can_cast(numpy_dtype(t._inputs[0].dtype), numpy_dtype(t.dtype), "safe"))):
+        t = t._inputs[0]
+    return t
+
+
+def _check_values(t: Tensor, code: ErrorCode, fault: Callable[[np.ndarray], str | None]) -> None:
+    """Raise `code` at the user's line when `fault(values)` names a fault in t's values:
+    now, when they are known (data, a realized result, through _value_source); on every
+    call of the compiled program, when they are an argument of the function dtm.jit is
+    tracing. A value still to be computed is not computed to check it (no extra program
+    run per op), and the IR op's own total semantics apply to it (spec 1.6)."""
+    src = _value_source(t)
+    if src._buffer is not None:
+        message = value_fault(src._buffer, fault)
+        if message:
+            raise error(code, message)
+        return
+    trace = STATE.trace
+    if trace is not None and id(src) in trace.placeholders:
+        trace.checks.append((src, code, fault, user_line()))
+
+
+def _index_fault(what: str, n: int, wrap: bool) -> Callable[[np.ndarray], str | None]:
+    """The check of indices into a dim of size n, as torch's: -n <= index < n where
+    negative indices count from the end (x[idx]), else 0 <= index < n (index_select,
+    gather, embedding)."""
+    low = -n if wrap else 0
+
+    def fault(v: np.ndarray) -> str | None:
+        bad = (v >= n) if v.dtype.kind == "u" else (v < low) | (v >= n)
+        if not bad.any():
+            return None
+        return (f"{what}: index {v[bad].flat[0]} is out of range for a dim of size {n} "
+                f"(expected {low} <= index < {n})")
+    return fault
+
+
+def _check_divisor(op: str, b: Any, d) -> None:
+    """Integer division and remainder by zero raise, as in torch; floats give inf / NaN."""
+    if d.is_float:
+        return
+    fault = f"{op}: integer division by zero (the divisor {{}} holds a 0; torch raises ZeroDivisionError too)"
+    if isinstance(b, Tensor):
+        _check_values(b, ErrorCode.DIVISION_BY_ZERO, lambda v: fault.format(f"{b._type}") if not v.all() else None)
+    elif isinstance(b, (bool, int, np.integer)) and int(b) == 0:
+        raise error(ErrorCode.DIVISION_BY_ZERO, fault.format(repr(b)))
+
+
 # --- elementwise --------------------------------------------------------------------------
 
 def _unary_float(op: str):
@@ -153,6 +214,7 @@ def div(a, b, rounding_mode: str | None = None) -> Tensor:
         d = d if d.is_float else DEFAULT_FLOAT
         return _arithmetic("div", a, b, d)
     if rounding_mode == "trunc":
+        _check_divisor("div", b, d)
         return _binary("div", a, b, d) if not d.is_float else trunc(_binary("div", a, b, d))
     if rounding_mode == "floor":
         return floor_divide(a, b)
@@ -165,6 +227,7 @@ def trunc(x: Tensor) -> Tensor:
 
 def floor_divide(a, b) -> Tensor:
     d = result_type(a, b)
+    _check_divisor("floor_divide", b, d)
     a, b = as_tensor(a, d), as_tensor(b, d)
     if d.is_float:
         return _floor_divide_float(a, b)
@@ -194,6 +257,7 @@ def _floor_divide_float(a: Tensor, b: Tensor) -> Tensor:
 def remainder(a, b) -> Tensor:
     """Python's modulo: the result has the sign of the divisor (torch.remainder)."""
     d = result_type(a, b)
+    _check_divisor("remainder", b, d)
     a, b = as_tensor(a, d), as_tensor(b, d)
     r = apply("mod", a, b)
     zero = _scalar(0, d)
@@ -202,6 +266,7 @@ def remainder(a, b) -> Tensor:
 
 
 def fmod(a, b) -> Tensor:
+    _check_divisor("fmod", b, result_type(a, b))
     return _binary("mod", a, b)
 
 
@@ -611,14 +676,17 @@ def _iota(shape: tuple[int, ...], dim: int) -> Tensor:
     return apply("iota", type=TensorType(int64, shape), dim=dim)
 
 
-def take(x: Tensor, index: Tensor, axis: int) -> Tensor:
-    """numpy.take along `axis`, with negative indices wrapped as Python does."""
+def take(x: Tensor, index: Tensor, axis: int, wrap: bool = True) -> Tensor:
+    """numpy.take along `axis`, with negative indices wrapped as Python does; with
+    wrap=False negative indices are out of range, as in torch's index_select and embedding."""
     index = as_tensor(index)
     if not index.dtype.is_int:
         raise error(ErrorCode.DTYPE_MISMATCH, f"indices must be an integer tensor, found {index.dtype}")
-    index = cast(index, int64)
     n = x.shape[axis]
-    index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
+    _check_values(index, ErrorCode.INDEX_OUT_OF_RANGE, _index_fault(f"index along dim {axis}", n, wrap))
+    index = cast(index, int64)
+    if wrap:
+        index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
     return apply("gather", x, index, axis=axis)
 
 
@@ -638,6 +706,8 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
     for a in range(x.ndim - 2, -1, -1):
         strides[a] = strides[a + 1] * x.shape[a + 1]
     n = x.shape[d]
+    _check_values(index, ErrorCode.INDEX_OUT_OF_RANGE, _index_fault(f"gather along dim {d}", n, False))
+    # Unchecked (pending) negative indices still wrap, so a flat index stays within its row.
     index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
     flat = apply("mul", index, _scalar(strides[d], int64))
     for a in range(x.ndim):
@@ -647,7 +717,7 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
-    return take(x, index, normalize_dim(dim, x.ndim))
+    return take(x, index, normalize_dim(dim, x.ndim), wrap=False)
 
 
 def tril(x: Tensor, diagonal: int = 0) -> Tensor:
@@ -828,6 +898,11 @@ def _advanced(x: Tensor, advanced: list[tuple[int, Tensor]]) -> Tensor:
     """torch's advanced indexing with integer tensors at dims `axes`: the broadcast index
     shape replaces those dims (in place when they are adjacent, else at the front)."""
     axes = [a for a, _ in advanced]
+    for a, t in advanced:
+        if not t.dtype.is_int:
+            raise error(ErrorCode.DTYPE_MISMATCH, f"tensors used as indices must be integer or bool tensors, "
+                        f"found {t.dtype}")
+        _check_values(t, ErrorCode.INDEX_OUT_OF_RANGE, _index_fault(f"index into dim {a}", x.shape[a], True))
     idx = [cast(t, int64) for _, t in advanced]
     shape = np.broadcast_shapes(*[t.shape for t in idx])
     adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
@@ -962,4 +1037,4 @@ __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "builtins", "namedtuple", "np", "Any", "Sequence", "ErrorCode", "TensorType", "Tensor",
     "apply", "as_dtype", "bool_", "error", "float32", "int64", "is_grad_enabled", "result_type", "numpy_dtype",
     "normalize_dim", "tensor",
-    "DEFAULT_FLOAT", "MinMax")]
+    "DEFAULT_FLOAT", "MinMax", "Callable", "STATE", "user_line", "value_fault")]

@@ -260,6 +260,10 @@ class KernelBuilder:
         acc = Var(self.fresh("acc"), dt)
         self.emit(L.Let(acc, Const(_init(op.name, dt), dt)))
         self.bind_name(acc.name)
+        if op.name == "reduce_sum" and dt.is_float and axes_loops:
+            self.sum_level(acc, x, full_ix, self.sum_levels(axes_loops))
+            self.acc[r] = (row_ix, acc)
+            return
         best_i = None
         if is_arg:
             best_i = Var(self.fresh("arg"), r.type.dtype)
@@ -297,6 +301,66 @@ class KernelBuilder:
         if not is_arg and dt.is_float and op.name in ("reduce_max", "reduce_min"):
             self.emit(L.Assign(acc, L.Op("where", (nan, Const(math.nan, dt), acc), dt)))
         self.acc[r] = (row_ix, best_i if is_arg else acc)
+
+    def sum_levels(self, loops: list) -> list[tuple[str, L.Expr, L.Expr, bool]]:
+        """The loops of a blocked float sum (spec 2.8), as (variable, start, stop, own),
+        outermost first: each summed loop of `loops` that may be longer than SUM_BLOCK
+        becomes a loop over blocks of SUM_BLOCK elements inside it, and, when there may be
+        more than SUM_BLOCK blocks, a loop over groups of SUM_BLOCK blocks. A loop inside
+        another keeps a running sum of its own (`own`, fresh for each iteration of the loop
+        outside) unless the two together add at most SUM_BLOCK terms into the outer one's
+        (a short inner loop pays no extra add). So no running sum takes more than
+        SUM_BLOCK terms (but the outermost's of a sum over more than SUM_BLOCK^3 elements),
+        and the error grows like SUM_BLOCK + n / SUM_BLOCK^2 instead of n: 10^9 ones sum
+        to 10^9, not 2^24 per vector lane. It costs one add per block, none per element."""
+        levels: list[list] = []  # [variable, start, stop, the most iterations (None: unbounded)]
+        size = Const(SUM_BLOCK, INDEX)
+        for var, extent in loops:
+            if isinstance(extent, Const) and extent.value <= SUM_BLOCK:
+                levels.append([var, Const(0, INDEX), extent, extent.value])
+                continue
+            count = L.idiv(L.iadd(extent, Const(SUM_BLOCK - 1, INDEX)), size)  # blocks
+            blk = self.fresh("blk")
+            if isinstance(count, Const) and count.value <= SUM_BLOCK:
+                levels.append([blk, Const(0, INDEX), count, count.value])
+            else:
+                group = self.fresh("grp")
+                first = L.imul(Sym(group), size)
+                groups = L.idiv(L.iadd(count, Const(SUM_BLOCK - 1, INDEX)), size)
+                levels += [[group, Const(0, INDEX), groups, groups.value if isinstance(groups, Const) else None],
+                           [blk, first, L.imin(L.iadd(first, size), count), SUM_BLOCK]]
+            first = L.imul(Sym(blk), size)
+            levels.append([var, first, L.imin(L.iadd(first, size), extent), SUM_BLOCK])
+        own = [False] * len(levels)
+        terms = 1  # what one iteration of the level below adds into the running sum it feeds
+        for k in range(len(levels) - 1, 0, -1):
+            outer, inner = levels[k - 1][3], levels[k][3]
+            if outer is not None and inner is not None and outer * inner * terms <= SUM_BLOCK:
+                terms *= inner  # level k adds straight into its parent's running sum
+            else:
+                own[k], terms = True, 1
+        return [(var, start, stop, o) for (var, start, stop, _), o in zip(levels, own)]
+
+    def sum_level(self, target: Var, x: Value, full_ix: tuple, levels: list) -> None:
+        """x summed over `levels` (sum_levels) into `target`: the innermost loop adds
+        elements (vectorised, so its lanes are further partial sums), each loop outside it
+        the sums of the loop inside (or, where that one has no sum of its own, its terms)."""
+        (var, start, stop, _), inner = levels[0], levels[1:]
+        dt = target.dtype
+        self.push((var,))
+        reduction = None
+        if inner and inner[0][3]:
+            part = Var(self.fresh("sum"), dt)
+            self.emit(L.Let(part, Const(0, dt)))
+            self.bind_name(part.name)
+            self.sum_level(part, x, full_ix, inner)
+            self.emit(L.Assign(target, L.Op("add", (target, part), dt)))
+        elif inner:
+            self.sum_level(target, x, full_ix, inner)
+        else:
+            self.emit(L.Assign(target, L.Op("add", (target, self.ev(x, full_ix)), dt)))
+            reduction = (("+", target.name),)
+        self.emit(L.Loop(var, start, stop, self.pop(), reduction=reduction))
 
     # -- kernels --
     def build(self) -> L.Kernel:
@@ -439,18 +503,49 @@ class KernelBuilder:
             self.push((col,))
             self.emit(L.Store(acc, lane, Const(_init(op.name, dt), dt)))
             self.emit(L.Loop(col, *cols, self.pop(), simd=True))
-        for var, _ in rows:
-            self.push((var,))
-        self.push((col,))
-        for op, (acc, dt) in zip(ops, accs):
-            fn = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}[op.name]
-            self.emit(L.Store(acc, lane, L.Op(fn, (L.Load(acc, lane, dt), self.ev(op.operands[0], full_ix)), dt)))
-        self.emit(L.Loop(col, *cols, self.pop(), simd=True))
-        for var, extent in reversed(rows):
-            self.emit(L.Loop(var, Const(0, INDEX), extent, self.pop()))
+        if any(op.name == "reduce_sum" and dt.is_float for op, (_, dt) in zip(ops, accs)):
+            levels = self.sum_levels(rows)
+        else:
+            levels = [(var, Const(0, INDEX), extent, False) for var, extent in rows]
+        self.column_rows(ops, accs, full_ix, levels, cols, lane)
         for op, (acc, dt) in zip(ops, accs):
             rix = _row_index(full_ix, self.group.axes, op.attrs.get("keepdims", False))
             self.acc[op.results[0]] = (rix, L.Load(acc, lane, dt))
+
+    def column_rows(self, ops: list[Op], accs: list, full_ix: tuple, levels: list, cols: tuple,
+                    lane: L.Expr) -> None:
+        """The loops over rows of a column sweep, accumulating into the arrays `accs` (one
+        per op). With float sums, `levels` are sum_levels and each loop inside another sums
+        them into arrays of its own, added into its parent's after it, as in sum_level;
+        the other reductions go straight into theirs."""
+        (var, start, stop, _), inner = levels[0], levels[1:]
+        col = f"i{len(full_ix) - 1}"
+        self.push((var,))
+        summed = [k for k, op in enumerate(ops) if op.name == "reduce_sum" and accs[k][1].is_float]
+        if inner and inner[0][3] and summed:
+            mine = list(accs)
+            self.push((col,))
+            for k in summed:
+                dt = accs[k][1]
+                mine[k] = (self.fresh("sum"), dt)
+                self.scopes[-2].body.append(L.Array(mine[k][0], dt, COLUMN_BLOCK))
+                self.emit(L.Store(mine[k][0], lane, Const(0, dt)))
+            self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+            self.column_rows(ops, mine, full_ix, inner, cols, lane)
+            self.push((col,))
+            for k in summed:
+                (acc, dt), (part, _) = accs[k], mine[k]
+                self.emit(L.Store(acc, lane, L.Op("add", (L.Load(acc, lane, dt), L.Load(part, lane, dt)), dt)))
+            self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+        elif inner:
+            self.column_rows(ops, accs, full_ix, inner, cols, lane)
+        else:
+            self.push((col,))
+            for op, (acc, dt) in zip(ops, accs):
+                fn = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}[op.name]
+                self.emit(L.Store(acc, lane, L.Op(fn, (L.Load(acc, lane, dt), self.ev(op.operands[0], full_ix)), dt)))
+            self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+        self.emit(L.Loop(var, start, stop, self.pop()))
 
     def reads_any(self, v: Value, values: set) -> bool:
         """Whether computing v here reads any of `values` (through what it computes inline)."""
@@ -576,6 +671,7 @@ def _row_shapes(F, R):
 
 
 COLUMN_BLOCK = 64  # columns a reduction down columns keeps accumulators for, see build_columns
+SUM_BLOCK = 2048  # the most terms one running float sum takes, see KernelBuilder.sum_level
 
 
 def _down_columns(g: Group) -> bool:

@@ -3,6 +3,8 @@ losses and layers that are compositions of them."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import ErrorCode
 from ..functional import (dropout, gelu, layer_norm, linear, log_softmax, pad, relu, scaled_dot_product_attention,
                           sigmoid, silu, softmax, tanh, take)
@@ -26,6 +28,13 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
                     f"found {logits._type} and {target._type}")
     if not target.dtype.is_int:
         raise error(ErrorCode.DTYPE_MISMATCH, f"cross_entropy: target must hold integer class ids, found {target.dtype}")
+    n_classes = logits.shape[1]
+
+    def fault(v: np.ndarray) -> str | None:  # as torch: a class id in [0, C), no wrapping
+        bad = ((v < 0) | (v >= n_classes)) & (v != ignore_index)
+        return (f"cross_entropy: target {v[bad].flat[0]} is out of bounds for {n_classes} classes "
+                f"(expected 0 <= target < {n_classes}, or ignore_index={ignore_index})") if bad.any() else None
+    F._check_values(target, ErrorCode.INDEX_OUT_OF_RANGE, fault)
     logp = log_softmax(logits, dim=-1)
     keep = target != ignore_index
     safe = F.where(keep, target, 0)
@@ -48,14 +57,14 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
     """Rows of `weight` at `ids` (any shape of integer ids). The row at `padding_idx`
     receives no gradient: where an id is the padding index, the row is read from the
     detached weight."""
-    rows = take(weight, ids, 0)
+    rows = take(weight, ids, 0, wrap=False)  # torch: a negative id is out of range
     if padding_idx is None:
         return rows
     if not -weight.shape[0] <= padding_idx < weight.shape[0]:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"embedding: padding_idx {padding_idx} is out of range for "
                     f"{weight.shape[0]} embeddings")
     pad = F.unsqueeze(F.eq(F.as_tensor(ids), padding_idx % weight.shape[0]), -1)
-    return F.where(pad, take(weight.detach(), ids, 0), rows)
+    return F.where(pad, take(weight.detach(), ids, 0, wrap=False), rows)
 
 
 def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:

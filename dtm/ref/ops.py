@@ -197,10 +197,13 @@ def _identity(ufunc, dtype: np.dtype):
 
 def _reduction(name: str, ufunc) -> None:
     """Reduce over `axes` (an empty list reduces nothing); integers wrap; max / min
-    propagate NaN and of an empty set are -inf / +inf (integers: the dtype's min / max)."""
+    propagate NaN and of an empty set are -inf / +inf (integers: the dtype's min / max).
+    Float sums accumulate in f64 and round once (spec 2.8): numpy adds pairwise only along
+    a contiguous axis, and one running f32 sum stops growing at 2^24 ones."""
     def impl(ctx, attrs, x, *, out_types):
         w = _wide(x)
-        kw = {"initial": _identity(ufunc, w.dtype)} if ufunc in (np.maximum, np.minimum) else {"dtype": w.dtype}
+        acc = np.dtype(np.float64) if ufunc is np.add and w.dtype.kind == "f" else w.dtype
+        kw = {"initial": _identity(ufunc, w.dtype)} if ufunc in (np.maximum, np.minimum) else {"dtype": acc}
         r = ufunc.reduce(w, axis=tuple(attrs["axes"]), keepdims=attrs["keepdims"], **kw)
         return (_as(r, out_types[0]),)
     impl.__name__ = f"ref_{name}"

@@ -27,6 +27,7 @@ from ..ir.types import TensorType
 from ..runtime import execute
 from ..runtime.mesh import DeviceMesh, Shards
 from .dtypes import DEFAULT_FLOAT, _combine, bool_, float32, int64, promote_types
+from ..errors import TensorTypeError, user_line
 
 # --- grad mode and tracing ----------------------------------------------------------------
 
@@ -39,6 +40,9 @@ class Trace:
         self.updated: set[int] = set()                   # the leaves assigned so far
         self.hooks: list[Callable[[], None]] = []        # Python bookkeeping to redo before each replay
         self.graded: dict[int, Tensor] = {}              # leaves whose .grad a traced backward() set
+        # checks of argument values to make on each call (functional._check_values):
+        # (placeholder, error code, fault(values) -> message or None, the traced op's line)
+        self.checks: list[tuple[Tensor, Any, Callable[[np.ndarray], str | None], str | None]] = []
 
 
 class _State(threading.local):
@@ -781,6 +785,10 @@ def _copy(value):
     return value.copy()
 
 
+# What may stand beside tensors as an operand: Python and numpy numbers, and array data.
+_OPERANDS = (bool, int, float, np.bool_, np.integer, np.floating, np.ndarray, list, tuple)
+
+
 def result_type(*xs: Any) -> DType:
     """PyTorch's promotion over tensors and Python scalars, in three tiers promoted apart:
     tensors with dims, rank-0 tensors, scalars (bool; int as i64; float as the default
@@ -791,6 +799,9 @@ def result_type(*xs: Any) -> DType:
     for x in xs:
         if isinstance(x, Tensor):
             tier, d = (0 if x.ndim else 1), x.dtype
+        elif not isinstance(x, _OPERANDS):  # a str, None, a complex: numpy would fail later, deep inside
+            raise TensorTypeError(ErrorCode.DTYPE_MISMATCH, f"unsupported operand {x!r} of type {type(x).__name__}; "
+                                  "expected a Tensor, a bool, int or float, or array data", user_line())
         else:
             tier = 2
             d = (bool_ if isinstance(x, (bool, np.bool_)) else

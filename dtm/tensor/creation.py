@@ -4,6 +4,8 @@ numbers for the same seed)."""
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 from typing import Any, Sequence
 
@@ -57,23 +59,62 @@ def from_dlpack(obj: Any) -> Tensor:
     return Tensor.from_numpy(np.from_dlpack(obj))
 
 
-def _shape(size: Sequence) -> tuple[int, ...]:
-    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+# Below this many bytes a new tensor is made without asking how much memory is free.
+_SMALL_BYTES = 1 << 30
+
+
+def _available_bytes() -> int | None:
+    """The memory this machine can give now (Linux's MemAvailable, else all physical
+    memory), or None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _shape(size: Sequence, dtype: DType) -> tuple[int, ...]:
+    """The shape `size` names (sizes, or one tuple or list of them), checked before any
+    memory is allocated, so a bad size is an error at the user's line and not numpy's from
+    deep inside: each dim an integer >= 0, and the tensor no larger than the memory free."""
+    while len(size) == 1 and isinstance(size[0], (tuple, list)):  # full((2, 3)), zeros((2, 3)), zeros([(2, 3)])
         size = size[0]
-    return tuple(int(s) for s in size)
+    shape = []
+    for k, s in enumerate(size):
+        try:
+            n = operator.index(s)
+        except TypeError:
+            raise error(ErrorCode.INVALID_DIM, f"size {k} must be an integer, found {s!r} of type "
+                        f"{type(s).__name__}") from None
+        if n < 0:
+            raise error(ErrorCode.INVALID_DIM, f"size {k} must be >= 0, found {n} (in the shape {tuple(size)})")
+        shape.append(n)
+    nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
+    if nbytes > _SMALL_BYTES:
+        free = _available_bytes()
+        if free is not None and nbytes > free:
+            raise error(ErrorCode.INVALID_DIM, f"a {dtype} tensor of shape {tuple(shape)} needs {nbytes / 2**30:.1f} "
+                        f"GiB, more than the {free / 2**30:.1f} GiB of memory free")
+    return tuple(shape)
 
 
 def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
     d = as_dtype(dtype) if dtype is not None else result_type(fill_value)
-    return Tensor.from_numpy(np.full(_shape([size]), fill_value, dtype=numpy_dtype(d)), requires_grad)
+    return Tensor.from_numpy(np.full(_shape([size], d), fill_value, dtype=numpy_dtype(d)), requires_grad)
 
 
 def zeros(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return full(_shape(size), 0, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+    return full(size, 0, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
 
 
 def ones(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return full(_shape(size), 1, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+    return full(size, 1, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
 
 
 def zeros_like(t: Tensor, dtype: Any = None) -> Tensor:
@@ -138,7 +179,8 @@ def manual_seed(seed: int) -> Generator:
 
 
 def _random(size, distribution: str, dtype: Any, requires_grad: bool, generator: Generator | None = None) -> Tensor:
-    t = TensorType(as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT, _shape(size))
+    d = as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT
+    t = TensorType(d, _shape(size, d))
     with no_grad():
         out = apply("random", (generator or GENERATOR).key(), type=t, distribution=distribution)
     out.realize()

@@ -26,7 +26,7 @@ from ..errors import ErrorCode, user_error as error
 from ..ir.dtypes import numpy_dtype
 from ..ir.types import TensorType
 from .core import Tensor, apply, normalize_dim
-from .creation import GENERATOR, Generator, _shape, full
+from .creation import GENERATOR, Generator, full, zeros
 from .dtypes import DEFAULT_FLOAT, as_dtype, bool_, float64, int64
 
 SortResult = namedtuple("SortResult", ["values", "indices"])  # torch.return_types.sort / topk
@@ -334,7 +334,7 @@ def linspace(start: float, end: float, steps: int, dtype: Any = None, requires_g
 
 def empty(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
     """torch.empty: uninitialised in torch; zeros here (reading it is as defined as can be)."""
-    return full(_shape(size), 0, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+    return zeros(*size, dtype=dtype, requires_grad=requires_grad)
 
 
 # --- sampling -----------------------------------------------------------------------------

@@ -20,6 +20,9 @@ instead of running it, and an optimizer's `step()` records its updates as the pr
 place, and runs the Python bookkeeping the traced ops depend on (step counts, the learning
 rate a scheduler set) before it starts. Gradients still held when the function returns (no
 `zero_grad()` after the step) come back as `.grad` of their parameters after each call.
+The checks eager ops make on values they know (indices in range, integer divisors not
+zero: spec 3.6 `gather`) are made on each call for the arguments that reach such an
+operand directly, so a bad batch raises as it would eagerly.
 
 As with torch.jit.trace and tinygrad's TinyJit, Python control flow is frozen at the trace:
 the signature (argument types and layouts, other arguments' values) picks a trace, and
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from ..errors import ErrorCode, user_error as error
 from ..ir.module import Module
 from ..runtime import execute
@@ -37,15 +42,26 @@ from ..runtime.mesh import Shards
 from .core import STATE, Tensor, Trace, capture, prepare_in_place, realize
 
 
+def value_fault(value: np.ndarray | Shards, fault: Callable[[np.ndarray], str | None]) -> str | None:
+    """What `fault` finds in a tensor's value (each piece of a distributed one), or None."""
+    for piece in (value.pieces if type(value) is Shards else (value,)):
+        message = piece is not None and fault(piece)
+        if message:
+            return message
+    return None
+
+
 class _Traced:
     """One trace: the module, and what a call binds to it and from it."""
 
-    __slots__ = ("module", "n_args", "captured", "out_is_tuple", "n_out", "graded", "targets", "hooks")
+    __slots__ = ("module", "n_args", "captured", "out_is_tuple", "n_out", "graded", "targets", "hooks", "checks")
 
     def __init__(self, module: Module, n_args: int, captured: list[Tensor], out_is_tuple: bool, n_out: int,
-                 graded: list[Tensor], targets: list[Tensor], hooks: list[Callable[[], None]]):
+                 graded: list[Tensor], targets: list[Tensor], hooks: list[Callable[[], None]],
+                 checks: list[tuple[int, Any, Callable[[np.ndarray], str | None], str | None]]):
         self.module, self.n_args, self.captured, self.out_is_tuple = module, n_args, captured, out_is_tuple
         self.n_out, self.graded, self.targets, self.hooks = n_out, graded, targets, hooks
+        self.checks = checks  # (tensor argument's position, code, fault, traced line), see Trace.checks
 
 
 class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
@@ -95,8 +111,10 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
                                  name=getattr(self.fn, "__name__", "main"), effects=trace.effects)
         module.funcs["main"] = module.funcs.pop(next(iter(module.funcs)))
         module.funcs["main"].name = "main"
+        position = {id(p): k for k, p in enumerate(tensor_args)}
+        checks = [(position[id(p)], code, fault, line) for p, code, fault, line in trace.checks]
         traced = _Traced(module, len(tensor_args), params[len(tensor_args):], isinstance(out, (tuple, list)),
-                         len(outs), graded, [target for target, _ in trace.effects], trace.hooks)
+                         len(outs), graded, [target for target, _ in trace.effects], trace.hooks, checks)
         self.cache[key] = traced
         return traced, True
 
@@ -115,6 +133,10 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
                 hook()
         tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
         realize(*tensors)  # pending arguments (clipped gradients, say) as one program
+        for k, code, fault, line in traced.checks:  # what eager ops check on known values (indices)
+            message = value_fault(tensors[k]._buffer, fault)
+            if message:
+                raise error(code, f"{message}, in the op traced at {line}")
         prepare_in_place(traced.targets)
         values = [t._buffer for t in tensors]
         results = execute.run(traced.module, "main", values, self.backend)
