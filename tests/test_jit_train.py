@@ -216,3 +216,40 @@ def test_eager_steps_of_one_structure_reuse_the_first_steps_program(monkeypatch)
     assert seen[0]["grad"] == 1 and seen[0]["encode"] > 0
     assert seen[2] == seen[1] == seen[0]  # steps 2 and 3: nothing rebuilt or hashed
     assert seen[3]["grad"] == 2  # a new structure
+
+
+def test_a_jitted_step_with_dropout_draws_what_eager_steps_draw():
+    """Dropout in a compiled step: each call draws a fresh mask (its key is a parameter of
+    the program, drawn before each replay), the same masks eager steps draw from the same
+    seed, so training is the same; without fresh draws every step would drop the same."""
+    config = GPT2Config(vocab_size=29, n_positions=16, n_embd=32, n_layer=2, n_head=4, dropout=0.3)
+
+    def dropped():
+        dtm.manual_seed(0)
+        m = GPT2(config)
+        m.train()
+        return m
+
+    a, b, c = dropped(), dropped(), model()
+    dtm.manual_seed(11)
+    want = eager_steps(a, list(a.parameters()), OPTIMIZERS["adamw"])
+    dtm.manual_seed(11)
+    got = jitted_steps(b, list(b.parameters()), OPTIMIZERS["adamw"])
+    # (AdamW scales the rounding noise of near-zero gradients, the key bias's, up to steps
+    # of about lr: 1e-5 absolute where eager and compiled kernels round differently)
+    assert_same_training(a, b, want, got, tol=1e-5)
+    without = eager_steps(c, list(c.parameters()), OPTIMIZERS["adamw"])
+    assert not np.allclose(want, without, rtol=1e-3)  # dropout did drop
+
+
+def test_dropout_in_a_jitted_function_draws_a_new_mask_each_call():
+    x = dtm.ones(8, 16)
+    dtm.manual_seed(3)
+    eager = [dtm.nn.functional.dropout(x, 0.5).numpy() for _ in range(3)]
+    dtm.manual_seed(3)
+    f = dtm.jit(lambda x: dtm.nn.functional.dropout(x, 0.5))
+    jitted = [f(x).numpy() for _ in range(3)]
+    for e, j in zip(eager, jitted):
+        np.testing.assert_array_equal(e, j)
+    assert not np.array_equal(jitted[0], jitted[1])
+    assert set(np.unique(jitted[0])) <= {0.0, 2.0} and 0.3 < (jitted[0] == 0).mean() < 0.7

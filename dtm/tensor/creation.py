@@ -16,7 +16,7 @@ from ..ir import DType
 from ..ir.dtypes import numpy_dtype
 from ..ir.dtypes import from_numpy as dtype_of_numpy
 from ..ir.types import TensorType
-from .core import Tensor, apply, no_grad, result_type
+from .core import STATE, Tensor, apply, no_grad, on_replay, result_type
 from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, int64
 
 def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
@@ -165,10 +165,14 @@ class Generator:
         self._seed, self.counter = (int(v) for v in np.asarray(state.numpy()).reshape(2))
         return self
 
-    def key(self) -> Tensor:
+    def next_key(self) -> np.ndarray:
+        """The `random` op's key for the next draw: (seed, draw number)."""
         k = np.array([self._seed, self.counter & 0xFFFFFFFF], dtype=np.uint32)
         self.counter += 1
-        return Tensor.from_numpy(k)
+        return k
+
+    def key(self) -> Tensor:
+        return Tensor.from_numpy(self.next_key())
 
 
 GENERATOR = Generator()
@@ -181,8 +185,15 @@ def manual_seed(seed: int) -> Generator:
 def _random(size, distribution: str, dtype: Any, requires_grad: bool, generator: Generator | None = None) -> Tensor:
     d = as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT
     t = TensorType(d, _shape(size, d))
+    gen = generator or GENERATOR
+    key = gen.key()
     with no_grad():
-        out = apply("random", (generator or GENERATOR).key(), type=t, distribution=distribution)
+        out = apply("random", key, type=t, distribution=distribution)
+    if STATE.trace is not None and not requires_grad:
+        # inside dtm.jit (dropout in a compiled step): the key is a parameter of the program,
+        # drawn afresh before each replay, so every call draws what the eager call would
+        on_replay(lambda: setattr(key, "_buffer", gen.next_key()))
+        return out
     out.realize()
     out = Tensor(out._type, buffer=out._buffer)
     return out.requires_grad_(True) if requires_grad else out

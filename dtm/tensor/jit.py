@@ -20,6 +20,8 @@ instead of running it, and an optimizer's `step()` records its updates as the pr
 place, and runs the Python bookkeeping the traced ops depend on (step counts, the learning
 rate a scheduler set) before it starts. Gradients still held when the function returns (no
 `zero_grad()` after the step) come back as `.grad` of their parameters after each call.
+Random draws (dropout) take their key as a parameter drawn afresh before each call, so
+every call draws new numbers, the ones the eager call would have drawn.
 The checks eager ops make on values they know (indices in range, integer divisors not
 zero: spec 3.6 `gather`) are made on each call for the arguments that reach such an
 operand directly, so a bad batch raises as it would eagerly.
