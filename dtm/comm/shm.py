@@ -45,7 +45,7 @@ from .calls import mismatch_message, same_call
 from .channel import Channel, Channels
 from .nontemporal import copy_out
 from .tcp import TcpTransport, Connection, connect_mesh
-from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
+from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle, PeerLost
 
 SLOT_BYTES = 1 << 20        # one member's share of a round
 CHANNEL_BYTES = 1 << 20     # the ring of each point-to-point channel (one per ordered pair of ranks)
@@ -122,8 +122,21 @@ class Workspace:
                                f"shared memory for ranks {behind}")
             if now - last_poll >= SLICE_S:
                 self.transport.poll(what)  # PeerLost, or an Error a peer sent
+                self._departed(col, target, what)
                 last_poll = now
             self.bell.wait(seen, SLICE_S)
+
+    def _departed(self, col: int, target: int, what: str) -> None:
+        """PeerLost for a member this wait needs whose connection has ended. A rank that
+        left with Leave ends its connection without an error the poll would raise (over TCP
+        the receive posted for it does), so without this look the wait would run to its
+        timeout (spec 9.6.5). Its counters are read after the ended connection was seen,
+        so a member that counted before it left is not taken for one that did not."""
+        for m in range(self.n):
+            peer = self.ranks[m]
+            gone = self.transport.ended(peer)
+            if gone is not None and self.ctrl[m, col] < target:
+                raise PeerLost(peer, what, gone)
 
     def _count(self, col: int) -> None:
         self.ctrl[self.me, col] = self.round + 1
