@@ -194,6 +194,49 @@ time.sleep(120)
             os.kill(pid, 0)
 
 
+KILLED_SCRIPT = r'''
+import json, os, signal, sys, time
+import numpy as np
+import dtm
+from dtm.runtime import process_group
+dtm.init(timeout=30)
+r = dtm.rank()
+print(json.dumps({"rank": r, "session": process_group.current().comm.transport.session}), flush=True)
+victims, when = sys.argv[1].split(","), sys.argv[2]
+
+def die():
+    # The rank with its helpers, multiprocessing's resource tracker among them (which would
+    # otherwise remove the segments the rank created)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+x = np.ones(1 << 16, np.float32)
+if when == "mid-run":
+    for _ in range(10):
+        dtm.distributed.all_reduce(x)
+if str(r) in victims:
+    time.sleep(0.3 * victims.index(str(r)))
+    die()
+while True:
+    dtm.distributed.all_reduce(x)
+'''
+
+
+@pytest.mark.parametrize("victims,when", [("0", "at-start"), ("0", "mid-run"), ("1", "mid-run"), ("0,1", "at-start")])
+def test_no_shared_memory_is_left_when_a_rank_is_killed(tmp_path, victims, when):
+    """A rank SIGKILLed with its resource tracker left its 4 MB segment in /dev/shm: the
+    creator now drops the channels' name once all mapped it, a survivor removes its mesh's
+    names when it closes after losing a local rank, and the launcher removes them once
+    every rank ended (the only one left when no survivor closes: "0,1")."""
+    script = _script(tmp_path, KILLED_SCRIPT, "killed.py")
+    res = _launch(["-n", "2", "--grace", "2", script, victims, when], _env(), timeout=90)
+    sessions = {json.loads(line.split("] ", 1)[1])["session"] for line in res.stdout.splitlines()
+                if line.split("] ", 1)[-1].startswith('{"rank"')}
+    assert len(sessions) == 1 and res.returncode == 128 + signal.SIGKILL, res.stdout + res.stderr
+    prefix = f"dtm{sessions.pop()}_"
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert not left, res.stderr
+
+
 def _start_loop(tmp_path, procs, n: int, coord: Coordinator) -> dict[int, int]:
     """n ranks looping all_reduce against `coord`: rank -> pid, once all are in the loop."""
     script = _script(tmp_path, LOOP_SCRIPT, "loop.py")

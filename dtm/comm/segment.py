@@ -140,6 +140,23 @@ def attach(name: str, size: int, *, create: bool, magic: int, layout: dict[str, 
     return Segment(shm, buf, create)
 
 
+def remove_all(prefix: str) -> list[str]:
+    """Remove every segment name in /dev/shm that starts with `prefix`: those of a mesh
+    whose creator was killed, with multiprocessing's resource tracker that would have
+    removed them, before it dropped them (the survivors or the launcher call this once the
+    mesh is over). The names removed."""
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except FileNotFoundError:  # no /dev/shm: no segments either
+        return []
+    for n in names:
+        try:
+            os.unlink(f"/dev/shm/{n}")
+        except FileNotFoundError:  # another survivor was first
+            pass
+    return names
+
+
 def await_ready(ready: Callable[[], bool], what: str, timeout: float, where: str,
                 between: Callable[[], None] = lambda: None) -> None:
     """Until `ready()`, running `between()` (e.g. a look at the sockets) between tries;
