@@ -4,6 +4,8 @@ The workspaces of `shm` (one per group) and the point-to-point channels of `chan
 segment per host) are both made this way: the first member creates the segment under a
 name in /dev/shm, the others map it by that name, and the creator unlinks the name as soon
 as every member has mapped it, so nothing is left behind even when processes are killed.
+A name a killed creator had not dropped yet (its resource tracker, which would, killed with
+it) is removed by `remove_all`: by the survivors as they close, and by `dtm launch`.
 Counters in a segment have one writer each and are read after the data they publish; that
 relies on x86-64's store order, so other CPUs use the socket algorithms (`SUPPORTED`).
 """
