@@ -151,6 +151,15 @@ def leaves(comm, rank, n):
         comm.all_reduce(x)
 
 
+def leader_leaves(comm, rank, n):
+    """Rank 0, which creates the group's segment at its first collective, leaves before
+    that; the others, waiting for the segment, must fail naming it at once."""
+    if rank == 0:
+        return time.time()
+    time.sleep(0.5)
+    comm.all_reduce(np.ones(1000, np.float32))
+
+
 def killed_sender(comm, rank, n):
     """Rank 1 SIGKILLs itself in the middle of a send far larger than a socket's or a
     channel's buffer, which rank 0 drains only later; rank 0, in recv, must raise."""
@@ -258,6 +267,7 @@ def cancelled_recv(comm, rank, n):
 
 
 SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_ring, early, outsider_leaves, corrupt, killed, leaves,
+                                     leader_leaves,
                                      killed_sender, send_then_idle, served, severed, cancelled, cancelled_recv,
                                      cancelled_send)}
 
@@ -548,6 +558,21 @@ def test_a_rank_that_leaves_mid_all_reduce_is_peer_lost_at_once(kind):
         status, (name, code, message, when), _ = outcomes[r]
         assert status == "err" and code is ErrorCode.PEER_LOST, message
         assert f"rank {n - 1}" in message and "left the mesh" in message and "all_reduce" in message
+        assert 0 < when - left_at < KILL_BOUND_S
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_rank_that_left_before_a_collective_is_peer_lost_at_once(kind):
+    """In shared memory the others wait for rank 0 to create the group's segment: its
+    Leave ends that wait too (E1001), not the timeout."""
+    n = 3
+    outcomes, _ = run_mesh(kind, n, "leader_leaves", timeout=30)
+    status, left_at, _ = outcomes[0]
+    assert status == "ok"
+    for r in range(1, n):
+        status, (name, code, message, when), _ = outcomes[r]
+        assert status == "err" and code is ErrorCode.PEER_LOST, message
+        assert "rank 0" in message and "left the mesh" in message
         assert 0 < when - left_at < KILL_BOUND_S
 
 

@@ -83,9 +83,17 @@ class Workspace:
     # --- the segment ------------------------------------------------------------------------
 
     def _await(self, ready, what: str) -> None:
+        op = f"setting up shared memory for group {list(self.ranks)}"
+
+        def between() -> None:
+            self.transport.poll(op)
+            for peer in self.ranks:  # one that left cannot take part: as in `_departed`
+                gone = self.transport.ended(peer)
+                if gone is not None:
+                    raise PeerLost(peer, op, gone)
+
         segment.await_ready(ready, what, self.transport.timeout,
-                            f"rank {self.transport.rank} ({self.name}, group {list(self.ranks)})",
-                            lambda: self.transport.poll(f"setting up shared memory for group {list(self.ranks)}"))
+                            f"rank {self.transport.rank} ({self.name}, group {list(self.ranks)})", between)
 
     def close(self) -> None:
         self.segment.unlink()
