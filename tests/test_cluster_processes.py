@@ -300,3 +300,55 @@ def test_a_stuck_rank_is_peer_lost_within_the_heartbeat_timeout(tmp_path, procs)
     for r in (0, 2):
         assert beats[r].rss_bytes > 10 << 20 and beats[r].ops_done > 0 and beats[r].cpu_percent > 0
         assert beats[r].last_op.startswith("all_reduce(sum) f32[262144] over all ranks at loop.py:")
+
+
+ONE_MORE_SCRIPT = r'''
+import json, os, sys, time
+import numpy as np
+import dtm
+dtm.init(timeout=30)
+r = dtm.rank()
+x = np.ones(1 << 16, np.float32)
+dtm.distributed.all_reduce(x)
+print(json.dumps({"ready": r}), flush=True)
+go = sys.argv[1]
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.02)
+if r == 0:  # its loop ended one step earlier than rank 1's
+    dtm.shutdown()
+    print(json.dumps({"rank": r, "t": time.time()}), flush=True)
+    sys.exit(0)
+time.sleep(0.3)
+try:
+    dtm.distributed.all_reduce(x)
+    print(json.dumps({"rank": r, "t": time.time(), "code": None}), flush=True)
+except dtm.DTMError as e:
+    print(json.dumps({"rank": r, "t": time.time(), "code": e.code.value, "msg": str(e)}), flush=True)
+'''
+
+
+def test_one_more_all_reduce_after_the_peer_shut_down_fails_at_once_without_a_coordinator(tmp_path, procs):
+    """The stall of issue 16: ranks that end a loop on a shared clock sometimes disagree by
+    one step; the late one's all_reduce waited 60 s in shared memory for the rank that had
+    shut down (E0802), the coordinator being gone so no notice came either. Now the
+    survivor sees the Leave on the connection: E1001 at once."""
+    coord = Coordinator(2, "one more").start()
+    script = _script(tmp_path, ONE_MORE_SCRIPT, "one_more.py")
+    go = tmp_path / "go"
+    host, port = coord.address
+    try:
+        for r in range(2):
+            env = _env(DTM_COORDINATOR=f"{host}:{port}", DTM_RANK=r, DTM_WORLD_SIZE=2, DTM_TOKEN="one more",
+                       DTM_COORDINATOR_EXTERNAL=1)
+            procs.append(subprocess.Popen([sys.executable, script, str(go)], env=env, stdout=subprocess.PIPE,
+                                          text=True))
+        for p in procs:
+            assert "ready" in p.stdout.readline()  # bounded: init times out after 30 s
+    finally:
+        coord.stop()  # the coordinator is gone before the ranks part
+    go.touch()
+    outs = [json.loads(p.communicate(timeout=90)[0].strip().splitlines()[-1]) for p in procs]
+    left, late = outs
+    assert late["code"] == "E1001" and "rank 0" in late["msg"] and "left the mesh" in late["msg"], late
+    assert late["t"] - left["t"] < 10.0, (left, late)
