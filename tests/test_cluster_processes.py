@@ -194,6 +194,49 @@ time.sleep(120)
             os.kill(pid, 0)
 
 
+KILLED_SCRIPT = r'''
+import json, os, signal, sys, time
+import numpy as np
+import dtm
+from dtm.runtime import process_group
+dtm.init(timeout=30)
+r = dtm.rank()
+print(json.dumps({"rank": r, "session": process_group.current().comm.transport.session}), flush=True)
+victims, when = sys.argv[1].split(","), sys.argv[2]
+
+def die():
+    # The rank with its helpers, multiprocessing's resource tracker among them (which would
+    # otherwise remove the segments the rank created)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+x = np.ones(1 << 16, np.float32)
+if when == "mid-run":
+    for _ in range(10):
+        dtm.distributed.all_reduce(x)
+if str(r) in victims:
+    time.sleep(0.3 * victims.index(str(r)))
+    die()
+while True:
+    dtm.distributed.all_reduce(x)
+'''
+
+
+@pytest.mark.parametrize("victims,when", [("0", "at-start"), ("0", "mid-run"), ("1", "mid-run"), ("0,1", "at-start")])
+def test_no_shared_memory_is_left_when_a_rank_is_killed(tmp_path, victims, when):
+    """A rank SIGKILLed with its resource tracker left its 4 MB segment in /dev/shm: the
+    creator now drops the channels' name once all mapped it, a survivor removes its mesh's
+    names when it closes after losing a local rank, and the launcher removes them once
+    every rank ended (the only one left when no survivor closes: "0,1")."""
+    script = _script(tmp_path, KILLED_SCRIPT, "killed.py")
+    res = _launch(["-n", "2", "--grace", "2", script, victims, when], _env(), timeout=90)
+    sessions = {json.loads(line.split("] ", 1)[1])["session"] for line in res.stdout.splitlines()
+                if line.split("] ", 1)[-1].startswith('{"rank"')}
+    assert len(sessions) == 1 and res.returncode == 128 + signal.SIGKILL, res.stdout + res.stderr
+    prefix = f"dtm{sessions.pop()}_"
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert not left, res.stderr
+
+
 def _start_loop(tmp_path, procs, n: int, coord: Coordinator) -> dict[int, int]:
     """n ranks looping all_reduce against `coord`: rank -> pid, once all are in the loop."""
     script = _script(tmp_path, LOOP_SCRIPT, "loop.py")
@@ -257,3 +300,55 @@ def test_a_stuck_rank_is_peer_lost_within_the_heartbeat_timeout(tmp_path, procs)
     for r in (0, 2):
         assert beats[r].rss_bytes > 10 << 20 and beats[r].ops_done > 0 and beats[r].cpu_percent > 0
         assert beats[r].last_op.startswith("all_reduce(sum) f32[262144] over all ranks at loop.py:")
+
+
+ONE_MORE_SCRIPT = r'''
+import json, os, sys, time
+import numpy as np
+import dtm
+dtm.init(timeout=30)
+r = dtm.rank()
+x = np.ones(1 << 16, np.float32)
+dtm.distributed.all_reduce(x)
+print(json.dumps({"ready": r}), flush=True)
+go = sys.argv[1]
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.02)
+if r == 0:  # its loop ended one step earlier than rank 1's
+    dtm.shutdown()
+    print(json.dumps({"rank": r, "t": time.time()}), flush=True)
+    sys.exit(0)
+time.sleep(0.3)
+try:
+    dtm.distributed.all_reduce(x)
+    print(json.dumps({"rank": r, "t": time.time(), "code": None}), flush=True)
+except dtm.DTMError as e:
+    print(json.dumps({"rank": r, "t": time.time(), "code": e.code.value, "msg": str(e)}), flush=True)
+'''
+
+
+def test_one_more_all_reduce_after_the_peer_shut_down_fails_at_once_without_a_coordinator(tmp_path, procs):
+    """The stall of issue 16: ranks that end a loop on a shared clock sometimes disagree by
+    one step; the late one's all_reduce waited 60 s in shared memory for the rank that had
+    shut down (E0802), the coordinator being gone so no notice came either. Now the
+    survivor sees the Leave on the connection: E1001 at once."""
+    coord = Coordinator(2, "one more").start()
+    script = _script(tmp_path, ONE_MORE_SCRIPT, "one_more.py")
+    go = tmp_path / "go"
+    host, port = coord.address
+    try:
+        for r in range(2):
+            env = _env(DTM_COORDINATOR=f"{host}:{port}", DTM_RANK=r, DTM_WORLD_SIZE=2, DTM_TOKEN="one more",
+                       DTM_COORDINATOR_EXTERNAL=1)
+            procs.append(subprocess.Popen([sys.executable, script, str(go)], env=env, stdout=subprocess.PIPE,
+                                          text=True))
+        for p in procs:
+            assert "ready" in p.stdout.readline()  # bounded: init times out after 30 s
+    finally:
+        coord.stop()  # the coordinator is gone before the ranks part
+    go.touch()
+    outs = [json.loads(p.communicate(timeout=90)[0].strip().splitlines()[-1]) for p in procs]
+    left, late = outs
+    assert late["code"] == "E1001" and "rank 0" in late["msg"] and "left the mesh" in late["msg"], late
+    assert late["t"] - left["t"] < 10.0, (left, late)

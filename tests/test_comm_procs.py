@@ -139,6 +139,27 @@ def killed(comm, rank, n):
         comm.all_reduce(x, out=x)
 
 
+def leaves(comm, rank, n):
+    """The last rank closes its transport (what dtm.shutdown() does) between all_reduces
+    while the others are inside one: they must fail naming it at once (spec 9.6.5)."""
+    x = np.ones(200_000, np.float32)
+    for _ in range(3):
+        comm.all_reduce(x)
+    if rank == n - 1:
+        return time.time()  # rank_main closes the transport next
+    while True:
+        comm.all_reduce(x)
+
+
+def leader_leaves(comm, rank, n):
+    """Rank 0, which creates the group's segment at its first collective, leaves before
+    that; the others, waiting for the segment, must fail naming it at once."""
+    if rank == 0:
+        return time.time()
+    time.sleep(0.5)
+    comm.all_reduce(np.ones(1000, np.float32))
+
+
 def killed_sender(comm, rank, n):
     """Rank 1 SIGKILLs itself in the middle of a send far larger than a socket's or a
     channel's buffer, which rank 0 drains only later; rank 0, in recv, must raise."""
@@ -245,7 +266,8 @@ def cancelled_recv(comm, rank, n):
         return "not told"
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_ring, early, outsider_leaves, corrupt, killed,
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_ring, early, outsider_leaves, corrupt, killed, leaves,
+                                     leader_leaves,
                                      killed_sender, send_then_idle, served, severed, cancelled, cancelled_recv,
                                      cancelled_send)}
 
@@ -522,6 +544,36 @@ def test_sigkill_mid_all_reduce_gives_peer_lost(kind):
         assert status == "err" and code is ErrorCode.PEER_LOST, message
         assert "all_reduce" in message
         assert 0 < when - killed_at < KILL_BOUND_S
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_rank_that_leaves_mid_all_reduce_is_peer_lost_at_once(kind):
+    """Spec 9.6.5 on every transport: shared memory too ends the survivors' wait with
+    E1001 saying the rank left, not with E0802 at the timeout."""
+    n = 3
+    outcomes, _ = run_mesh(kind, n, "leaves", timeout=30)
+    status, left_at, _ = outcomes[n - 1]
+    assert status == "ok"
+    for r in range(n - 1):
+        status, (name, code, message, when), _ = outcomes[r]
+        assert status == "err" and code is ErrorCode.PEER_LOST, message
+        assert f"rank {n - 1}" in message and "left the mesh" in message and "all_reduce" in message
+        assert 0 < when - left_at < KILL_BOUND_S
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_rank_that_left_before_a_collective_is_peer_lost_at_once(kind):
+    """In shared memory the others wait for rank 0 to create the group's segment: its
+    Leave ends that wait too (E1001), not the timeout."""
+    n = 3
+    outcomes, _ = run_mesh(kind, n, "leader_leaves", timeout=30)
+    status, left_at, _ = outcomes[0]
+    assert status == "ok"
+    for r in range(1, n):
+        status, (name, code, message, when), _ = outcomes[r]
+        assert status == "err" and code is ErrorCode.PEER_LOST, message
+        assert "rank 0" in message and "left the mesh" in message
+        assert 0 < when - left_at < KILL_BOUND_S
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])

@@ -157,3 +157,51 @@ def test_math_runs_in_vector_versions_where_the_c_library_has_them(tmp_path, mon
         np.testing.assert_allclose(got, np.exp(np.tanh(x.astype(np.float64))).astype(np_dt), rtol=rtol,
                                    equal_nan=True)
     assert any(b"_ZGV" in so.read_bytes() for so in tmp_path.glob("*.so") if "probe" not in so.name)
+
+
+_RUN_CACHED = """
+import ctypes, sys
+from dtm.compiler import build as B
+fn = B.load_kernel(sys.argv[1], "cached")
+out = (ctypes.c_double * 1)()
+fn((ctypes.c_void_p * 1)(ctypes.addressof(out)), (ctypes.c_int64 * 1)(2))
+print(out[0], B.STATS["compiles"], B.STATS["hits"])
+"""
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "flipped"])
+def test_a_damaged_cached_object_is_rebuilt_with_one_warning(tmp_path, damage):
+    """A cached .so cut short or changed on disk crashed every later run (a bus error in
+    dlopen, or "file too short") and was never rebuilt: each run checks it against the
+    checksum written beside it and builds it again, saying so."""
+    src = SRC % uuid.uuid4().hex
+    env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path))
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _RUN_CACHED, src], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    first = run()
+    assert first.returncode == 0 and first.stdout.split() == ["5.0", "1", "0"], first.stderr
+    so = next(tmp_path.glob("*.so"))
+    assert so.with_suffix(".sha256").exists()
+    data = so.read_bytes()
+    so.write_bytes({"empty": b"", "truncated": data[:len(data) // 2],
+                    "flipped": data[:100] + bytes([data[100] ^ 0xFF]) + data[101:]}[damage])
+    again = run()
+    assert again.returncode == 0 and again.stdout.split() == ["5.0", "1", "0"], again.stderr
+    assert again.stderr.count("is damaged") == 1 and str(so) in again.stderr
+    third = run()  # repaired: a plain cache hit, nothing said
+    assert third.stdout.split() == ["5.0", "0", "1"] and "is damaged" not in third.stderr, third.stderr
+
+
+def test_an_object_without_a_checksum_is_rebuilt_quietly(tmp_path, monkeypatch):
+    """A cache from before checksums: its objects are built again once, without a warning."""
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    src = SRC % uuid.uuid4().hex
+    so = B.build(src, "k")
+    so.with_suffix(".sha256").unlink()
+    B._intact.discard(so)
+    before = B.STATS["compiles"]
+    assert B.build(src, "k") == so and B.STATS["compiles"] == before + 1
+    assert so.with_suffix(".sha256").exists()

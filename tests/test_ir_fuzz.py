@@ -11,6 +11,7 @@ hold its attributes in canonical form.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import struct
@@ -847,3 +848,35 @@ def test_decode_refuses_non_minimal_varint():
     with pytest.raises(ir.IRError) as ei:  # a longer one, in a count
         ir.decode(enc[:7] + b"\x00" + b"\x81\x80\x00" + enc[9:])
     assert ei.value.code.value == "E0701"
+
+
+def test_a_long_sum_in_a_dim_is_e0405_at_the_term_past_the_limit():
+    """Spec 4.6 bounds a dim's normal form at 64 terms for sums as for products: an
+    8,000-term sum is refused at its 65th term (so reading stops there, instead of copying
+    the terms once per addition: 22 s), at that term's sign."""
+    terms = [f"A{i}" for i in range(8000)]
+    line = "func @f(%x: f32[" + " + ".join(terms) + "]) -> () {"
+    with pytest.raises(ir.IRError) as ei:
+        ir.parse(f"dtm 1.0\n{line}\n  return\n}}\n")
+    e = ei.value
+    assert (e.code.value, e.line, e.col) == ("E0405", 2, line.index(" + A64") + 2), e
+    assert "64 terms" in e.message
+    ir.parse("dtm 1.0\nfunc @f(%x: f32[" + " + ".join(terms[:64]) + "]) -> () {\n  return\n}\n")
+    # terms that cancel or merge stay within the limit however many are written
+    same = "func @f(%x: f32[" + " + ".join(["A"] * 8000) + "]) -> (f32[8000*A]) {\n  return %x\n}\n"
+    assert ir.verify(ir.parse("dtm 1.0\n" + same)).funcs
+
+
+@pytest.mark.parametrize("body", ["x" * (1 << 20), "\\\\" * (1 << 19), "\\u00e9a" * (1 << 17)])
+def test_a_one_megabyte_string_attribute_parses_in_memory_linear_in_its_size(body):
+    """Strings are scanned without backtracking state per character (a 1 MB string cost
+    354 MB): the peak stays a small multiple of the text."""
+    text = f'dtm 1.0\nfunc @f(%x: f32[4]) -> () {{\n  store_put %x {{key = "{body}"}}\n  return\n}}\n'
+    tracemalloc.start()
+    try:
+        m = ir.parse(text)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert m.funcs["f"].ops[0].attrs["key"] == json.loads(f'"{body}"')
+    assert peak < 16 * len(text), peak

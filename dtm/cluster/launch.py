@@ -10,11 +10,14 @@ stdout and stderr forwarded line by line with a `[rank k] ` prefix.
 When a rank exits non-zero, the launcher ends the others (SIGTERM to their process groups,
 SIGKILL to what is left after `grace` seconds), says which rank failed first, and exits with
 that rank's status (128 + signal when it was killed). SIGINT or SIGTERM to the launcher ends
-every rank the same way.
+every rank the same way. Once every rank ended, the launcher removes the shared-memory
+segment names their mesh left (a rank killed together with the resource tracker that would
+have removed them).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -25,9 +28,12 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
+from ..comm.shm import remove_segments
 from ..errors import DTMError, ErrorCode as E
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
 from .env import Axes, heartbeat_env, parse_address
+
+log = logging.getLogger("dtm.cluster")
 
 GRACE_S = 5.0
 POLL_S = 0.05
@@ -115,6 +121,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
             signal.signal(sig, handler)
         if coord is not None:
             coord.stop()
+            _remove_segments(coord, token)
     if interrupted:
         stderr.write(f"dtm launch: interrupted by {signal.Signals(interrupted[0]).name}; ended all {nprocs} ranks\n")
         return 128 + interrupted[0]
@@ -126,6 +133,15 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
                  f"{others}\n" if others else f"dtm launch: rank {failed} failed ({_status(code)})\n")
     stderr.flush()
     return code if code > 0 else 128 - code
+
+
+def _remove_segments(coord: Coordinator, token: str) -> None:
+    """Once every rank ended: the shared-memory segments their mesh left named (a rank
+    killed with its resource tracker before it dropped a name) go, so none outlives the run."""
+    if coord.view is not None:
+        addresses = [(m.host, m.port) for m in coord.view.members]
+        for name in remove_segments(token, addresses, coord.view.epoch):
+            log.info("dtm launch: removed shared memory %s that the ranks left behind", name)
 
 
 def _watch(procs: list[subprocess.Popen], interrupted: list[int]) -> int | None:

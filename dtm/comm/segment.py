@@ -4,6 +4,8 @@ The workspaces of `shm` (one per group) and the point-to-point channels of `chan
 segment per host) are both made this way: the first member creates the segment under a
 name in /dev/shm, the others map it by that name, and the creator unlinks the name as soon
 as every member has mapped it, so nothing is left behind even when processes are killed.
+A name a killed creator had not dropped yet (its resource tracker, which would, killed with
+it) is removed by `remove_all`: by the survivors as they close, and by `dtm launch`.
 Counters in a segment have one writer each and are read after the data they publish; that
 relies on x86-64's store order, so other CPUs use the socket algorithms (`SUPPORTED`).
 """
@@ -138,6 +140,23 @@ def attach(name: str, size: int, *, create: bool, magic: int, layout: dict[str, 
             raise DTMError(E.INVALID_GROUP, f"shared memory {name}: laid out for {found}; this rank expects "
                            + ", ".join(f"{k} {v}" for k, v in layout.items()))
     return Segment(shm, buf, create)
+
+
+def remove_all(prefix: str) -> list[str]:
+    """Remove every segment name in /dev/shm that starts with `prefix`: those of a mesh
+    whose creator was killed, with multiprocessing's resource tracker that would have
+    removed them, before it dropped them (the survivors or the launcher call this once the
+    mesh is over). The names removed."""
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except FileNotFoundError:  # no /dev/shm: no segments either
+        return []
+    for n in names:
+        try:
+            os.unlink(f"/dev/shm/{n}")
+        except FileNotFoundError:  # another survivor was first
+            pass
+    return names
 
 
 def await_ready(ready: Callable[[], bool], what: str, timeout: float, where: str,

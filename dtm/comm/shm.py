@@ -45,7 +45,7 @@ from .calls import mismatch_message, same_call
 from .channel import Channel, Channels
 from .nontemporal import copy_out
 from .tcp import TcpTransport, Connection, connect_mesh
-from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
+from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle, PeerLost
 
 SLOT_BYTES = 1 << 20        # one member's share of a round
 CHANNEL_BYTES = 1 << 20     # the ring of each point-to-point channel (one per ordered pair of ranks)
@@ -83,9 +83,17 @@ class Workspace:
     # --- the segment ------------------------------------------------------------------------
 
     def _await(self, ready, what: str) -> None:
+        op = f"setting up shared memory for group {list(self.ranks)}"
+
+        def between() -> None:
+            self.transport.poll(op)
+            for peer in self.ranks:  # one that left cannot take part: as in `_departed`
+                gone = self.transport.ended(peer)
+                if gone is not None:
+                    raise PeerLost(peer, op, gone)
+
         segment.await_ready(ready, what, self.transport.timeout,
-                            f"rank {self.transport.rank} ({self.name}, group {list(self.ranks)})",
-                            lambda: self.transport.poll(f"setting up shared memory for group {list(self.ranks)}"))
+                            f"rank {self.transport.rank} ({self.name}, group {list(self.ranks)})", between)
 
     def close(self) -> None:
         self.segment.unlink()
@@ -122,8 +130,21 @@ class Workspace:
                                f"shared memory for ranks {behind}")
             if now - last_poll >= SLICE_S:
                 self.transport.poll(what)  # PeerLost, or an Error a peer sent
+                self._departed(col, target, what)
                 last_poll = now
             self.bell.wait(seen, SLICE_S)
+
+    def _departed(self, col: int, target: int, what: str) -> None:
+        """PeerLost for a member this wait needs whose connection has ended. A rank that
+        left with Leave ends its connection without an error the poll would raise (over TCP
+        the receive posted for it does), so without this look the wait would run to its
+        timeout (spec 9.6.5). Its counters are read after the ended connection was seen,
+        so a member that counted before it left is not taken for one that did not."""
+        for m in range(self.n):
+            peer = self.ranks[m]
+            gone = self.transport.ended(peer)
+            if gone is not None and self.ctrl[m, col] < target:
+                raise PeerLost(peer, what, gone)
 
     def _count(self, col: int) -> None:
         self.ctrl[self.me, col] = self.round + 1
@@ -158,6 +179,7 @@ class Workspace:
         if k == 0:
             self._check(b, start, self._seq)
         self.segment.unlink()
+        self.transport.unlink_channels()
 
     def _end(self) -> None:
         self._count(CONSUMED)
@@ -356,7 +378,7 @@ class ShmTransport(TcpTransport):
         waiting = list(waiting)
         seen = self._channels.bell.value()  # before looking: a write after this wakes the sleep below
         moved = self._pump(op)
-        self._channels.unlink_when_mapped()
+        self.unlink_channels()
         now = time.monotonic()
         if moved:
             return super()._progress(now, waiting, op)  # the sockets too, without sleeping
@@ -366,6 +388,13 @@ class ShmTransport(TcpTransport):
         super()._progress(now, waiting, op)
         if not any(h.done for h in waiting):
             self._channels.bell.wait(seen, max(0.0, min(SLICE_S, deadline - time.monotonic())))
+
+    def unlink_channels(self) -> None:
+        """Drop the channels' name once every rank mapped it (on the creator), so that a
+        program of collectives alone, which never moves a channel's frames, does not keep
+        it until close: a creator killed with its resource tracker would leave it behind."""
+        if self._channels is not None and self._channels.segment.named:
+            self._channels.unlink_when_mapped()
 
     def _pump(self, op: str) -> bool:
         """Write what the channels take and read what they hold; whether anything moved."""
@@ -387,10 +416,16 @@ class ShmTransport(TcpTransport):
         self._spaces.clear()
         # A Cancel may still wait in a channel: it must arrive before the Leave on the socket.
         self._push_until(lambda: not any(c.out for c in self._channel_conns.values() if c.closed is None))
+        # A rank of this host that was lost (not one that left) may have created a segment
+        # that is still named, and its resource tracker, which would remove it, may have
+        # died with it: the mesh is over, so its names go with this rank.
+        lost = any(c.closed is not None and not c.left for p, c in self._conns.items() if p in self.local)
         super().close()
         if self._channels is not None:
             self._channels.close()
             self._channels = None
+        if lost:
+            segment.remove_all(f"dtm{self.session}_")
 
 
 class _Duplex:
@@ -410,14 +445,25 @@ def _digest(ranks: Sequence[int]) -> str:
     return hashlib.sha256(repr(tuple(ranks)).encode()).hexdigest()[:12]
 
 
+def session_of(token: bytes | str, addresses: Sequence[tuple[str, int]], epoch: int) -> str:
+    """The part of every segment name that is the mesh's: from its token, addresses and
+    epoch, so two meshes on one host never share a segment (and the token cannot be read
+    back from a name)."""
+    secret = token.encode() if isinstance(token, str) else token
+    return hashlib.sha256(secret + repr((list(map(tuple, addresses)), epoch)).encode()).hexdigest()[:16]
+
+
+def remove_segments(token: bytes | str, addresses: Sequence[tuple[str, int]], epoch: int) -> list[str]:
+    """Remove whatever segment names the mesh of these left in /dev/shm (for a launcher,
+    once all its ranks ended); the names removed."""
+    return segment.remove_all(f"dtm{session_of(token, addresses, epoch)}_")
+
+
 def connect_local(rank: int, world_size: int, addresses: Sequence[tuple[str, int]], token: bytes | str, *,
                   epoch: int = 0, timeout: float = DEFAULT_TIMEOUT_S, slot_bytes: int = SLOT_BYTES,
                   channel_bytes: int = CHANNEL_BYTES, local: Sequence[int] | None = None, **kw) -> ShmTransport:
     """`connect_mesh` for ranks of one host: the same connections, plus shared memory for
-    collectives and point-to-point transfers. Segment names derive from the token, the
-    addresses and the epoch, so two meshes on one host never share one (and the token
-    cannot be read back from a name)."""
-    secret = token.encode() if isinstance(token, str) else token
-    session = hashlib.sha256(secret + repr((list(map(tuple, addresses)), epoch)).encode()).hexdigest()[:16]
+    collectives and point-to-point transfers; segment names start with `session_of`'s."""
+    session = session_of(token, addresses, epoch)
     return connect_mesh(rank, world_size, addresses, token, epoch=epoch, timeout=timeout, transport_class=ShmTransport,
                         session=session, slot_bytes=slot_bytes, channel_bytes=channel_bytes, local=local, **kw)

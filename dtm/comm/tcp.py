@@ -455,6 +455,11 @@ class TcpTransport(Transport):
                 self._poller.unregister(c.fd)
             c.sock.close()
 
+    def ended(self, peer: int) -> str | None:
+        """Why the connection to `peer` ended (it left, died, was severed); None while it is open."""
+        c = self._conns.get(peer)
+        return None if c is None else c.closed
+
     def sever(self, peer: int) -> None:
         """The failure detector's word (safe from any thread) that `peer` is gone, e.g. stuck
         with its socket still open: shut its connection down, so whatever waits for it ends

@@ -8,7 +8,10 @@ its source, the flags, the compiler's path and its `--version` text, so a second
 the same source is a file lookup (no compiler call), and a new compiler or flags never
 reuse a stale object. Objects are written to a temporary name and renamed into place
 (os.replace is atomic), so processes that build the same kernel at the same time all end
-with a complete object. The kernel's source is kept beside it (`<key>.c`); a failed
+with a complete object. Beside each object its SHA-256 (`<key>.sha256`) is written,
+atomically, after a successful compile and before the object is renamed into place; an
+object that does not match it (truncated, emptied, damaged on disk: loading it would crash
+the process) is rebuilt, with one warning. The kernel's source is kept beside it (`<key>.c`); a failed
 compile raises DTMError E0806 naming that file and quoting the compiler. The compiler is
 $CC, else `cc`, else `gcc`. Loading uses ctypes, which releases the GIL during each call.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -29,6 +33,8 @@ from pathlib import Path
 from ..errors import DTMError, ErrorCode as E
 from .c_runtime import SOURCES as RUNTIME_SOURCES
 from .render_c import render_unit, vector_math_decls
+
+log = logging.getLogger("dtm.compiler")
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
@@ -45,6 +51,7 @@ _lock = threading.Lock()
 _versions: dict[str, str] = {}
 _loaded: dict[str, ctypes.CDLL] = {}
 _runtime: dict[str, ctypes.CDLL] = {}
+_intact: set[Path] = set()  # objects this process checked against their checksum
 
 
 class BuildError(DTMError):
@@ -90,6 +97,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -102,8 +111,8 @@ def build(source: str, name: str = "kernel", flags: tuple = KERNEL_FLAGS, libs: 
     cc = compiler()
     key = hashlib.sha256("\0".join([source, " ".join(flags + libs), cc, compiler_version(cc)]).encode()).hexdigest()[:40]
     d = cache_dir()
-    so = d / f"{key}.so"
-    if so.exists():
+    so, digest = d / f"{key}.so", d / f"{key}.sha256"
+    if so.exists() and _checked(so, digest, name):
         with _lock:
             STATS["hits"] += 1
         return so
@@ -123,12 +132,43 @@ def build(source: str, name: str = "kernel", flags: tuple = KERNEL_FLAGS, libs: 
         if out.returncode != 0:
             raise BuildError(E.BUILD_FAILED, f"compiling kernel {name} failed: {_why(out, len(source))} "
                              f"(source: {src}; command: {' '.join(cmd)})")
+        _write_atomic(digest, _sha256(Path(tmp)).encode())
         os.replace(tmp, so)
         with _lock:
             STATS["compiles"] += 1
+            _intact.add(so)
     finally:
         Path(tmp).unlink(missing_ok=True)
     return so
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _checked(so: Path, digest: Path, name: str) -> bool:
+    """Whether cached object `so` is the one its build wrote (`digest` holds its SHA-256),
+    checked once per process, before anything loads it; False (build it again) with a
+    warning when it is not, quietly when it has no checksum (an older cache)."""
+    with _lock:
+        if so in _intact:
+            return True
+    try:
+        want = digest.read_text().strip()
+    except FileNotFoundError:
+        log.info("kernel %s: the cached object %s has no checksum: building it again", name, so)
+        return False
+    try:
+        found = _sha256(so)
+    except OSError:  # gone or unreadable since it was seen: built again like a damaged one
+        found = ""
+    if found != want:
+        log.warning("kernel %s: the cached object %s is damaged (it does not match the checksum its build "
+                    "wrote): building it again", name, so)
+        return False
+    with _lock:
+        _intact.add(so)
+    return True
 
 
 def _why(out: subprocess.CompletedProcess, source_bytes: int) -> str:

@@ -77,7 +77,13 @@ def dim_add(a: Dim, b: Dim) -> Dim:
     terms = _as_terms(a)
     for m, c in _as_terms(b).items():
         terms[m] = terms.get(m, 0) + c
-    return _normalize(terms)
+    out = _normalize(terms)
+    if isinstance(out, SymDim) and len(out.terms) > MAX_TERMS:
+        # Bounds a long sum as dim_mul bounds a product: each addition copies the terms,
+        # so a dim of n terms would cost n^2.
+        raise TypeRuleError(ErrorCode.INVALID_DIM, f"a sum of more than {MAX_TERMS} terms is too complex for a dim "
+                            f"(limits: {MAX_TERMS} terms, degree {MAX_DEGREE})")
+    return out
 
 
 def dim_neg(a: Dim) -> Dim:
