@@ -569,11 +569,15 @@ def test_a_rank_that_left_before_a_collective_is_peer_lost_at_once(kind):
     outcomes, _ = run_mesh(kind, n, "leader_leaves", timeout=30)
     status, left_at, _ = outcomes[0]
     assert status == "ok"
+    messages = []
     for r in range(1, n):
         status, (name, code, message, when), _ = outcomes[r]
         assert status == "err" and code is ErrorCode.PEER_LOST, message
-        assert "rank 0" in message and "left the mesh" in message
         assert 0 < when - left_at < KILL_BOUND_S
+        messages.append(message)
+    # the first survivor to notice names rank 0; the other may instead see that one end
+    # (it failed at once and exited) before rank 0's Leave: E1001 as well, as fast
+    assert any("rank 0" in m and "left the mesh" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])

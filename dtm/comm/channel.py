@@ -20,7 +20,7 @@ once all have.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -95,7 +95,8 @@ class Channel:
 class Channels:
     """This rank's channels to and from the other ranks of its host, in one segment."""
 
-    def __init__(self, rank: int, ranks: Sequence[int], name: str, capacity: int, timeout: float):
+    def __init__(self, rank: int, ranks: Sequence[int], name: str, capacity: int, timeout: float,
+                 between: Callable[[], None] = lambda: None):
         self.rank, self.ranks, self.name = rank, tuple(sorted(ranks)), name
         n, me = len(self.ranks), self.ranks.index(rank)
         capacity = -(-capacity // LINE) * LINE
@@ -108,7 +109,7 @@ class Channels:
         where = f"rank {rank} ({name}, the point-to-point channels of ranks {list(self.ranks)})"
         self.segment = segment.attach(
             name, size, create=self.creator, magic=_MAGIC, layout={"ranks": n, "channel bytes": capacity},
-            await_ready=lambda ready, what: segment.await_ready(ready, what, timeout, where))
+            await_ready=lambda ready, what: segment.await_ready(ready, what, timeout, where, between))
         buf = self.segment.buf
         self.marks = np.ndarray((n, LINE), np.uint8, buf, self.off_marks)
         self.marks[me, 0] = 1

@@ -84,16 +84,9 @@ class Workspace:
 
     def _await(self, ready, what: str) -> None:
         op = f"setting up shared memory for group {list(self.ranks)}"
-
-        def between() -> None:
-            self.transport.poll(op)
-            for peer in self.ranks:  # one that left cannot take part: as in `_departed`
-                gone = self.transport.ended(peer)
-                if gone is not None:
-                    raise PeerLost(peer, op, gone)
-
         segment.await_ready(ready, what, self.transport.timeout,
-                            f"rank {self.transport.rank} ({self.name}, group {list(self.ranks)})", between)
+                            f"rank {self.transport.rank} ({self.name}, group {list(self.ranks)})",
+                            lambda: self.transport.check_members(self.ranks, op))
 
     def close(self) -> None:
         self.segment.unlink()
@@ -342,12 +335,24 @@ class ShmTransport(TcpTransport):
         self._channel_conns: dict[int, Connection] = {}  # peer -> its channels, read and written like a connection
         if SUPPORTED and self.rank in self.local and len(self.local) > 1:
             ranks = sorted(self.local)
+            # the wait is for the creator (the lowest rank): one that left never makes it
+            op = f"setting up the point-to-point channels of ranks {ranks}"
             self._channels = Channels(self.rank, ranks, f"dtm{session}_p2p_{_digest(ranks)}", channel_bytes,
-                                      self.timeout)
+                                      self.timeout, lambda: self.check_members(ranks[:1], op))
             for peer, tcp in self._conns.items():
                 if peer in self.local:
                     duplex = _Duplex(self._channels.to[peer], self._channels.frm[peer])
                     self._channel_conns[peer] = Connection(peer, duplex, tcp.version, tcp.max_send, tcp.name, 0, 0)
+
+    def check_members(self, ranks: Sequence[int], op: str) -> None:
+        """Between tries of a wait for shared memory that `ranks` set up: a look at the
+        sockets, and PeerLost for a member that left (it will never create or map the
+        segment: as in `Workspace._departed`), not E0802 at the timeout."""
+        self.poll(op)
+        for peer in ranks:
+            gone = self.ended(peer)
+            if gone is not None:
+                raise PeerLost(peer, op, gone)
 
     def workspace(self, ranks: tuple[int, ...]) -> Workspace | None:
         """The group's workspace; None when the group spans hosts or this CPU is not supported."""
