@@ -1,5 +1,5 @@
-"""The C runtime libraries the kernels call: a tiled matrix product, one library for f32 and
-one for f64 (`SOURCES`).
+"""The C runtime libraries the kernels call: a tiled matrix product (and, called from the
+plan, scatter_add's accumulation), one library for f32 and one for f64 (`SOURCES`).
 
 Each is built once (and cached like any kernel), only for programs whose products use its
 type, and loaded with RTLD_GLOBAL before the first kernel that calls it; `HEADER` is pasted
@@ -199,6 +199,22 @@ static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb
     }
   }
   if (epi) epi(ctx, bt, 0, 1, j0, j1);
+}
+
+/* scatter_add's accumulation in place (spec 3.6): out is [outer, n, width] holding x, upd is
+   [outer, nidx, width]; upd[p, q, :] is added to out[p, clamp(idx[q]), :], q in order, so
+   every element takes its updates one by one in the order of the indices. (numpy's add.at
+   does the same a few ns per element slower: an embedding's gradient.) */
+void dtm_rt_scatter_add_SUF(int64_t outer, int64_t n, int64_t width, T *out, int64_t nidx, const int64_t *idx,
+                            const T *upd) {
+  if (n <= 0) return;
+  for (int64_t p = 0; p < outer; p++)
+    for (int64_t q = 0; q < nidx; q++) {
+      int64_t r = idx[q] < 0 ? 0 : idx[q] >= n ? n - 1 : idx[q];
+      T *restrict o = out + (p * n + r) * width;
+      const T *restrict u = upd + (p * nidx + q) * width;
+      for (int64_t j = 0; j < width; j++) o[j] += u[j];
+    }
 }
 
 void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, int64_t K,

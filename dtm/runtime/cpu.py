@@ -266,7 +266,17 @@ class Plan:
             result = vals[out] = self.allocate(self.buffers[out], bindings, None)
         if _ptr(result) != _ptr(x):
             np.copyto(result, x)
-        scatter_add_into(result, indices, updates, step.op.attrs["axis"])
+        axis = step.op.attrs["axis"]
+        dtype = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(result.dtype)
+        if dtype is None or not updates.flags.c_contiguous or indices.dtype == np.uint64:  # (u64 > 2^63 clamps high)
+            scatter_add_into(result, indices, updates, axis)
+            return
+        idx = np.ascontiguousarray(indices, np.int64)
+        shape = result.shape
+        fn = getattr(B.runtime_library(dtype), f"dtm_rt_scatter_add_{dtype}")
+        fn(ctypes.c_int64(math.prod(shape[:axis])), ctypes.c_int64(shape[axis]),
+           ctypes.c_int64(math.prod(shape[axis + 1:])), ctypes.c_void_p(_ptr(result)), ctypes.c_int64(idx.size),
+           ctypes.c_void_p(_ptr(idx)), ctypes.c_void_p(_ptr(updates)))
 
     def _fallback(self, step: FallbackStep, vals: list, originals: dict, bindings: dict,
                   ctx: RefContext | None) -> RefContext:
