@@ -306,3 +306,21 @@ def test_sdpa_dropout_statistics(backend, is_causal):
     assert abs(dropped - p) < 0.02  # 64 * 256 or 64 * 136 draws: 4+ standard deviations
     out.sum().backward()
     np.testing.assert_allclose(v.grad.numpy(), w.transpose(0, 2, 1) @ np.ones((heads, s, s), np.float32), rtol=1e-5)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("v", [[0.0, 0.0, 0.0], [3.0, -4.0, 0.0]])
+def test_norm_and_normalize_gradients_match_torch_also_at_a_zero_vector(v, p):
+    """torch gives the norm of a zero vector a zero gradient (not the root's infinite one
+    times zero: NaN)."""
+
+    w = np.array([[1.0, 2.0, 3.0]], np.float32)
+    x = dtm.tensor(np.array([v], np.float32), requires_grad=True)
+    y = dtm.tensor(np.array([v], np.float32), requires_grad=True)
+    dtm.norm(x, p).backward()
+    (dtm.nn.functional.normalize(y, p) * dtm.tensor(w)).sum().backward()
+    tx, ty = torch.tensor([v], requires_grad=True), torch.tensor([v], requires_grad=True)
+    torch.norm(tx, p).backward()
+    (torch.nn.functional.normalize(ty, p) * torch.from_numpy(w)).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(y.grad.numpy(), ty.grad.numpy(), rtol=1e-5, atol=1e-7)

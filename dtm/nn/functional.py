@@ -10,6 +10,7 @@ from ..functional import (dropout, gelu, layer_norm, linear, log_softmax, pad, r
                           sigmoid, silu, softmax, tanh, take)
 from .. import functional as F
 from ..tensor import Tensor, arange, error, int64
+from ..tensor.extra_ops import norm
 
 
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
@@ -88,14 +89,7 @@ def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
 def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Tensor:
     """input / max(||input||_p, eps) along `dim`: unit vectors, except that vectors shorter
     than eps are scaled by 1 / eps rather than blown up."""
-    a = F.abs(input)
-    if p == float("inf"):
-        norm = F.amax(a, dim, keepdim=True)
-    elif p == 1:
-        norm = F.sum(a, dim, keepdim=True)
-    else:
-        norm = F.pow(F.sum(F.pow(a, p), dim, keepdim=True), 1.0 / p)
-    return F.div(input, F.clamp(norm, min=eps))
+    return F.div(input, F.clamp(norm(input, p, dim, keepdim=True), min=eps))
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:

@@ -284,8 +284,16 @@ def norm(x: Tensor, p: Any = "fro", dim=None, keepdim: bool = False, dtype: Any 
     if p == 1:
         return F.sum(a, dim, keepdim)
     if p == 2:
-        return F.sqrt(F.sum(F.mul(x, x), dim, keepdim))
-    return F.pow(F.sum(F.pow(a, p), dim, keepdim), 1.0 / p)
+        return _root(F.sum(F.mul(x, x), dim, keepdim), 2)
+    return _root(F.sum(F.pow(a, p), dim, keepdim), p)
+
+
+def _root(s: Tensor, p: float) -> Tensor:
+    """s^(1/p) of a sum s >= 0, with torch's gradient at s = 0: zero, where the root's own
+    derivative is infinite and would make the gradient of a zero vector's norm NaN."""
+    positive = F.gt(s, 0.0)
+    safe = F.where(positive, s, 1.0)
+    return F.where(positive, F.sqrt(safe) if p == 2 else F.pow(safe, 1.0 / p), 0.0)
 
 
 # --- movement -----------------------------------------------------------------------------
