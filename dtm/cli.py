@@ -244,15 +244,16 @@ def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, joi
 
 @contextlib.contextmanager
 def _store_errors() -> Iterator[None]:
-    """A DTMError or an OS error becomes one line on stderr and exit status 1, never a traceback."""
-    from .errors import DTMError
+    """A DTMError, or an OS error on a file the command reads or writes (E1104), becomes one
+    line on stderr and exit status 1, never a traceback."""
+    from .errors import DTMError, ErrorCode as E
 
     try:
         yield
     except DTMError as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
-        raise click.ClickException(f"{e.filename or ''}: {e.strerror}".lstrip(": ")) from None
+        raise click.ClickException(str(DTMError(E.STORE_IO_ERROR, f"{e.filename}: {e.strerror or e}"))) from None
 
 
 def _store():
@@ -278,9 +279,15 @@ def _type(info) -> str:
     return f"{info.dtype}{list(info.shape)}"
 
 
+def _when(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
 @main.group("store")
 @click.option("--store", "url", default=None, metavar="PATH|URL",
-              help="a store directory or URL (file://, memory://, fsspec URLs); default DTM_STORE, "
+              help="a store directory, or a file:// or memory:// URL, as dtm.store.open takes; default DTM_STORE, "
                    "else ~/.cache/dtm/store")
 @click.pass_context
 def store_group(ctx: click.Context, url: str | None) -> None:
@@ -294,7 +301,7 @@ def store_ls(prefix: str) -> None:
     """List the keys under PREFIX with their types and sizes."""
     with _store_errors():
         st = _store()
-        rows = [(k, _type(i), i.nbytes, i.version, i.written) for k in st.keys(prefix) for i in [st.info(k)]]
+        rows = [(k, _type(i), i.nbytes, i.version, _when(i.written)) for k in st.keys(prefix) for i in [st.info(k)]]
     _table(f"{len(rows)} key(s) under {prefix!r}", ("key", "type", "bytes", "version", "written"), rows)
 
 
@@ -305,7 +312,7 @@ def store_info(key: str) -> None:
     with _store_errors():
         i = _store().info(key)
     _table(key, ("field", "value"), [("dtype", i.dtype), ("shape", list(i.shape)), ("bytes", i.nbytes),
-                                     ("checksum", i.checksum), ("version", i.version), ("written", i.written)])
+                                     ("checksum", i.checksum), ("version", i.version), ("written", _when(i.written))])
 
 
 # Printed in full by `get` without -o; past this, the tensor goes to a file.
@@ -322,24 +329,22 @@ def store_get(key: str, out: str | None) -> None:
     import numpy as np
 
     from .errors import DTMError, ErrorCode as E
-    from .ir.dtypes import DTYPES
     from .ref import dequantize
 
     with _store_errors():
         st = _store()
         i = st.info(key)
         x = st.get_array(key)
-        dtype = DTYPES[str(i.dtype)]
         if out is None:
             if x.size > MAX_PRINTED_ELEMENTS:
                 raise DTMError(E.ATTRIBUTE_TYPE, f"{key!r} is {_type(i)}, {x.size} elements: write it to a file "
                                "with -o FILE.npy")
             # numpy prints narrow floats and quantized blocks as bytes: show their f32 values
-            shown = dequantize(x, dtype, np.float32) if dtype.is_quant else \
+            shown = dequantize(x, i.dtype, np.float32) if i.dtype.is_quant else \
                 x.astype(np.float32) if x.dtype.kind == "V" else x
             click.echo(f"{key}: {_type(i)}\n{shown}")
             return
-        if dtype.is_quant or x.dtype.kind == "V":
+        if i.dtype.is_quant or x.dtype.kind == "V":
             raise DTMError(E.UNKNOWN_DTYPE, f"{key!r} is {_type(i)}, which .npy cannot name: use "
                            f"`dtm store export {key} FILE.safetensors`")
         np.save(out, x, allow_pickle=False)
@@ -354,13 +359,13 @@ def store_put(key: str, file: str, dtype: str | None) -> None:
     """Store the .npy FILE under KEY (never unpickles)."""
     import numpy as np
 
+    from .errors import DTMError, ErrorCode as E
+
     with _store_errors():
         try:
             x = np.load(file, allow_pickle=False)
-        except ValueError as e:  # not .npy, or an object array
-            from .errors import DTMError, ErrorCode as E
-
-            raise DTMError(E.BAD_ENCODING, f"{file}: not a .npy file of numbers: {e}") from None
+        except ValueError:  # numpy's words for this advise unpickling, which DTM never does
+            raise DTMError(E.BAD_ENCODING, f"{file}: not a .npy file of numbers") from None
         st = _store()
         st.put_array(key, x, dtype=dtype)
         i = st.info(key)
@@ -394,9 +399,10 @@ def store_verify(prefix: str) -> None:
     """Read every chunk under PREFIX and check its CRC32C; exit 1 when one fails."""
     with _store_errors():
         report = _store().verify(prefix)
-    _table(f"verify {prefix!r}", ("key", "problem"), [(k, p) for k, p in report.bad] or [("-", "none")])
-    click.echo(f"{report.checked} key(s) checked, {len(report.bad)} bad")
-    sys.exit(1 if report.bad else 0)
+    if report.bad:
+        _table(f"verify {prefix!r}: bad chunks", ("key", "chunk", "problem"), report.bad)
+    click.echo(f"{report.keys} key(s), {report.chunks} chunk(s) checked, {len(report.bad_keys)} bad key(s)")
+    sys.exit(0 if report.ok else 1)
 
 
 @store_group.command("export")
@@ -406,16 +412,16 @@ def store_export(key_or_prefix: str, out: str) -> None:
     """Write a key, or every key under a prefix, to the safetensors file OUT (tensor names =
     keys). Quantized types have no safetensors dtype: they are refused, not written as bytes."""
     from .errors import DTMError, ErrorCode as E
-    from .ir.dtypes import DTYPES
     from .nn.weights import save_safetensors
 
     with _store_errors():
         st = _store()
-        keys = [key_or_prefix] if key_or_prefix in st.keys(key_or_prefix) else st.keys(key_or_prefix)
+        keys = st.keys(key_or_prefix)
+        keys = [key_or_prefix] if key_or_prefix in keys else keys  # a whole key, not the keys it prefixes
         if not keys:
             raise DTMError(E.STORE_KEY_MISSING, f"no key is {key_or_prefix!r} or starts with it")
         for k in keys:
-            if DTYPES[str(st.info(k).dtype)].is_quant:
+            if st.info(k).dtype.is_quant:
                 raise DTMError(E.UNKNOWN_DTYPE, f"{k!r} is {_type(st.info(k))}: safetensors has no quantized "
                                "dtypes; nothing was written")
         save_safetensors({k: st.get_array(k) for k in keys}, out)
@@ -433,7 +439,7 @@ def store_import(file: str, prefix: str) -> None:
         tensors, _ = read_safetensors(file)
         st = _store()
         for name, t in tensors.items():
-            st.put(prefix + name, t)
+            st.put_array(prefix + name, t.numpy())
     click.echo(f"{len(tensors)} tensor(s) <- {file}")
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ checked against numpy, and what a program put is what `st.get` reads afterwards.
 
 from __future__ import annotations
 
+import uuid
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -39,12 +41,15 @@ func @f(%x: f32[N, 32]) -> (f32[N, 32], q8_0[N, 32]) {
 X = np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32)
 
 
+def fresh() -> dtm.store.Store:
+    """A new, empty store that leaves nothing on disk (memory:// stores of one name are one)."""
+    return dtm.store.open(f"memory://{uuid.uuid4().hex}")
+
+
 @pytest.fixture
 def st():
-    """A fresh process store for each test (memory://: nothing is left on disk)."""
-    store = dtm.store.open("memory://")
-    dtm.store.use(store)
-    return store
+    """A fresh process store for each test."""
+    return dtm.store.use(fresh())
 
 
 @pytest.mark.parametrize("backend", ["ref", "cpu"])
@@ -92,7 +97,7 @@ func @f() -> (f64[2, 2]) {
 
 def test_dtm_store_use_switches_the_store_programs_see(st):
     m = ir.verify(ir.parse('dtm 1.0\n\nfunc @f(%x: f32[2]) -> () {\n  store_put %x {key = "k"}\n  return\n}\n'))
-    other = dtm.store.open("memory://")
+    other = fresh()
     ref_run(m, "f", [np.ones(2, np.float32)])
     dtm.store.use(other)
     assert dtm.store.current() is other
@@ -103,7 +108,7 @@ def test_dtm_store_use_switches_the_store_programs_see(st):
 
 def test_a_context_may_carry_its_own_store(st):
     m = ir.verify(ir.parse('dtm 1.0\n\nfunc @f(%x: f32[2]) -> () {\n  store_put %x {key = "k"}\n  return\n}\n'))
-    private = dtm.store.open("memory://")
+    private = fresh()
     ref_run(m, "f", [np.ones(2, np.float32)], RefContext(store=private))
     assert private.keys() == ["k"] and st.keys() == []
 

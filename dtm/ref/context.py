@@ -25,6 +25,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
+from ..ir.dtypes import DType
 from ..ir.types import Mesh
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -52,18 +53,16 @@ class Comm(Protocol):
 
 
 class TensorStore(Protocol):
-    """What store_get / store_put need from a tensor store (dtm.store.Store has more)."""
+    """What store_get / store_put need from a tensor store (dtm.store.Store has more).
+    Both raise DTMError subclasses naming the key: E0804 missing, E0402 / E0403 another type."""
 
-    def info(self, key: str):
-        """The key's entry (`.dtype`, `.shape`); DTMError E0804 when no tensor is stored there."""
+    def get_array(self, key: str, dtype: DType | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The array under `key`, checked to be of `dtype` and `shape` (logical: quantized
+        types come as their uint8 block storage)."""
         ...
 
-    def get_array(self, key: str) -> np.ndarray:
-        """The stored array (quantized types: their uint8 block storage)."""
-        ...
-
-    def put_array(self, key: str, x: np.ndarray, dtype=None) -> object:
-        """Store a copy of `x` under `key` as `dtype` (default: x's own), replacing any earlier one."""
+    def put_array(self, key: str, a: np.ndarray, dtype: DType | str | None = None) -> object:
+        """Store a copy of `a` under `key` as `dtype` (default: a's own), replacing any earlier one."""
         ...
 
 
