@@ -264,7 +264,7 @@ def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path):
             finally:
                 os._exit(0)
         os.close(w)
-        time.sleep(rng.uniform(0.0, 0.03))
+        time.sleep(rng.uniform(0.0, 0.08))  # from before the first put to a few puts in
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         started = os.read(r, 1 << 16)
