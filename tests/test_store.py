@@ -6,9 +6,13 @@ bad input with its error code."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import pathlib
 import random
+import re
 import signal
+import sqlite3
 import time
 
 import ml_dtypes
@@ -22,7 +26,7 @@ from dtm.ir.dtypes import DTYPES, numpy_dtype
 from dtm.ref.quant import dequantize, quantize
 from dtm.store import ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreIOError, StoreTypeError
 from dtm.store.files import LocalFiles
-from dtm.store.keys import MAX_KEY_BYTES
+from dtm.store.keys import MAX_KEY_BYTES, MAX_SEGMENT_BYTES
 
 PLAIN = [d for d in DTYPES.values() if not d.is_quant]
 QUANT = [d for d in DTYPES.values() if d.is_quant]
@@ -359,3 +363,48 @@ def test_a_read_only_store_directory_is_e1104(tmp_path):
     (tmp_path / "ro").mkdir(mode=0o500)
     with pytest.raises(StoreIOError):
         dtm.store.open(tmp_path / "ro")
+
+
+# --- the spec says what the code does -----------------------------------------------------------
+
+SPEC = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "spec" / "dtm-spec.md").read_text(encoding="utf-8")
+SPEC_92 = SPEC[SPEC.index("### 9.2 Tensor store"):SPEC.index("### 9.3 Task graph")]
+
+
+def _ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_the_spec_states_the_key_bounds():
+    assert f"at most **{MAX_KEY_BYTES} bytes**" in SPEC_92
+    assert f"a segment longer than\n  {MAX_SEGMENT_BYTES} UTF-8 bytes" in SPEC_92
+
+
+def test_zarr_json_and_data_types_are_as_the_spec_tables_say(disk, tmp_path):
+    members = re.findall(r"^\| `([a-z_]+)` \| ", SPEC_92[SPEC_92.index("| member |"):SPEC_92.index("| dtype | `data_type` |")], re.M)
+    rows = re.findall(r"^\| (`[a-z0-9_]+`(?:, `[a-z0-9_]+`)*) \| (`[a-z0-9]+`(?:, `[a-z0-9]+`)*) \| ",
+                      SPEC_92[SPEC_92.index("| dtype | `data_type` |"):], re.M)
+    spec_types = {d: z for dts, zs in rows for d, z in zip(_ticked(dts), _ticked(zs), strict=True)}
+    assert sorted(spec_types) == sorted(DTYPES)
+    for d in DTYPES.values():
+        x = quantize(np.ones((1, 32), np.float32), d) if d.is_quant else _random(d, (3,))
+        info = disk.put_array(d.name, x, dtype=d.name)
+        meta = json.loads((tmp_path / "s" / info.dir / "zarr.json").read_text())
+        assert list(meta) == members
+        assert meta["data_type"] == spec_types[d.name], d
+        assert meta["attributes"]["dtm"] == {"format": 1, "dtype": d.name, "shape": list(info.shape),
+                                             "checksum": info.checksum}
+
+
+def test_the_index_is_the_sqlite_schema_the_spec_gives(disk, tmp_path):
+    info = disk.put("layer0/w", np.zeros((2, 3), np.float32))
+    block = SPEC_92[SPEC_92.index("```text"):]
+    spec_cols = re.search(r"keys\((.*?)\)\n", block, re.S).group(1)
+    db = sqlite3.connect(tmp_path / "s" / "index.sqlite")
+    assert [c[1] for c in db.execute("PRAGMA table_info(keys)")] == re.findall(r"(\w+) (?:TEXT|INTEGER|REAL)", spec_cols)
+    assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone() == ("1",)
+    row = db.execute("SELECT * FROM keys").fetchone()
+    assert row == ("layer0/w", info.dir, "f32", "[2, 3]", 24, info.checksum, 1, info.written)
+    assert info.dir.startswith("data/layer0/w/@") and re.fullmatch(r"[0-9a-f]{16}", info.dir.rsplit("@", 1)[1])
+    db.close()
