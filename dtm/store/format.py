@@ -18,6 +18,8 @@ import numpy as np
 from crc32c import crc32c
 
 from ..ir.dtypes import DTYPES, DType, numpy_dtype
+from ..ir.types import TensorType
+from ..ref.quant import storage_shape as _quant_storage_shape
 
 FORMAT_VERSION = 1
 CRC_BYTES = 4
@@ -84,17 +86,14 @@ def storage_numpy_dtype(dtype: DType) -> np.dtype:
     return np.dtype(_ZARR_TYPE[dtype.name]).newbyteorder("<")
 
 
-def storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if not dtype.is_quant:
-        return shape
-    *lead, k = shape
-    return (*lead, k // dtype.block * dtype.itemsize)
+def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return _quant_storage_shape(TensorType(dtype, shape))
 
 
 def plan(dtype: DType, shape: tuple[int, ...], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Layout:
     """The layout of a tensor: as few chunks as `chunk_bytes` allows, of near-equal rows so
     the padded edge chunk wastes at most one row per chunk."""
-    sshape = storage_shape(dtype, shape)
+    sshape = _storage_shape(dtype, shape)
     sdtype = storage_numpy_dtype(dtype)
     if not sshape:
         return Layout(dtype, shape, sdtype, sshape, 1)
@@ -131,7 +130,7 @@ def parse_metadata(raw: bytes) -> tuple[Layout, str]:
     dtype = DTYPES[attrs["dtype"]]
     shape = tuple(int(d) for d in attrs["shape"])
     chunk_shape = doc["chunk_grid"]["configuration"]["chunk_shape"]
-    layout = Layout(dtype, shape, storage_numpy_dtype(dtype), storage_shape(dtype, shape),
+    layout = Layout(dtype, shape, storage_numpy_dtype(dtype), _storage_shape(dtype, shape),
                     int(chunk_shape[0]) if chunk_shape else 1)
     if list(layout.storage_shape) != doc["shape"] or list(layout.chunk_shape) != chunk_shape \
             or doc["data_type"] != _ZARR_TYPE[dtype.name]:
