@@ -8,16 +8,19 @@
     dtm conformance protocol run the wire protocol conformance vectors
     dtm launch -n N script.py   run N local ranks (DTM_* environment, output prefixed by rank)
     dtm coordinator --world-size N   run a coordinator on its own
+    dtm store ls|info|get|put|rm|du|verify|export|import   the tensor store (--store PATH/URL)
 
 FILE may be `-` for standard input. Every failure exits non-zero with the error on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import sys
 import tempfile
+from typing import Iterator
 
 import click
 
@@ -236,6 +239,208 @@ def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, joi
     coord.serve()
     sys.exit(1 if coord.error or coord.lost else 0)
 
+
+# --- the tensor store --------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    """A DTMError, or an OS error on a file the command reads or writes (E1104), becomes one
+    line on stderr and exit status 1, never a traceback."""
+    from .errors import DTMError, ErrorCode as E
+
+    try:
+        yield
+    except DTMError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(str(DTMError(E.STORE_IO_ERROR, f"{e.filename}: {e.strerror or e}"))) from None
+
+
+def _store():
+    """The store `--store` names (default: as dtm.store.open())."""
+    from . import store
+
+    return store.open(click.get_current_context().obj)
+
+
+def _table(title: str, columns: tuple[str, ...], rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("bytes", "keys", "version", "chunks") else "left")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=200).print(table)
+
+
+def _type(info) -> str:
+    return f"{info.dtype}{list(info.shape)}"
+
+
+def _when(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+@main.group("store")
+@click.option("--store", "url", default=None, metavar="PATH|URL",
+              help="a store directory, or a file:// or memory:// URL, as dtm.store.open takes; default DTM_STORE, "
+                   "else ~/.cache/dtm/store")
+@click.pass_context
+def store_group(ctx: click.Context, url: str | None) -> None:
+    """Read and write the tensor store."""
+    ctx.obj = url
+
+
+@store_group.command("ls")
+@click.argument("prefix", default="")
+def store_ls(prefix: str) -> None:
+    """List the keys under PREFIX with their types and sizes."""
+    with _store_errors():
+        st = _store()
+        rows = [(k, _type(i), i.nbytes, i.version, _when(i.written)) for k in st.keys(prefix) for i in [st.info(k)]]
+    _table(f"{len(rows)} key(s) under {prefix!r}", ("key", "type", "bytes", "version", "written"), rows)
+
+
+@store_group.command("info")
+@click.argument("key")
+def store_info(key: str) -> None:
+    """Show KEY's type, size, checksum, version and when it was written."""
+    with _store_errors():
+        i = _store().info(key)
+    _table(key, ("field", "value"), [("dtype", i.dtype), ("shape", list(i.shape)), ("bytes", i.nbytes),
+                                     ("checksum", i.checksum), ("version", i.version), ("written", _when(i.written))])
+
+
+# Printed in full by `get` without -o; past this, the tensor goes to a file.
+MAX_PRINTED_ELEMENTS = 1000
+
+
+@store_group.command("get")
+@click.argument("key")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="write the tensor to this .npy file")
+def store_get(key: str, out: str | None) -> None:
+    """Print KEY (small tensors) or write it to a .npy file (-o). Types .npy cannot name
+    (bf16, f8, quantized) go through `dtm store export` instead."""
+    import numpy as np
+
+    from .errors import DTMError, ErrorCode as E
+    from .ref import dequantize
+
+    with _store_errors():
+        st = _store()
+        i = st.info(key)
+        x = st.get_array(key)
+        if out is None:
+            if x.size > MAX_PRINTED_ELEMENTS:
+                raise DTMError(E.ATTRIBUTE_TYPE, f"{key!r} is {_type(i)}, {x.size} elements: write it to a file "
+                               "with -o FILE.npy")
+            # numpy prints narrow floats and quantized blocks as bytes: show their f32 values
+            shown = dequantize(x, i.dtype, np.float32) if i.dtype.is_quant else \
+                x.astype(np.float32) if x.dtype.kind == "V" else x
+            click.echo(f"{key}: {_type(i)}\n{shown}")
+            return
+        if i.dtype.is_quant or x.dtype.kind == "V":
+            raise DTMError(E.UNKNOWN_DTYPE, f"{key!r} is {_type(i)}, which .npy cannot name: use "
+                           f"`dtm store export {key} FILE.safetensors`")
+        np.save(out, x, allow_pickle=False)
+    click.echo(f"{key}: {_type(i)} -> {out}")
+
+
+@store_group.command("put")
+@click.argument("key")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--dtype", default=None, help="store the array as this DTM dtype (e.g. q8_0 for its uint8 blocks)")
+def store_put(key: str, file: str, dtype: str | None) -> None:
+    """Store the .npy FILE under KEY (never unpickles)."""
+    import numpy as np
+
+    from .errors import DTMError, ErrorCode as E
+
+    with _store_errors():
+        try:
+            x = np.load(file, allow_pickle=False)
+        except ValueError:  # numpy's words for this advise unpickling, which DTM never does
+            raise DTMError(E.BAD_ENCODING, f"{file}: not a .npy file of numbers") from None
+        st = _store()
+        st.put_array(key, x, dtype=dtype)
+        i = st.info(key)
+    click.echo(f"{key}: {_type(i)} <- {file}")
+
+
+@store_group.command("rm")
+@click.argument("keys", nargs=-1, required=True)
+def store_rm(keys: tuple[str, ...]) -> None:
+    """Delete KEYS."""
+    with _store_errors():
+        st = _store()
+        for k in keys:
+            st.delete(k)
+
+
+@store_group.command("du")
+@click.argument("prefix", default="")
+def store_du(prefix: str) -> None:
+    """Keys and bytes under PREFIX."""
+    with _store_errors():
+        st = _store()
+        keys = st.keys(prefix)
+        used = st.du(prefix)
+    _table(f"usage under {prefix!r}", ("prefix", "keys", "bytes"), [(prefix, len(keys), used)])
+
+
+@store_group.command("verify")
+@click.argument("prefix", default="")
+def store_verify(prefix: str) -> None:
+    """Read every chunk under PREFIX and check its CRC32C; exit 1 when one fails."""
+    with _store_errors():
+        report = _store().verify(prefix)
+    if report.bad:
+        _table(f"verify {prefix!r}: bad chunks", ("key", "chunk", "problem"), report.bad)
+    click.echo(f"{report.keys} key(s), {report.chunks} chunk(s) checked, {len(report.bad_keys)} bad key(s)")
+    sys.exit(0 if report.ok else 1)
+
+
+@store_group.command("export")
+@click.argument("key_or_prefix")
+@click.argument("out", type=click.Path(dir_okay=False))
+def store_export(key_or_prefix: str, out: str) -> None:
+    """Write a key, or every key under a prefix, to the safetensors file OUT (tensor names =
+    keys). Quantized types have no safetensors dtype: they are refused, not written as bytes."""
+    from .errors import DTMError, ErrorCode as E
+    from .nn.weights import save_safetensors
+
+    with _store_errors():
+        st = _store()
+        keys = st.keys(key_or_prefix)
+        keys = [key_or_prefix] if key_or_prefix in keys else keys  # a whole key, not the keys it prefixes
+        if not keys:
+            raise DTMError(E.STORE_KEY_MISSING, f"no key is {key_or_prefix!r} or starts with it")
+        for k in keys:
+            if st.info(k).dtype.is_quant:
+                raise DTMError(E.UNKNOWN_DTYPE, f"{k!r} is {_type(st.info(k))}: safetensors has no quantized "
+                               "dtypes; nothing was written")
+        save_safetensors({k: st.get_array(k) for k in keys}, out)
+    click.echo(f"{len(keys)} tensor(s) -> {out}")
+
+
+@store_group.command("import")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--prefix", default="", help="put each tensor under PREFIX + its name")
+def store_import(file: str, prefix: str) -> None:
+    """Store every tensor of the safetensors FILE under its name (bf16 and f8 included)."""
+    from .nn.weights import read_safetensors
+
+    with _store_errors():
+        tensors, _ = read_safetensors(file)
+        st = _store()
+        for name, t in tensors.items():
+            st.put_array(prefix + name, t.numpy())
+    click.echo(f"{len(tensors)} tensor(s) <- {file}")
 
 if __name__ == "__main__":
     main()

@@ -108,6 +108,12 @@ class ErrorCode(str, enum.Enum):
     RECEIVE_BUFFER_FULL = "E1003"
     JOIN_REFUSED = "E1004"
     NOT_INITIALIZED = "E1005"
+    # E11xx: the tensor store
+    INVALID_STORE_KEY = "E1101"
+    STORE_CHUNK_CORRUPT = "E1102"
+    STORE_QUOTA_EXCEEDED = "E1103"
+    STORE_IO_ERROR = "E1104"
+    STORE_CORRUPT = "E1105"
 
     def __str__(self) -> str:
         return self.value

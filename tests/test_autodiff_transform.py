@@ -19,6 +19,7 @@ from dtm.ir.symbolic import sym
 from dtm.ref.collectives import result as collective_result
 from dtm.ref.context import RefContext
 from dtm.ref.interpreter import run
+from test_store_programs import fresh
 
 f64 = ir.DTYPES["f64"]
 
@@ -160,11 +161,11 @@ def test_effects_are_copied_in_order_and_not_differentiated():
     g = m.funcs["f_grad"]
     effects = [(op.name, op.attrs["key"]) for op in g.ops if ir.REGISTRY[op.name].effect]
     assert effects == [("store_put", "a"), ("store_get", "a"), ("store_put", "b")]
-    ctx = RefContext()
+    ctx = RefContext(store=fresh())
     xv = np.array([1.0, 2.0, 3.0])
     out = run(m, "f_grad", [xv], ctx)
     np.testing.assert_allclose(out[1], xv)   # d(x * stop_gradient(x)) / dx
-    np.testing.assert_allclose(ctx.store["b"], xv * xv)
+    np.testing.assert_allclose(ctx.store.get_array("b"), xv * xv)
 
 
 def test_assign_target_is_differentiated_only_before_the_assign():

@@ -9,6 +9,7 @@ import pytest
 from dtm.errors import DTMError, ErrorCode as E
 from dtm.ir import parse
 from dtm.ref import RefContext, run
+from test_store_programs import fresh as memory_store
 
 rng = np.random.default_rng(3)
 
@@ -129,15 +130,17 @@ func @f(%x: f32[2]) -> (f32[2]) {
   return %new
 }
 """)
-    ctx = RefContext(store={"acc": np.zeros(2, np.float32)})
+    ctx = RefContext(store=memory_store())
+    ctx.store.put("acc", np.zeros(2, np.float32))
     for _ in range(3):
         run(m, "f", [np.ones(2, np.float32)], ctx)
-    np.testing.assert_array_equal(ctx.store["acc"], [3, 3])
+    np.testing.assert_array_equal(ctx.store.get_array("acc"), [3, 3])
     with pytest.raises(DTMError) as e:
-        run(m, "f", [np.ones(2, np.float32)])
+        run(m, "f", [np.ones(2, np.float32)], RefContext(store=memory_store()))
     assert e.value.code is E.STORE_KEY_MISSING and "'acc'" in e.value.message
+    ctx.store.put("acc", np.zeros(3, np.float32))
     with pytest.raises(DTMError) as e:
-        run(m, "f", [np.ones(2, np.float32)], RefContext(store={"acc": np.zeros(3, np.float32)}))
+        run(m, "f", [np.ones(2, np.float32)], ctx)
     assert e.value.code is E.SHAPE_MISMATCH
 
 

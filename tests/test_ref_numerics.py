@@ -212,8 +212,9 @@ func @f(%w: q4_0[N, 32], %x: f32[N, 32]) -> (f32[N, 32]) {
     w = quantize(rng.standard_normal((3, 32)).astype(np.float32), DTYPES["q4_0"])
     x = np.ones((3, 32), np.float32)
     from dtm.ref import RefContext
+    from test_store_programs import fresh
 
-    ctx = RefContext()
+    ctx = RefContext(store=fresh())
     (y,) = run(m, "f", [w, x], ctx)
     np.testing.assert_array_equal(y, dequantize(w, DTYPES["q4_0"], np.float32) + 1)
-    np.testing.assert_array_equal(ctx.store["w"], w)
+    np.testing.assert_array_equal(ctx.store.get_array("w", dtype="q4_0", shape=(3, 32)), w)  # stored as q4_0

@@ -1,6 +1,10 @@
 """The execution context of the reference interpreter: who this rank is, where it sits on
 each mesh, its tensor store, and how it talks to the other ranks.
 
+The tensor store is the process's (spec 9.2): `dtm.store` (layer 8) binds its `current`
+here with `bind_process_store`, because this layer may not import it; a context may carry
+its own store instead (a test's private `memory://` store).
+
 Group semantics (normative, spec "Collectives"): a rank's coordinates on a mesh are its
 index unravelled row-major over the mesh's axes. The group of a rank for `axes` is every
 rank that shares its coordinates on each mesh axis *not* in `axes`; a member's index within
@@ -16,11 +20,12 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
+from ..ir.dtypes import DType
 from ..ir.types import Mesh
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -45,6 +50,35 @@ class Comm(Protocol):
     def recv(self, src: int, dst: int, timeout: float) -> np.ndarray:
         """The oldest tensor `src` queued for `dst` (FIFO per ordered pair of ranks)."""
         ...
+
+
+class TensorStore(Protocol):
+    """What store_get / store_put need from a tensor store (dtm.store.Store has more).
+    Both raise DTMError subclasses naming the key: E0804 missing, E0402 / E0403 another type."""
+
+    def get_array(self, key: str, dtype: DType | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The array under `key`, checked to be of `dtype` and `shape` (logical: quantized
+        types come as their uint8 block storage)."""
+        ...
+
+    def put_array(self, key: str, a: np.ndarray, dtype: DType | str | None = None) -> object:
+        """Store a copy of `a` under `key` as `dtype` (default: a's own), replacing any earlier one."""
+        ...
+
+
+_process_store: Callable[[], TensorStore] | None = None
+
+
+def bind_process_store(current: Callable[[], TensorStore]) -> None:
+    """Make `current()` the store every context without its own store reads and writes."""
+    global _process_store
+    _process_store = current
+
+
+def process_store() -> TensorStore:
+    """The process's tensor store (what dtm.store.current() returns)."""
+    assert _process_store is not None, "dtm/__init__.py binds dtm.store.current before any program runs"
+    return _process_store()
 
 
 class Mailbox:
@@ -87,7 +121,8 @@ class RefContext:
 
     rank:    this rank's global index (row-major over the mesh's axes); 0 on one device.
     meshes:  the meshes collectives name; `run` fills it from the module when empty.
-    store:   the tensor store that store_get / store_put read and write.
+    store:   the tensor store that store_get / store_put read and write; None: the process's
+             (`process_store()`, looked up at each op so that dtm.store.use takes effect).
     comm:    the device group; None on a single device, where only groups of one work.
     timeout: seconds a collective or recv waits before raising DTMError (TIMEOUT).
     module:  the module being run (set by `run`; `call` runs its other functions).
@@ -95,7 +130,7 @@ class RefContext:
 
     rank: int = 0
     meshes: dict[str, Mesh] = field(default_factory=dict)
-    store: dict[str, np.ndarray] = field(default_factory=dict)
+    store: TensorStore | None = None
     comm: Comm | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     module: object | None = None
@@ -109,6 +144,9 @@ class RefContext:
         if self._mailbox is None:
             self._mailbox = Mailbox()
         return _SelfMailbox(self._mailbox)
+
+    def tensor_store(self) -> TensorStore:
+        return self.store if self.store is not None else process_store()
 
     def mesh(self, name: str) -> Mesh:
         m = self.meshes.get(name)

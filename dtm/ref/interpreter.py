@@ -31,7 +31,7 @@ from ..ir.symbolic import SymDim, format_dim
 from ..ir.types import TensorType
 from . import quant
 from .context import RefContext
-from .ops import IMPLS, register
+from .ops import IMPLS, TAKES_IN_TYPES, register
 
 Bindings = dict[str, int]
 
@@ -83,7 +83,9 @@ def _run(f: Func, inputs: Sequence[np.ndarray], ctx: RefContext) -> list[np.ndar
             if attrs is None:
                 attrs = resolved[op.attrs_key] = resolve_attrs(op.attrs, bindings)
         try:
-            outs = IMPLS[op.name](ctx, attrs, *args, out_types=tuple(sp.type for sp in rspecs))
+            kw = {"in_types": tuple(resolve_type(v.type, bindings) for v in op.operands)} \
+                if op.name in TAKES_IN_TYPES else {}
+            outs = IMPLS[op.name](ctx, attrs, *args, out_types=tuple(sp.type for sp in rspecs), **kw)
         except DTMError as e:
             raise DTMError(e.code, f"@{f.name} op {n} ({op.name}): {e.message}") from e
         for r, spec, x in zip(op.results, rspecs, outs):

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import DTMError, ErrorCode as E
 from ..ir.module import Module
 from .collectives import describe, result
-from .context import DEFAULT_TIMEOUT_S, Mailbox, RefContext
+from .context import DEFAULT_TIMEOUT_S, Mailbox, RefContext, TensorStore
 from .interpreter import run
 
 
@@ -126,9 +126,9 @@ class LocalGroup:
 
 
 def run_spmd(module: Module, func: str, per_rank_inputs: Sequence[Sequence[np.ndarray]], mesh_name: str, *,
-             timeout: float = DEFAULT_TIMEOUT_S, stores: Sequence[dict] | None = None) -> list[list[np.ndarray]]:
+             timeout: float = DEFAULT_TIMEOUT_S, stores: Sequence[TensorStore] | None = None) -> list[list[np.ndarray]]:
     """Run `func` on every rank of mesh `mesh_name` at once, rank r on per_rank_inputs[r]
-    (and with tensor store stores[r] when given); returns each rank's results. When a rank
+    (and with tensor store stores[r] when given, else the process's); returns each rank's results. When a rank
     fails, raises its error (DTMError: with the rank prefixed to the message)."""
     mesh = module.meshes.get(mesh_name)
     if mesh is None:
@@ -143,7 +143,7 @@ def run_spmd(module: Module, func: str, per_rank_inputs: Sequence[Sequence[np.nd
 
     def rank_main(r: int) -> None:
         ctx = RefContext(rank=r, meshes=dict(module.meshes), comm=group, timeout=timeout,
-                         store=stores[r] if stores is not None else {})
+                         store=stores[r] if stores is not None else None)
         try:
             results[r] = run(module, func, per_rank_inputs[r], ctx)
         except BaseException as e:  # noqa: BLE001 - reported to the caller below

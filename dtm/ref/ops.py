@@ -3,7 +3,7 @@ collectives and point-to-point ops are in collectives.py, `call` in interpreter.
 register into the same table).
 
 `IMPLS[name](ctx, attrs, *inputs, out_types=...)` returns the op's results as a tuple of
-numpy arrays. `attrs` holds every attribute with symbolic dims already evaluated, and
+numpy arrays (the ops in TAKES_IN_TYPES also take `in_types=`, their operands' static types). `attrs` holds every attribute with symbolic dims already evaluated, and
 `out_types` the result types with static shapes, which creation ops read their shape and
 dtype from. Each result has exactly the shape and numpy dtype of its type (quantized types:
 the uint8 block storage of `dtm.ref.quant`).
@@ -70,6 +70,11 @@ def _clamp_index(idx: np.ndarray, lo: int, hi: int) -> np.ndarray:
     if idx.dtype.kind == "u":  # large u64 values must not wrap to negatives
         return np.maximum(np.minimum(idx.astype(np.uint64), np.uint64(hi)).astype(np.int64), lo)
     return np.clip(idx.astype(np.int64), lo, hi)
+
+
+# Ops whose implementation needs its operands' static types, passed as `in_types=`: a
+# quantized operand's uint8 block storage does not say which type it holds.
+TAKES_IN_TYPES = frozenset({"store_put"})
 
 
 def register(name: str):
@@ -462,7 +467,7 @@ def _assign(ctx, attrs, target, value, *, out_types):
     return ()
 
 
-# --- checking a value that arrives from outside (store, recv) ------------------------------
+# --- checking a value that arrives from another rank (recv) ----------------------------------
 
 def expect_value(x: np.ndarray, t: TensorType, what: str) -> None:
     """Raise unless x holds a value of static type t."""
@@ -477,15 +482,14 @@ def expect_value(x: np.ndarray, t: TensorType, what: str) -> None:
 
 @register("store_get")
 def _store_get(ctx, attrs, *, out_types):
-    key = attrs["key"]
-    if key not in ctx.store:
-        raise DTMError(E.STORE_KEY_MISSING, f"store_get: no tensor is stored under {key!r}")
-    x = ctx.store[key]
-    expect_value(x, out_types[0], f"store_get {key!r}")
-    return (x.copy(),)
+    """The store checks the stored type against the declared one (E0402, then E0403) before
+    it reads any bytes, and every chunk's CRC32C as it reads them."""
+    t = out_types[0]
+    x = ctx.tensor_store().get_array(attrs["key"], dtype=t.dtype, shape=t.shape)
+    return (np.array(x, copy=True),)  # the store's array is read-only, maybe a map of its file
 
 
 @register("store_put")
-def _store_put(ctx, attrs, x, *, out_types):
-    ctx.store[attrs["key"]] = np.array(x, copy=True)
+def _store_put(ctx, attrs, x, *, out_types, in_types):
+    ctx.tensor_store().put_array(attrs["key"], x, dtype=in_types[0].dtype)  # the store copies x
     return ()

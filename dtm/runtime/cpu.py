@@ -41,7 +41,7 @@ from ..ir.types import TensorType
 from ..ref import quant
 from ..ref.context import RefContext
 from ..ref.interpreter import bind_symbols, check_array, evaluate, resolve_attrs, resolve_type
-from ..ref.ops import IMPLS, scatter_add_into
+from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
 
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
 _EMPTY_PTR = _EMPTY.ctypes.data
@@ -292,9 +292,11 @@ class Plan:
         out_types = tuple(resolve_type(r.type, bindings) for r in op.results) if bindings else \
             tuple(r.type for r in op.results)
         attrs = resolve_attrs(op.attrs, bindings) if bindings else op.attrs
+        kw = {"in_types": tuple(resolve_type(v.type, bindings) for v in op.operands)} \
+            if op.name in TAKES_IN_TYPES else {}
         try:
             with np.errstate(all="ignore"):
-                outs = IMPLS[op.name](ctx, attrs, *args, out_types=out_types)
+                outs = IMPLS[op.name](ctx, attrs, *args, out_types=out_types, **kw)
         except DTMError as e:
             raise DTMError(e.code, f"@{self.func.name} op {op.name} ({step.name}): {e.message}") from e
         for bi, x in zip(outs_i, outs):

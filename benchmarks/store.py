@@ -1,0 +1,203 @@
+"""The tensor store against its peers, in one run (issue 17):
+
+(a) 512 MiB of f32: `st.put` / `st.get_array` of a directory store against
+    `safetensors.numpy.save_file` / `load_file` of the same array in the same directory.
+    A DTM put is durable (every file fsynced, then renamed into the index); save_file is
+    not, so the safetensors figure also gets an fsync of its file ("+fsync") for a like
+    comparison. Gets are timed cold where the page cache can be emptied for the files read
+    (posix_fadvise DONTNEED after an fsync: no root needed), and warm.
+(b) small objects: put + get of a 1 KiB f32 tensor, microseconds per pair, over
+    `--pairs` pairs on a memory:// store and on a directory store in /dev/shm, and over
+    `--durable-pairs` on a directory store on disk (each put fsyncs its files: the disk's
+    sync latency, not DTM's code, sets that figure); the peer is save_file + load_file of
+    the same 1 KiB to one file.
+(c) only when `ray` is importable (`pip install dtm[bench]`): a second process gets a
+    256 MiB tensor the first put, DTM through a directory store in /dev/shm against
+    ray.put / ray.get on a local Ray. Run the whole benchmark in a loopback-only namespace
+    so Ray's ports stay local: unshare -n sh -c 'ip link set lo up && exec "$@"' sh python benchmarks/store.py
+
+Ratios are peer time / DTM time: above 1.0, DTM is faster.
+
+    python benchmarks/store.py                    # about a minute
+    python benchmarks/store.py --mib 64 --pairs 1000 --durable-pairs 50   # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import dtm  # noqa: E402
+from timing import best_of  # noqa: E402 - this folder is on sys.path when run as a script
+
+MIB = 1 << 20
+
+
+def evict(paths: list[Path]) -> bool:
+    """Drop `paths` from the page cache (they are fsynced first, so their pages are clean);
+    False where the platform has no posix_fadvise."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def files_under(d: Path) -> list[Path]:
+    return [p for p in d.rglob("*") if p.is_file()]
+
+
+def row(what: str, dtm_s: float, peer: str, peer_s: float, unit: str = "s") -> None:
+    scale, fmt = (1e6, "{:9.1f} us") if unit == "us" else (1.0, "{:9.3f} s ")
+    print(f"  {what:<34} DTM {fmt.format(dtm_s * scale)}   {peer:<26} {fmt.format(peer_s * scale)}"
+          f"   ratio {peer_s / dtm_s:5.2f}x")
+
+
+def large(root: Path, mib: int, runs: int) -> None:
+    x = np.random.default_rng(0).standard_normal(mib * MIB // 4, dtype=np.float32)
+    st = dtm.store.open(root / "store")
+    st_file = root / "x.safetensors"
+
+    def st_save_synced() -> None:
+        save_file({"x": x}, st_file)
+        fd = os.open(st_file, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    put = best_of(lambda: st.put("x", x), runs)
+    save = best_of(lambda: save_file({"x": x}, st_file), runs)
+    save_synced = best_of(st_save_synced, runs)
+    print(f"(a) {mib} MiB f32")
+    row("put (durable)", put, "save_file", save)
+    row("put (durable)", put, "save_file + fsync", save_synced)
+
+    def get() -> None:
+        a = st.get_array("x")
+        assert a.shape == x.shape
+
+    def cold(paths: list[Path], fn) -> float:
+        """The best of `runs` calls of fn, each after `paths` left the page cache (untimed)."""
+        best = float("inf")
+        for _ in range(runs):
+            evict(paths)
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    store_files = files_under(root / "store" / "data")
+    if evict(store_files):
+        row("get, cold cache (fadvise)", cold(store_files, get), "load_file, cold cache",
+            cold([st_file], lambda: load_file(st_file)))
+    else:
+        print("  (the page cache cannot be emptied here: warm cache only)")
+    row("get, warm cache", best_of(get, runs), "load_file, warm cache", best_of(lambda: load_file(st_file), runs))
+    np.testing.assert_array_equal(st.get_array("x"), x)
+
+
+def small(root: Path, pairs: int, durable_pairs: int) -> None:
+    x = np.random.default_rng(1).standard_normal(256).astype(np.float32)  # 1 KiB
+
+    def per_pair(st: dtm.store.Store, n: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            st.put_array("small/x", x)
+            st.get_array("small/x")
+        return (time.perf_counter() - t0) / n
+
+    path = root / "small.safetensors"
+
+    def st_pairs(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            save_file({"x": x}, path)
+            load_file(path)
+        return (time.perf_counter() - t0) / n
+
+    peer = st_pairs(min(pairs, 2000))
+    print("(b) 1 KiB f32, put + get per pair")
+    row(f"memory://, {pairs} pairs", per_pair(dtm.store.open(f"memory://bench-{os.getpid()}"), pairs),
+        "save_file + load_file", peer, "us")
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
+        row(f"directory in /dev/shm, {pairs} pairs", per_pair(dtm.store.open(shm), pairs),
+            "save_file + load_file", peer, "us")
+    row(f"directory on disk, {durable_pairs} pairs", per_pair(dtm.store.open(root / "durable"), durable_pairs),
+        "save_file + load_file", peer, "us")
+
+
+def _dtm_getter(path: str, q) -> None:
+    st = dtm.store.open(path)
+    q.put("ready")
+    q.get()
+    t0 = time.perf_counter()
+    a = st.get_array("big")
+    float(a[-1])  # the bytes are there, checked
+    q.put(time.perf_counter() - t0)
+
+
+def between_processes(mib: int) -> None:
+    try:
+        import ray
+    except ImportError:
+        print("(c) skipped: ray is not installed (pip install 'dtm[bench]')")
+        return
+    x = np.random.default_rng(2).standard_normal(mib * MIB // 4, dtype=np.float32)
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        dtm.store.open(d).put("big", x)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_dtm_getter, args=(d, q))
+        p.start()
+        assert q.get(timeout=120) == "ready"
+        q.put("go")
+        dtm_s = q.get(timeout=120)
+        p.join(timeout=60)
+
+    ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True)
+
+    @ray.remote
+    def ray_getter(refs):
+        t0 = time.perf_counter()
+        a = ray.get(refs[0])
+        float(a[-1])
+        return time.perf_counter() - t0
+
+    ref = ray.put(x)
+    ray.get(ray_getter.remote([ref]))  # the worker process starts once, outside the timing
+    ray_s = min(ray.get(ray_getter.remote([ref])) for _ in range(3))
+    ray.shutdown()
+    print(f"(c) {mib} MiB f32 got by another process")
+    row("get (directory in /dev/shm)", dtm_s, "ray.get", ray_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512, help="size of (a)'s tensor")
+    ap.add_argument("--runs", type=int, default=2, help="timed runs of each (a) figure (the best is shown)")
+    ap.add_argument("--pairs", type=int, default=10_000, help="(b)'s pairs on memory:// and /dev/shm stores")
+    ap.add_argument("--durable-pairs", type=int, default=200, help="(b)'s pairs on a directory store on disk")
+    ap.add_argument("--ray-mib", type=int, default=256, help="size of (c)'s tensor")
+    ap.add_argument("--dir", default=None, help="where the on-disk stores and files go (default: a temp dir)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        large(Path(d), args.mib, args.runs)
+        small(Path(d), args.pairs, args.durable_pairs)
+    between_processes(args.ray_mib)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The errors the tensor store raises: each a `DTMError` with its spec code (chapter 10) and
+the key it concerns (`key`, None when the fault is the store's own)."""
+
+from __future__ import annotations
+
+from ..errors import DTMError, ErrorCode
+
+
+class StoreError(DTMError):
+    """Base of the store's errors; `key` names the key, where one is concerned."""
+
+    def __init__(self, code: ErrorCode, message: str, key: str | None = None):
+        super().__init__(code, message)
+        self.key = key
+
+
+class KeyMissing(StoreError, KeyError):
+    """No tensor under the key (E0804); a KeyError too, as a missing dict key is."""
+
+    def __init__(self, key: str):
+        super().__init__(ErrorCode.STORE_KEY_MISSING, f"no tensor is stored under {key!r}", key)
+
+
+class StoreTypeError(StoreError, TypeError):
+    """The stored tensor's dtype (E0402) or shape (E0403) is not the one asked for."""
+
+
+class InvalidKey(StoreError, ValueError):
+    """A key that breaks the key syntax of spec 9.2.1 (E1101)."""
+
+    def __init__(self, key: object, why: str):
+        super().__init__(ErrorCode.INVALID_STORE_KEY, f"invalid store key {key!r}: {why}",
+                         key if isinstance(key, str) else None)
+
+
+class ChecksumError(StoreError):
+    """A chunk whose CRC32C or length does not match (E1102); `chunk` is its chunk key."""
+
+    def __init__(self, key: str, chunk: str, why: str):
+        super().__init__(ErrorCode.STORE_CHUNK_CORRUPT, f"key {key!r}, chunk {chunk!r}: {why}", key)
+        self.chunk = chunk
+
+
+class QuotaExceeded(StoreError):
+    """A put that would pass a prefix's byte quota (E1103); nothing was written."""
+
+    def __init__(self, key: str, prefix: str, limit: int, would_use: int):
+        super().__init__(ErrorCode.STORE_QUOTA_EXCEEDED,
+                         f"put {key!r}: the quota of prefix {prefix!r} is {limit} bytes, the put would use {would_use}", key)
+        self.prefix, self.limit, self.would_use = prefix, limit, would_use
+
+
+class StoreIOError(StoreError):
+    """The storage failed (E1104): a path that is a file or not writable, a full disk, a read
+    or write error. `path` names the file or directory."""
+
+    def __init__(self, message: str, path: str, key: str | None = None):
+        super().__init__(ErrorCode.STORE_IO_ERROR, f"{message} ({path})", key)
+        self.path = path
+
+
+class StoreCorrupt(StoreError):
+    """The index or a tensor's metadata cannot be read or contradicts itself (E1105)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(ErrorCode.STORE_CORRUPT, message, key)

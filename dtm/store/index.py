@@ -1,0 +1,161 @@
+"""The index of a store (spec 9.2.4): one SQLite database mapping each key to the version
+directory that holds its tensor, with the tensor's type, size, checksum, version and time,
+plus the byte quotas. Switching a key's row is a put's commit point: SQLite's transaction
+(WAL journal, synchronous=FULL) makes it atomic and durable. A memory store uses the same
+schema in an in-memory database."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+
+from ..ir.dtypes import DTYPES, DType
+from .errors import QuotaExceeded, StoreCorrupt
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for another process's transaction
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS keys(
+    key TEXT PRIMARY KEY, dir TEXT NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
+    nbytes INTEGER NOT NULL, checksum TEXT NOT NULL, version INTEGER NOT NULL, written REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS quotas(prefix TEXT PRIMARY KEY, bytes INTEGER NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One key's row: what `Store.info` returns. `written` is seconds since the epoch."""
+
+    key: str
+    dir: str
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    version: int
+    written: float
+
+
+def _under(prefix: str) -> tuple[str, tuple]:
+    """A WHERE clause for keys that start with `prefix` (substr counts characters, so it
+    holds for any Unicode prefix)."""
+    return "substr(key, 1, ?) = ?", (len(prefix), prefix)
+
+
+class Index:
+    """The key index over one SQLite connection (`path` a file, or ":memory:")."""
+
+    def __init__(self, path: str):
+        try:
+            self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            (schema,), = self._db.execute("SELECT value FROM meta WHERE name = 'schema'")
+        except sqlite3.DatabaseError as e:
+            raise StoreCorrupt(f"the store index {path} cannot be opened: {e}") from None
+        if schema != str(SCHEMA_VERSION):
+            raise StoreCorrupt(f"the store index {path} has schema {schema}, this reader reads {SCHEMA_VERSION}")
+        self._lock = threading.Lock()  # one connection, shared by the process's threads
+
+    def close(self) -> None:
+        self._db.close()
+
+    def get(self, key: str) -> Entry | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
+        return _entry(row) if row else None
+
+    def keys(self, prefix: str) -> list[str]:
+        where, args = _under(prefix)
+        with self._lock:
+            return [k for k, in self._db.execute(f"SELECT key FROM keys WHERE {where} ORDER BY key", args)]
+
+    def entries(self, prefix: str) -> list[Entry]:
+        where, args = _under(prefix)
+        with self._lock:
+            return [_entry(r) for r in self._db.execute(f"SELECT * FROM keys WHERE {where} ORDER BY key", args)]
+
+    def usage(self, prefix: str) -> int:
+        with self._lock:
+            return self._usage(prefix)
+
+    def set_quota(self, prefix: str, nbytes: int | None) -> None:
+        with self._lock:
+            if nbytes is None:
+                self._db.execute("DELETE FROM quotas WHERE prefix = ?", (prefix,))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO quotas VALUES (?, ?)", (prefix, nbytes))
+
+    def quotas(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._db.execute("SELECT prefix, bytes FROM quotas"))
+
+    def check_quota(self, key: str, nbytes: int) -> None:
+        """QuotaExceeded when storing `nbytes` under `key` (replacing what is there) would
+        pass a quota of a prefix of `key`."""
+        with self._lock:
+            self._check_quota(key, nbytes)
+
+    def commit(self, key: str, dir: str, dtype: DType, shape: tuple[int, ...], nbytes: int,
+               checksum: str) -> tuple[Entry, str | None]:
+        """Point `key` at `dir` in one transaction, after checking the quotas again (another
+        process may have put since the caller's check). Returns the new entry and the
+        directory of the version it replaced, now garbage."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._check_quota(key, nbytes)
+                row = self._db.execute("SELECT dir, version FROM keys WHERE key = ?", (key,)).fetchone()
+                old_dir, version = (row[0], row[1] + 1) if row else (None, 1)
+                entry = Entry(key, dir, dtype, shape, nbytes, checksum, version, time.time())
+                self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                 (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, version,
+                                  entry.written))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return entry, old_dir
+
+    def delete(self, key: str) -> Entry | None:
+        """Remove `key`'s row; its entry (whose directory is now garbage), or None."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
+                self._db.execute("DELETE FROM keys WHERE key = ?", (key,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return _entry(row) if row else None
+
+    def _check_quota(self, key: str, nbytes: int) -> None:
+        row = self._db.execute("SELECT nbytes FROM keys WHERE key = ?", (key,)).fetchone()
+        old = row[0] if row else 0
+        for prefix, limit in self._db.execute("SELECT prefix, bytes FROM quotas").fetchall():
+            if key.startswith(prefix):
+                used = self._usage(prefix)
+                if used - old + nbytes > limit:
+                    raise QuotaExceeded(key, prefix, limit, used - old + nbytes)
+
+
+    def _usage(self, prefix: str) -> int:
+        where, args = _under(prefix)
+        (n,), = self._db.execute(f"SELECT coalesce(sum(nbytes), 0) FROM keys WHERE {where}", args)
+        return n
+
+
+def _entry(row: tuple) -> Entry:
+    key, dir, dtype, shape, nbytes, checksum, version, written = row
+    if dtype not in DTYPES:
+        raise StoreCorrupt(f"the index gives key {key!r} the unknown dtype {dtype!r}", key)
+    return Entry(key, dir, DTYPES[dtype], tuple(json.loads(shape)), nbytes, checksum, version, written)

@@ -1,0 +1,410 @@
+"""The embedded tensor store (dtm.store, spec 9.2): round trips of every dtype bit for bit,
+the index (info, keys, delete, du, quotas), checksums on every read and in verify, the Zarr
+v3 format read back by the zarr library itself, atomic puts under kill -9, and every kind of
+bad input with its error code."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import sqlite3
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from crc32c import crc32c
+
+import dtm
+from dtm.errors import DTMError, ErrorCode
+from dtm.ir.dtypes import DTYPES, numpy_dtype
+from dtm.ref.quant import dequantize, quantize
+from dtm.store import ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreIOError, StoreTypeError
+from dtm.store.files import LocalFiles
+from dtm.store.keys import MAX_KEY_BYTES, MAX_SEGMENT_BYTES
+
+PLAIN = [d for d in DTYPES.values() if not d.is_quant]
+QUANT = [d for d in DTYPES.values() if d.is_quant]
+SHAPES = [(), (0, 3), (7,), (13, 5), (4, 3, 2)]
+
+
+def _random(dtype, shape, seed=0) -> np.ndarray:
+    """Random bit patterns of `dtype` (NaNs and infinities included for floats)."""
+    rng = np.random.default_rng(seed)
+    if dtype.name == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    nd = numpy_dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    return rng.integers(0, 256, n * nd.itemsize, dtype=np.uint8).view(nd).reshape(shape)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(params=["file", "memory"])
+def st(request, tmp_path):
+    # small chunks, so that most tensors here span several chunk files
+    url = str(tmp_path / "s") if request.param == "file" else f"memory://{request.node.name}"
+    with dtm.store.open(url, chunk_bytes=64) as s:
+        yield s
+
+
+@pytest.fixture
+def disk(tmp_path):
+    with dtm.store.open(tmp_path / "s", chunk_bytes=64) as s:
+        yield s
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", PLAIN, ids=str)
+def test_every_dtype_round_trips_bit_for_bit(st, dtype, shape):
+    x = _random(dtype, shape, seed=len(shape))
+    info = st.put("t/x", x)
+    assert (info.dtype, info.shape, info.nbytes) == (dtype, shape, x.nbytes)
+    y = st.get_array("t/x")
+    assert _same_bits(y, x)
+    assert not y.flags.writeable
+    # the tensor's checksum is the CRC32C of its little-endian bytes, whatever its chunking
+    assert info.checksum == f"{crc32c(x.tobytes()):08x}"
+
+
+@pytest.mark.parametrize("dtype", QUANT, ids=str)
+def test_quantized_tensors_round_trip_as_their_blocks(st, dtype):
+    x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+    blocks = quantize(x, dtype)  # the reference quantizer: GGML's block layout (spec 2.2)
+    info = st.put_array("q", blocks, dtype=dtype.name)
+    assert (info.dtype, info.shape, info.nbytes) == (dtype, (5, 64), blocks.nbytes)
+    back = st.get_array("q", dtype=dtype, shape=(5, 64))
+    assert _same_bits(back, blocks)
+    np.testing.assert_array_equal(dequantize(back, dtype, np.float32), dequantize(blocks, dtype, np.float32))
+    with pytest.raises(StoreTypeError) as e:
+        st.get("q")  # a dtm.Tensor holds no quantized dtype
+    assert e.value.code is ErrorCode.QUANTIZED_MISUSE
+    with pytest.raises(StoreTypeError) as e:
+        st.put_array("q", blocks[:, :-1], dtype=dtype.name)  # not whole blocks
+    assert e.value.code is ErrorCode.QUANTIZED_MISUSE
+
+
+def test_get_returns_a_dtm_tensor_and_put_takes_one(st):
+    x = dtm.randn(6, 4).to(dtm.bfloat16)
+    st.put("w", x)
+    y = st.get("w", dtype=dtm.bfloat16, shape=(6, 4))
+    assert isinstance(y, dtm.Tensor) and y.dtype == dtm.bfloat16
+    assert _same_bits(y.numpy(), x.numpy())
+    assert st.get_array("w").dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_put_converts_to_a_given_dtype(st):
+    st.put("c", np.array([1.5, -2.25], np.float64), dtype="f16")
+    assert _same_bits(st.get_array("c"), np.array([1.5, -2.25], np.float16))
+
+
+def test_a_one_chunk_tensor_on_disk_is_memory_mapped(tmp_path):
+    with dtm.store.open(tmp_path / "s") as s:
+        s.put("big", np.arange(1000, dtype=np.float32))
+        a = s.get_array("big")
+        assert isinstance(a.base, np.memmap) or isinstance(a, np.memmap)
+
+
+# --- the index ------------------------------------------------------------------------------
+
+def test_info_keys_delete_and_du(st):
+    t0 = time.time()
+    st.put("layer0/w", np.zeros((4, 4), np.float32))
+    st.put("layer0/b", np.zeros(4, np.float32))
+    st.put("layer1/w", np.zeros((2, 2), np.float64))
+    info = st.put("layer0/w", np.ones((4, 4), np.float32))
+    assert info.version == 2 and info.written >= t0
+    assert st.info("layer0/w") == info
+    assert st.keys() == ["layer0/b", "layer0/w", "layer1/w"]
+    assert st.keys("layer0/") == ["layer0/b", "layer0/w"]
+    assert (st.du(), st.du("layer0/"), st.du("nothing/")) == (64 + 16 + 32, 80, 0)
+    st.delete("layer0/w")
+    assert st.keys("layer0/") == ["layer0/b"] and "layer0/w" not in st
+    with pytest.raises(KeyMissing):
+        st.delete("layer0/w")
+    assert st.put("layer0/w", np.ones(1, np.int8)).version == 1
+
+
+def test_unicode_keys_and_prefixes(st):
+    st.put("模型/层0/权重", np.ones(2, np.float32))
+    st.put("模型/x", np.ones(3, np.float32))
+    assert st.keys("模型/层") == ["模型/层0/权重"]
+    assert st.du("模型/") == 20
+
+
+def test_a_put_is_visible_to_another_store_object_once_it_returns(tmp_path):
+    with dtm.store.open(tmp_path / "s") as a, dtm.store.open(f"file://{tmp_path / 's'}") as b:
+        a.put("k", np.arange(3))
+        assert _same_bits(b.get_array("k"), np.arange(3))
+
+
+def test_memory_stores_are_shared_by_name_within_the_process():
+    a = dtm.store.open("memory://shared-test")
+    a.put("k", np.arange(5, dtype=np.int16))
+    assert _same_bits(dtm.store.open("memory://shared-test").get_array("k"), np.arange(5, dtype=np.int16))
+    assert dtm.store.open("memory://another-test").keys() == []
+
+
+def test_use_and_current(tmp_path, monkeypatch):
+    monkeypatch.setattr(dtm.store, "_current", None)
+    monkeypatch.setenv("DTM_STORE", str(tmp_path / "default"))
+    default = dtm.store.current()
+    assert default.url == f"file://{tmp_path / 'default'}" and dtm.store.current() is default
+    mem = dtm.store.open("memory://use-test")
+    assert dtm.store.use(mem) is mem and dtm.store.current() is mem
+
+
+# --- quotas ---------------------------------------------------------------------------------
+
+def test_a_put_past_a_quota_is_refused_before_anything_is_written(disk, tmp_path):
+    disk.set_quota(100, prefix="a/")
+    disk.put("a/x", np.zeros(10, np.float32))       # 40 bytes
+    disk.put("a/x", np.zeros(20, np.float32))       # replacing: 80, not 120
+    disk.put("b/x", np.zeros(100, np.float32))      # another prefix
+    before = sorted(os.listdir(tmp_path / "s" / "data" / "a"))
+    with pytest.raises(QuotaExceeded) as e:
+        disk.put("a/y", np.zeros(6, np.float32))    # 80 + 24 > 100
+    assert e.value.code is ErrorCode.STORE_QUOTA_EXCEEDED and e.value.key == "a/y"
+    assert sorted(os.listdir(tmp_path / "s" / "data" / "a")) == before
+    assert disk.keys("a/") == ["a/x"] and disk.du("a/") == 80
+    disk.set_quota(1000)                            # the whole store
+    with pytest.raises(QuotaExceeded):
+        disk.put("c", np.zeros(300, np.float32))
+    assert disk.quotas() == {"a/": 100, "": 1000}
+    disk.set_quota(None, prefix="a/")
+    disk.put("a/y", np.zeros(6, np.float32))
+
+
+# --- checksums ------------------------------------------------------------------------------
+
+def _chunk_path(tmp_path, disk, key, chunk):
+    return tmp_path / "s" / disk.info(key).dir / chunk
+
+
+def test_a_corrupted_chunk_raises_checksum_error_naming_key_and_chunk(disk, tmp_path):
+    x = np.arange(64, dtype=np.float32)             # 256 bytes: four chunks of 64
+    disk.put("w", x)
+    disk.put("other", np.ones(3))
+    p = _chunk_path(tmp_path, disk, "w", "c/2")
+    raw = bytearray(p.read_bytes())
+    raw[5] ^= 0x10
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError) as e:
+        disk.get_array("w")
+    assert e.value.code is ErrorCode.STORE_CHUNK_CORRUPT and (e.value.key, e.value.chunk) == ("w", "c/2")
+    assert "'w'" in str(e.value) and "c/2" in str(e.value)
+    report = disk.verify()
+    assert not report.ok and report.bad_keys == ["w"] and report.keys == 2 and report.chunks == 5
+    assert [(k, c) for k, c, _ in report.bad] == [("w", "c/2")]
+    assert _same_bits(disk.get_array("other"), np.ones(3))  # nothing else is lost
+    assert disk.verify("other").ok
+
+
+def test_a_truncated_or_missing_chunk_is_a_checksum_error(disk, tmp_path):
+    disk.put("w", np.arange(64, dtype=np.float32))
+    p = _chunk_path(tmp_path, disk, "w", "c/1")
+    p.write_bytes(p.read_bytes()[:-7])
+    with pytest.raises(ChecksumError, match="truncated"):
+        disk.get_array("w")
+    p.unlink()
+    with pytest.raises(ChecksumError, match="missing"):
+        disk.get_array("w")
+
+
+def test_damaged_metadata_is_store_corrupt(disk, tmp_path):
+    disk.put("w", np.arange(4))
+    (tmp_path / "s" / disk.info("w").dir / "zarr.json").write_text("{not json")
+    with pytest.raises(DTMError) as e:
+        disk.get_array("w")
+    assert e.value.code is ErrorCode.STORE_CORRUPT
+    assert disk.verify().bad[0][:2] == ("w", "zarr.json")
+
+
+# --- the format, read by the zarr library itself ----------------------------------------------
+
+@pytest.mark.parametrize("dtype,zarr_view", [("f32", None), ("i64", None), ("bool", None), ("bf16", np.uint16),
+                                             ("f8e4m3", np.uint8)])
+def test_zarr_reads_a_dtm_store_key(disk, tmp_path, dtype, zarr_view):
+    zarr = pytest.importorskip("zarr", minversion="3")
+    x = _random(DTYPES[dtype], (9, 5), seed=3)
+    disk.put("layer0/w", x)                          # several chunks, the last one padded
+    z = zarr.open_array(str(tmp_path / "s" / disk.info("layer0/w").dir), mode="r")
+    assert [c.__class__.__name__ for c in z.metadata.codecs] == ["BytesCodec", "Crc32cCodec"]
+    assert z.attrs["dtm"]["dtype"] == dtype
+    got = z[...]
+    assert _same_bits(got, x.view(zarr_view) if zarr_view else x)
+
+
+# --- atomicity ------------------------------------------------------------------------------
+
+def _version(i: int) -> np.ndarray:
+    return np.random.default_rng(i).standard_normal(4096).astype(np.float32)  # 16 KiB, 4 chunks
+
+
+def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path):
+    rng, lasts = random.Random(17), []
+    for trial in range(20):
+        path = str(tmp_path / f"s{trial}")
+        with dtm.store.open(path, chunk_bytes=4096) as s:
+            s.put("k", _version(0))
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the writer: puts versions 1, 2, ... until it is killed
+            os.close(r)
+            try:
+                s = dtm.store.open(path, chunk_bytes=4096)
+                for i in range(1, 1000):
+                    os.write(w, i.to_bytes(4, "little"))
+                    s.put("k", _version(i))
+            finally:
+                os._exit(0)
+        os.close(w)
+        time.sleep(rng.uniform(0.0, 0.08))  # from before the first put to a few puts in
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        started = os.read(r, 1 << 16)
+        os.close(r)
+        last = int.from_bytes(started[-4:], "little") if started else 0
+        lasts.append(last)
+        with dtm.store.open(path, chunk_bytes=4096) as s:
+            got = s.get_array("k")
+            assert any(_same_bits(got, _version(i)) for i in (last - 1, last) if i >= 0), f"trial {trial}"
+            assert s.verify().ok
+            s.put("k", _version(0))                  # the store is writable again
+            assert _same_bits(s.get_array("k"), _version(0))
+    assert sum(n > 0 for n in lasts) >= 10, f"the writer rarely got to put before it was killed: {lasts}"
+
+
+def test_a_write_error_keeps_the_earlier_tensor(disk, tmp_path, monkeypatch):
+    disk.put("k", np.arange(64, dtype=np.float32))
+    real, calls = LocalFiles.write, []
+
+    def failing(self, rel, parts):
+        calls.append(rel)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, rel, parts)
+
+    monkeypatch.setattr(LocalFiles, "write", failing)
+    with pytest.raises(StoreIOError) as e:
+        disk.put("k", np.zeros(64, np.float32))
+    assert e.value.code is ErrorCode.STORE_IO_ERROR and e.value.key == "k" and "No space left" in str(e.value)
+    monkeypatch.undo()
+    assert _same_bits(disk.get_array("k"), np.arange(64, dtype=np.float32))
+    assert os.listdir(tmp_path / "s" / "data" / "k") == [disk.info("k").dir.rsplit("/", 1)[1]]
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+def test_a_missing_key_is_e0804(st):
+    with pytest.raises(KeyMissing) as e:
+        st.get("nope")
+    assert e.value.code is ErrorCode.STORE_KEY_MISSING and e.value.key == "nope"
+    assert isinstance(e.value, KeyError)
+    with pytest.raises(KeyMissing):
+        st.info("nope")
+
+
+def test_a_type_mismatch_is_e0402_or_e0403(st):
+    st.put("w", np.zeros((2, 3), np.float32))
+    with pytest.raises(StoreTypeError) as e:
+        st.get("w", dtype="f16")
+    assert e.value.code is ErrorCode.DTYPE_MISMATCH and e.value.key == "w"
+    with pytest.raises(StoreTypeError) as e:
+        st.get("w", dtype=np.float32, shape=(3, 2))
+    assert e.value.code is ErrorCode.SHAPE_MISMATCH
+    with pytest.raises(StoreTypeError) as e:
+        st.put("c", np.zeros(2, np.complex64))
+    assert e.value.code is ErrorCode.UNKNOWN_DTYPE
+
+
+@pytest.mark.parametrize("key", [
+    "", "/abs", "a/", "a//b", ".", "..", "a/../b", "../../etc/passwd", "a/./b", "@v1", "a/@x", "a\\b", "a\x00b",
+    "tab\there", "x" * (MAX_KEY_BYTES + 1), "é" * (MAX_KEY_BYTES // 2 + 1), "a/" + "s" * 256, "\ud800",
+    b"\xff\xfe", 42,
+])
+def test_invalid_keys_are_e1101_and_store_nothing(st, key):
+    st.put("keep", np.ones(2))
+    with pytest.raises(InvalidKey) as e:
+        st.put(key, np.ones(2))
+    assert e.value.code is ErrorCode.INVALID_STORE_KEY
+    with pytest.raises(InvalidKey):
+        st.get(key)
+    assert st.keys() == ["keep"]
+
+
+def test_the_longest_valid_key_works(st):
+    key = "/".join(["k" * 254] * 4) + "/" + "k" * (MAX_KEY_BYTES - 4 * 255)
+    assert len(key.encode()) == MAX_KEY_BYTES
+    st.put(key, np.ones(1))
+    assert st.keys() == [key]
+
+
+def test_a_store_path_that_is_a_file_or_unwritable_is_e1104(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for path in (f, f / "below"):
+        with pytest.raises(StoreIOError) as e:
+            dtm.store.open(path)
+        assert e.value.code is ErrorCode.STORE_IO_ERROR and str(f) in str(e.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_a_read_only_store_directory_is_e1104(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(StoreIOError):
+        dtm.store.open(tmp_path / "ro")
+
+
+# --- the spec says what the code does -----------------------------------------------------------
+
+SPEC = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "spec" / "dtm-spec.md").read_text(encoding="utf-8")
+SPEC_92 = SPEC[SPEC.index("### 9.2 Tensor store"):SPEC.index("### 9.3 Task graph")]
+
+
+def _ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_the_spec_states_the_key_bounds():
+    assert f"at most **{MAX_KEY_BYTES} bytes**" in SPEC_92
+    assert f"a segment longer than\n  {MAX_SEGMENT_BYTES} UTF-8 bytes" in SPEC_92
+
+
+def test_zarr_json_and_data_types_are_as_the_spec_tables_say(disk, tmp_path):
+    members = re.findall(r"^\| `([a-z_]+)` \| ", SPEC_92[SPEC_92.index("| member |"):SPEC_92.index("| dtype | `data_type` |")], re.M)
+    rows = re.findall(r"^\| (`[a-z0-9_]+`(?:, `[a-z0-9_]+`)*) \| (`[a-z0-9]+`(?:, `[a-z0-9]+`)*) \| ",
+                      SPEC_92[SPEC_92.index("| dtype | `data_type` |"):], re.M)
+    spec_types = {d: z for dts, zs in rows for d, z in zip(_ticked(dts), _ticked(zs), strict=True)}
+    assert sorted(spec_types) == sorted(DTYPES)
+    for d in DTYPES.values():
+        x = quantize(np.ones((1, 32), np.float32), d) if d.is_quant else _random(d, (3,))
+        info = disk.put_array(d.name, x, dtype=d.name)
+        meta = json.loads((tmp_path / "s" / info.dir / "zarr.json").read_text())
+        assert list(meta) == members
+        assert meta["data_type"] == spec_types[d.name], d
+        assert meta["attributes"]["dtm"] == {"format": 1, "dtype": d.name, "shape": list(info.shape),
+                                             "checksum": info.checksum}
+
+
+def test_the_index_is_the_sqlite_schema_the_spec_gives(disk, tmp_path):
+    info = disk.put("layer0/w", np.zeros((2, 3), np.float32))
+    block = SPEC_92[SPEC_92.index("```text"):]
+    spec_cols = re.search(r"keys\((.*?)\)\n", block, re.S).group(1)
+    db = sqlite3.connect(tmp_path / "s" / "index.sqlite")
+    assert [c[1] for c in db.execute("PRAGMA table_info(keys)")] == re.findall(r"(\w+) (?:TEXT|INTEGER|REAL)", spec_cols)
+    assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone() == ("1",)
+    row = db.execute("SELECT * FROM keys").fetchone()
+    assert row == ("layer0/w", info.dir, "f32", "[2, 3]", 24, info.checksum, 1, info.written)
+    assert info.dir.startswith("data/layer0/w/@") and re.fullmatch(r"[0-9a-f]{16}", info.dir.rsplit("@", 1)[1])
+    db.close()
