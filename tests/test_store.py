@@ -14,6 +14,7 @@ import re
 import signal
 import sqlite3
 import time
+import uuid
 
 import ml_dtypes
 import numpy as np
@@ -50,7 +51,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.fixture(params=["file", "memory"])
 def st(request, tmp_path):
     # small chunks, so that most tensors here span several chunk files
-    url = str(tmp_path / "s") if request.param == "file" else f"memory://{request.node.name}"
+    url = str(tmp_path / "s") if request.param == "file" else f"memory://{uuid.uuid4().hex}"
     with dtm.store.open(url, chunk_bytes=64) as s:
         yield s
 

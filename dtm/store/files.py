@@ -1,12 +1,12 @@
 """Where a store's files live: a local directory (written durably, read through memory
-maps) or a process-local dict (`memory://`). Paths are relative, `/`-separated, and already
+maps), or an fsspec file system (object stores, `memory://`). Paths are relative, `/`-separated, and already
 checked by keys.py, so neither backend can be led outside its root."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -64,30 +64,44 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class MemoryFiles:
-    """Files in a dict, for `memory://` stores: process-local, gone when the process ends."""
+class FsspecFiles:
+    """Files under `root` of an fsspec file system (object stores, `memory://`). Writing
+    one object is atomic there, and durable once the call returns."""
 
-    def __init__(self) -> None:
-        self._files: dict[str, bytes] = {}
+    def __init__(self, fs: Any, root: str):
+        self.fs, self.root = fs, root.rstrip("/")
 
     def path(self, rel: str) -> str:
-        return "memory://" + rel
+        return f"{self.root}/{rel}"
 
     def write(self, rel: str, parts: Iterable[memoryview | bytes]) -> None:
-        self._files[rel] = b"".join(parts)  # a copy: the caller may change its array later
+        self.replace(rel, b"".join(parts))
+
+    def replace(self, rel: str, data: bytes) -> None:
+        """Write the object `rel` whole, replacing any earlier one in one step."""
+        self.fs.pipe_file(self.path(rel), data)
 
     def sync_tree(self, rel: str) -> None:
-        """Nothing to sync: memory is as durable as a memory store promises."""
+        """Nothing to sync: each object was durable when its write returned."""
 
     def read_bytes(self, rel: str) -> bytes:
-        try:
-            return self._files[rel]
-        except KeyError:
-            raise FileNotFoundError(rel) from None
+        return self.fs.cat_file(self.path(rel))
 
     def map(self, rel: str) -> np.ndarray:
         return np.frombuffer(self.read_bytes(rel), np.uint8)
 
+    def find(self, rel: str) -> list[str]:
+        """Every file below `rel`, as paths relative to the root."""
+        try:
+            return [p[len(self.root) + 1:] for p in self.fs.find(self.path(rel))]
+        except FileNotFoundError:
+            return []
+
+    def remove(self, rel: str) -> None:
+        self.fs.rm_file(self.path(rel))
+
     def remove_tree(self, rel: str) -> None:
-        for k in [k for k in self._files if k.startswith(rel + "/")]:
-            del self._files[k]
+        try:
+            self.fs.rm(self.path(rel), recursive=True)
+        except FileNotFoundError:
+            pass

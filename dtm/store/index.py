@@ -1,8 +1,8 @@
 """The index of a store (spec 9.2.4): one SQLite database mapping each key to the version
 directory that holds its tensor, with the tensor's type, size, checksum, version and time,
 plus the byte quotas. Switching a key's row is a put's commit point: SQLite's transaction
-(WAL journal, synchronous=FULL) makes it atomic and durable. A memory store uses the same
-schema in an in-memory database."""
+(WAL journal, synchronous=FULL) makes it atomic and durable. Stores behind fsspec URLs,
+where SQLite cannot live, use refindex.py instead, with the same methods."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..ir.dtypes import DTYPES, DType
 from .errors import QuotaExceeded, StoreCorrupt
@@ -41,14 +42,24 @@ class Entry:
     written: float
 
 
+def check_quotas(key: str, nbytes: int, old: int, quotas: dict[str, int], usage: Callable[[str], int]) -> None:
+    """QuotaExceeded when replacing `old` bytes under `key` by `nbytes` passes the quota of
+    a prefix of `key` (spec 9.2.7); `usage(prefix)` is du(prefix) now."""
+    for prefix, limit in quotas.items():
+        if key.startswith(prefix):
+            would = usage(prefix) - old + nbytes
+            if would > limit:
+                raise QuotaExceeded(key, prefix, limit, would)
+
+
 def _under(prefix: str) -> tuple[str, tuple]:
     """A WHERE clause for keys that start with `prefix` (substr counts characters, so it
     holds for any Unicode prefix)."""
     return "substr(key, 1, ?) = ?", (len(prefix), prefix)
 
 
-class Index:
-    """The key index over one SQLite connection (`path` a file, or ":memory:")."""
+class SqliteIndex:
+    """The key index of a directory store, over one SQLite connection to `path`."""
 
     def __init__(self, path: str):
         try:
@@ -140,12 +151,8 @@ class Index:
 
     def _check_quota(self, key: str, nbytes: int) -> None:
         row = self._db.execute("SELECT nbytes FROM keys WHERE key = ?", (key,)).fetchone()
-        old = row[0] if row else 0
-        for prefix, limit in self._db.execute("SELECT prefix, bytes FROM quotas").fetchall():
-            if key.startswith(prefix):
-                used = self._usage(prefix)
-                if used - old + nbytes > limit:
-                    raise QuotaExceeded(key, prefix, limit, used - old + nbytes)
+        check_quotas(key, nbytes, row[0] if row else 0, dict(self._db.execute("SELECT prefix, bytes FROM quotas")),
+                     self._usage)
 
 
     def _usage(self, prefix: str) -> int:

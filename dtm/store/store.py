@@ -15,8 +15,9 @@ from ..errors import ErrorCode
 from ..ir.dtypes import DTYPES, DType, from_numpy, numpy_dtype
 from . import format as fmt
 from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError, StoreTypeError
-from .files import LocalFiles, MemoryFiles
-from .index import Entry, Index
+from .files import FsspecFiles, LocalFiles
+from .index import Entry, SqliteIndex
+from .refindex import RefIndex
 from .keys import check_key
 
 # What `get` wraps its array in. The store sits below the user-facing API (DESIGN.md, layer
@@ -65,7 +66,7 @@ def as_store_dtype(d: Any) -> DType:
 class Store:
     """An embedded tensor store. Open one with `dtm.store.open`."""
 
-    def __init__(self, url: str, files: LocalFiles | MemoryFiles, index: Index,
+    def __init__(self, url: str, files: LocalFiles | FsspecFiles, index: SqliteIndex | RefIndex,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES):
         self.url = url
         self._files = files
