@@ -409,3 +409,43 @@ def test_the_index_is_the_sqlite_schema_the_spec_gives(disk, tmp_path):
     assert row == ("layer0/w", info.dir, "f32", "[2, 3]", 24, info.checksum, 1, info.written)
     assert info.dir.startswith("data/layer0/w/@") and re.fullmatch(r"[0-9a-f]{16}", info.dir.rsplit("@", 1)[1])
     db.close()
+
+
+def test_a_damaged_index_is_e1105(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "index.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(DTMError) as e:
+        dtm.store.open(tmp_path / "s")
+    assert e.value.code is ErrorCode.STORE_CORRUPT
+
+
+def test_an_index_locked_past_the_timeout_is_e1104_and_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(dtm.store.index, "BUSY_TIMEOUT_MS", 50)
+    with dtm.store.open(tmp_path / "s") as s:
+        s.put("k", np.arange(3))
+        other = sqlite3.connect(tmp_path / "s" / "index.sqlite", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")                 # another process holds the write lock
+        with pytest.raises(StoreIOError) as e:
+            s.put("k", np.arange(4))
+        assert e.value.key == "k" and "index.sqlite" in str(e.value)
+        other.execute("ROLLBACK")
+        other.close()
+        assert _same_bits(s.get_array("k"), np.arange(3)) and s.info("k").version == 1
+        assert os.listdir(tmp_path / "s" / "data" / "k") == [s.info("k").dir.rsplit("/", 1)[1]]
+        s.put("k", np.arange(4))
+
+
+def test_a_store_behind_an_fsspec_url_keeps_a_ref_per_key_as_the_spec_says():
+    fsspec = pytest.importorskip("fsspec")
+    name = uuid.uuid4().hex
+    s = dtm.store.open(f"memory://{name}")
+    info = s.put("a/b", np.arange(6, dtype=np.int32).reshape(2, 3))
+    s.set_quota(1000, prefix="a/")
+    fs = fsspec.filesystem("memory")                     # read the objects as another tool would
+    ref = json.loads(fs.cat_file(f"/{name}/data/a/b/@ref"))
+    members = re.findall(r"`(\w+)`", re.search(r"with the members (.*?) of the row above", SPEC_92, re.S).group(1))
+    assert list(ref) == members
+    assert ref == {"dir": info.dir, "dtype": "i32", "shape": [2, 3], "nbytes": 24, "checksum": info.checksum,
+                   "version": 1, "written": info.written}
+    assert json.loads(fs.cat_file(f"/{name}/quotas.json")) == {"a/": 1000}
+    assert json.loads(fs.cat_file(f"/{name}/{info.dir}/zarr.json"))["attributes"]["dtm"]["dtype"] == "i32"

@@ -6,15 +6,16 @@ where SQLite cannot live, use refindex.py instead, with the same methods."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..ir.dtypes import DTYPES, DType
-from .errors import QuotaExceeded, StoreCorrupt
+from .errors import QuotaExceeded, StoreCorrupt, StoreIOError
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for another process's transaction
@@ -75,6 +76,7 @@ class SqliteIndex:
         if schema != str(SCHEMA_VERSION):
             raise StoreCorrupt(f"the store index {path} has schema {schema}, this reader reads {SCHEMA_VERSION}")
         self._lock = threading.Lock()  # one connection, shared by the process's threads
+        self._path = path
 
     def close(self) -> None:
         self._db.close()
@@ -120,34 +122,38 @@ class SqliteIndex:
         """Point `key` at `dir` in one transaction, after checking the quotas again (another
         process may have put since the caller's check). Returns the new entry and the
         directory of the version it replaced, now garbage."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._check_quota(key, nbytes)
-                row = self._db.execute("SELECT dir, version FROM keys WHERE key = ?", (key,)).fetchone()
-                old_dir, version = (row[0], row[1] + 1) if row else (None, 1)
-                entry = Entry(key, dir, dtype, shape, nbytes, checksum, version, time.time())
-                self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                                 (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, version,
-                                  entry.written))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction(key):
+            self._check_quota(key, nbytes)
+            row = self._db.execute("SELECT dir, version FROM keys WHERE key = ?", (key,)).fetchone()
+            old_dir, version = (row[0], row[1] + 1) if row else (None, 1)
+            entry = Entry(key, dir, dtype, shape, nbytes, checksum, version, time.time())
+            self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                             (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, version, entry.written))
         return entry, old_dir
 
     def delete(self, key: str) -> Entry | None:
         """Remove `key`'s row; its entry (whose directory is now garbage), or None."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
-                self._db.execute("DELETE FROM keys WHERE key = ?", (key,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction(key):
+            row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
+            self._db.execute("DELETE FROM keys WHERE key = ?", (key,))
         return _entry(row) if row else None
+
+    @contextlib.contextmanager
+    def _transaction(self, key: str) -> Iterator[None]:
+        """One write transaction, taken at once (IMMEDIATE) so that its reads see what it
+        replaces; a failure of SQLite itself (a disk error, a lock held past the timeout)
+        is E1104, and the transaction is rolled back."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                yield
+                self._db.execute("COMMIT")
+            except BaseException as e:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if isinstance(e, sqlite3.OperationalError):
+                    raise StoreIOError(f"the index transaction for {key!r} failed: {e}", self._path, key) from None
+                raise
 
     def _check_quota(self, key: str, nbytes: int) -> None:
         row = self._db.execute("SELECT nbytes FROM keys WHERE key = ?", (key,)).fetchone()

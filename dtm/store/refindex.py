@@ -10,7 +10,7 @@ import json
 import threading
 import time
 
-from ..ir.dtypes import DTYPES
+from ..ir.dtypes import DTYPES, DType
 from .errors import StoreCorrupt
 from .files import FsspecFiles
 from .index import Entry, check_quotas
@@ -77,7 +77,7 @@ class RefIndex:
         old = self.get(key)
         check_quotas(key, nbytes, old.nbytes if old else 0, self.quotas(), self.usage)
 
-    def commit(self, key: str, dir: str, dtype, shape: tuple[int, ...], nbytes: int,
+    def commit(self, key: str, dir: str, dtype: DType, shape: tuple[int, ...], nbytes: int,
                checksum: str) -> tuple[Entry, str | None]:
         with _LOCK:
             self.check_quota(key, nbytes)
