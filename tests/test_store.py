@@ -90,6 +90,9 @@ def test_quantized_tensors_round_trip_as_their_blocks(st, dtype):
         st.get("q")  # a dtm.Tensor holds no quantized dtype
     assert e.value.code is ErrorCode.QUANTIZED_MISUSE
     with pytest.raises(StoreTypeError) as e:
+        st.get("q", dtype="f32")  # the type mismatch is named first
+    assert e.value.code is ErrorCode.DTYPE_MISMATCH
+    with pytest.raises(StoreTypeError) as e:
         st.put_array("q", blocks[:, :-1], dtype=dtype.name)  # not whole blocks
     assert e.value.code is ErrorCode.QUANTIZED_MISUSE
 
@@ -449,3 +452,21 @@ def test_a_store_behind_an_fsspec_url_keeps_a_ref_per_key_as_the_spec_says():
                    "version": 1, "written": info.written}
     assert json.loads(fs.cat_file(f"/{name}/quotas.json")) == {"a/": 1000}
     assert json.loads(fs.cat_file(f"/{name}/{info.dir}/zarr.json"))["attributes"]["dtm"]["dtype"] == "i32"
+
+
+def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypatch):
+    st.put("k", np.arange(3))
+    stale = st.info("k")
+    st.put("k", np.arange(4))                           # removes the version `stale` names
+    real, calls = st._index.get, []
+
+    def first_stale(key):                               # as if the lookup came just before the put
+        calls.append(key)
+        return stale if len(calls) == 1 else real(key)
+
+    monkeypatch.setattr(st._index, "get", first_stale)
+    assert _same_bits(st.get_array("k"), np.arange(4))
+    calls.clear()
+    st.delete("k")
+    with pytest.raises(KeyMissing):
+        st.get_array("k")

@@ -176,7 +176,7 @@ class Store:
     def get(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
         """The tensor under `key` as a dtm.Tensor; with `dtype`/`shape`, E0402/E0403 when
         the stored type differs. Quantized tensors: use get_array."""
-        stored = self.info(key).dtype
+        stored = self._checked(key, dtype, shape).dtype
         if stored.is_quant:
             raise StoreTypeError(ErrorCode.QUANTIZED_MISUSE,
                                  f"{key!r} holds {stored}, which a dtm.Tensor cannot hold; use get_array", key)
@@ -185,21 +185,33 @@ class Store:
     def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor under `key` as a read-only numpy array, memory-mapped when it is one
         chunk on a local disk; every chunk's CRC32C is checked first (E1102)."""
-        key = check_key(key)
-        entry = self._index.get(key)
-        if entry is None:
-            raise KeyMissing(key)
+        entry = self._checked(key, dtype, shape)
+        try:
+            return self._read(entry)
+        except (ChecksumError, StoreCorrupt):
+            # A put or delete of the key that committed after our lookup removes the version
+            # we were reading: that is not damage; read what the key holds now (or E0804).
+            if self.info(key).dir == entry.dir:
+                raise
+            return self.get_array(key, dtype, shape)
+
+    def _checked(self, key: str, dtype: Any, shape: tuple[int, ...] | None) -> Entry:
+        """The key's entry, once its stored type is the one asked for (E0402, then E0403)."""
+        entry = self.info(key)
         if dtype is not None and as_store_dtype(dtype) is not entry.dtype:
             raise StoreTypeError(ErrorCode.DTYPE_MISMATCH,
                                  f"{key!r} holds {entry.dtype}{list(entry.shape)}, not dtype {as_store_dtype(dtype)}", key)
         if shape is not None and tuple(shape) != entry.shape:
             raise StoreTypeError(ErrorCode.SHAPE_MISMATCH,
                                  f"{key!r} holds {entry.dtype}{list(entry.shape)}, not shape {list(shape)}", key)
+        return entry
+
+    def _read(self, entry: Entry) -> np.ndarray:
         layout = self._layout(entry)
         try:
             chunks = [self._chunk(entry, layout, i) for i in range(layout.nchunks)]
         except OSError as e:
-            raise StoreIOError(f"get {key!r}: {e.strerror or e}", self._files.path(entry.dir), key) from None
+            raise StoreIOError(f"get {entry.key!r}: {e.strerror or e}", self._files.path(entry.dir), entry.key) from None
         if layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes:  # no copy: the mapped chunk
             out = chunks[0].view(layout.storage_dtype).reshape(layout.storage_shape)
         else:
