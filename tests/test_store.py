@@ -283,6 +283,8 @@ def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path):
             got = s.get_array("k")
             assert any(_same_bits(got, _version(i)) for i in (last - 1, last) if i >= 0), f"trial {trial}"
             assert s.verify().ok
+            s.collect(older_than_s=0)                # what the killed put left
+            assert os.listdir(os.path.join(path, "data", "k")) == [s.info("k").dir.rsplit("/", 1)[1]]
             s.put("k", _version(0))                  # the store is writable again
             assert _same_bits(s.get_array("k"), _version(0))
     assert sum(n > 0 for n in lasts) >= 10, f"the writer rarely got to put before it was killed: {lasts}"
@@ -470,3 +472,18 @@ def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypat
     st.delete("k")
     with pytest.raises(KeyMissing):
         st.get_array("k")
+
+
+def test_collect_removes_old_unnamed_version_directories_only(st):
+    st.put("a/k", np.arange(64, dtype=np.float32))
+    st.put("b", np.ones(2))
+    current = st.info("a/k").dir
+    files = st._files
+    for vdir in ("data/a/k/@00000000000000aa", "data/b/@00000000000000bb"):  # as a killed put leaves them
+        for rel, _ in list(files.walk(current)):
+            files.write(vdir + rel[len(current):], [files.read_bytes(rel)])
+    assert st.collect(older_than_s=3600) == []          # too young: maybe a put in flight
+    time.sleep(0.01)
+    assert st.collect(older_than_s=0) == ["data/a/k/@00000000000000aa", "data/b/@00000000000000bb"]
+    assert st.collect(older_than_s=0) == []
+    assert _same_bits(st.get_array("a/k"), np.arange(64, dtype=np.float32)) and st.verify().ok

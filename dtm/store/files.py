@@ -4,9 +4,11 @@ checked by keys.py, so neither backend can be led outside its root."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from typing import Any, Iterable
+import time
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -52,6 +54,14 @@ class LocalFiles:
             return np.empty(0, np.uint8)
         return np.memmap(path, np.uint8, mode="r")
 
+    def walk(self, rel: str) -> Iterator[tuple[str, float]]:
+        """(path relative to the root, modification time) of every file below `rel`."""
+        for dirpath, _, names in os.walk(self.path(rel)):
+            for n in names:
+                p = os.path.join(dirpath, n)
+                with contextlib.suppress(FileNotFoundError):  # removed by a concurrent put
+                    yield os.path.relpath(p, self.root).replace(os.sep, "/"), os.stat(p).st_mtime
+
     def remove_tree(self, rel: str) -> None:
         shutil.rmtree(self.path(rel), ignore_errors=True)
 
@@ -89,6 +99,16 @@ class FsspecFiles:
 
     def map(self, rel: str) -> np.ndarray:
         return np.frombuffer(self.read_bytes(rel), np.uint8)
+
+    def walk(self, rel: str) -> Iterator[tuple[str, float]]:
+        """(path relative to the root, modification time) of every file below `rel`; a file
+        system that keeps no times gives the current time, so nothing counts as old."""
+        for p in self.find(rel):
+            try:
+                t = self.fs.modified(self.path(p)).timestamp()
+            except (NotImplementedError, FileNotFoundError):
+                t = time.time()
+            yield p, t
 
     def find(self, rel: str) -> list[str]:
         """Every file below `rel`, as paths relative to the root."""

@@ -4,7 +4,9 @@ Zarr v3 layout of format.py."""
 
 from __future__ import annotations
 
+import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,6 +31,9 @@ def set_tensor_factory(factory: Callable[[np.ndarray], Any]) -> None:
     global _tensor_factory
     _tensor_factory = factory
 
+
+# A file inside a version directory `data/KEY/@ID/` (keys have no `@` segments, 9.2.1)
+_VERSION_DIR = re.compile(r"(data/(?:[^/]+/)+?@[0-9a-f]{16})/")
 
 Info = Entry  # what info() returns: dtype, shape, nbytes, checksum, version, written
 
@@ -106,7 +111,7 @@ class Store:
         data = fmt.to_storage(a, dt)
         layout = fmt.plan(dt, shape, self._chunk_bytes)
         self._index.check_quota(key, layout.nbytes)
-        rel = f"data/{key}/@{secrets.token_hex(8)}"
+        rel = f"data/{key}/@{secrets.token_hex(8)}"  # 16 hex digits, as _VERSION_DIR expects
         try:
             checksum = self._write_chunks(rel, layout, data)
             self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
@@ -269,6 +274,23 @@ class Store:
                 except OSError as e:
                     report.bad.append((entry.key, layout.chunk_key(i), str(e)))
         return report
+
+    def collect(self, older_than_s: float = 3600.0) -> list[str]:
+        """Remove version directories no key names (spec 9.2.3: left by a put killed before
+        its commit, or by one killed between its commit and its cleanup) whose newest file
+        is older than `older_than_s`, so that puts still in flight are spared. Returns the
+        directories removed."""
+        current = {e.dir for e in self._index.entries("")}
+        newest: dict[str, float] = {}
+        for rel, mtime in self._files.walk("data"):
+            m = _VERSION_DIR.match(rel)  # not a ref object (`@ref`), which is a key's index row
+            if m:
+                newest[m.group(1)] = max(newest.get(m.group(1), 0.0), mtime)
+        cutoff = time.time() - older_than_s
+        garbage = sorted(d for d, t in newest.items() if d not in current and t < cutoff)
+        for d in garbage:
+            self._files.remove_tree(d)
+        return garbage
 
 
 def _quant_shape(key: str, a: np.ndarray, dt: DType) -> tuple[int, ...]:
