@@ -55,9 +55,10 @@ class LocalFiles:
         return np.memmap(path, np.uint8, mode="r")
 
     def walk(self, rel: str) -> Iterator[tuple[str, float]]:
-        """(path relative to the root, modification time) of every file below `rel`."""
-        for dirpath, _, names in os.walk(self.path(rel)):
-            for n in names:
+        """(path relative to the root, modification time) of every file and directory below
+        `rel`: a put killed early leaves directories with no file in them."""
+        for dirpath, dirs, names in os.walk(self.path(rel)):
+            for n in dirs + names:
                 p = os.path.join(dirpath, n)
                 with contextlib.suppress(FileNotFoundError):  # removed by a concurrent put
                     yield os.path.relpath(p, self.root).replace(os.sep, "/"), os.stat(p).st_mtime

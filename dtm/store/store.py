@@ -32,8 +32,8 @@ def set_tensor_factory(factory: Callable[[np.ndarray], Any]) -> None:
     _tensor_factory = factory
 
 
-# A file inside a version directory `data/KEY/@ID/` (keys have no `@` segments, 9.2.1)
-_VERSION_DIR = re.compile(r"(data/(?:[^/]+/)+?@[0-9a-f]{16})/")
+# A version directory `data/KEY/@ID` or a path inside it (keys have no `@` segments, 9.2.1)
+_VERSION_DIR = re.compile(r"(data/(?:[^/]+/)+?@[0-9a-f]{16})(?:/|$)")
 
 Info = Entry  # what info() returns: dtype, shape, nbytes, checksum, version, written
 
