@@ -14,6 +14,7 @@ import re
 import signal
 import sqlite3
 import time
+import uuid
 
 import ml_dtypes
 import numpy as np
@@ -50,7 +51,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.fixture(params=["file", "memory"])
 def st(request, tmp_path):
     # small chunks, so that most tensors here span several chunk files
-    url = str(tmp_path / "s") if request.param == "file" else f"memory://{request.node.name}"
+    url = str(tmp_path / "s") if request.param == "file" else f"memory://{uuid.uuid4().hex}"
     with dtm.store.open(url, chunk_bytes=64) as s:
         yield s
 
@@ -88,6 +89,9 @@ def test_quantized_tensors_round_trip_as_their_blocks(st, dtype):
     with pytest.raises(StoreTypeError) as e:
         st.get("q")  # a dtm.Tensor holds no quantized dtype
     assert e.value.code is ErrorCode.QUANTIZED_MISUSE
+    with pytest.raises(StoreTypeError) as e:
+        st.get("q", dtype="f32")  # the type mismatch is named first
+    assert e.value.code is ErrorCode.DTYPE_MISMATCH
     with pytest.raises(StoreTypeError) as e:
         st.put_array("q", blocks[:, :-1], dtype=dtype.name)  # not whole blocks
     assert e.value.code is ErrorCode.QUANTIZED_MISUSE
@@ -279,6 +283,8 @@ def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path):
             got = s.get_array("k")
             assert any(_same_bits(got, _version(i)) for i in (last - 1, last) if i >= 0), f"trial {trial}"
             assert s.verify().ok
+            s.collect(older_than_s=0)                # what the killed put left
+            assert os.listdir(os.path.join(path, "data", "k")) == [s.info("k").dir.rsplit("/", 1)[1]]
             s.put("k", _version(0))                  # the store is writable again
             assert _same_bits(s.get_array("k"), _version(0))
     assert sum(n > 0 for n in lasts) >= 10, f"the writer rarely got to put before it was killed: {lasts}"
@@ -408,3 +414,75 @@ def test_the_index_is_the_sqlite_schema_the_spec_gives(disk, tmp_path):
     assert row == ("layer0/w", info.dir, "f32", "[2, 3]", 24, info.checksum, 1, info.written)
     assert info.dir.startswith("data/layer0/w/@") and re.fullmatch(r"[0-9a-f]{16}", info.dir.rsplit("@", 1)[1])
     db.close()
+
+
+def test_a_damaged_index_is_e1105(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "index.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(DTMError) as e:
+        dtm.store.open(tmp_path / "s")
+    assert e.value.code is ErrorCode.STORE_CORRUPT
+
+
+def test_an_index_locked_past_the_timeout_is_e1104_and_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(dtm.store.index, "BUSY_TIMEOUT_MS", 50)
+    with dtm.store.open(tmp_path / "s") as s:
+        s.put("k", np.arange(3))
+        other = sqlite3.connect(tmp_path / "s" / "index.sqlite", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")                 # another process holds the write lock
+        with pytest.raises(StoreIOError) as e:
+            s.put("k", np.arange(4))
+        assert e.value.key == "k" and "index.sqlite" in str(e.value)
+        other.execute("ROLLBACK")
+        other.close()
+        assert _same_bits(s.get_array("k"), np.arange(3)) and s.info("k").version == 1
+        assert os.listdir(tmp_path / "s" / "data" / "k") == [s.info("k").dir.rsplit("/", 1)[1]]
+        s.put("k", np.arange(4))
+
+
+def test_a_store_behind_an_fsspec_url_keeps_a_ref_per_key_as_the_spec_says():
+    fsspec = pytest.importorskip("fsspec")
+    name = uuid.uuid4().hex
+    s = dtm.store.open(f"memory://{name}")
+    info = s.put("a/b", np.arange(6, dtype=np.int32).reshape(2, 3))
+    s.set_quota(1000, prefix="a/")
+    fs = fsspec.filesystem("memory")                     # read the objects as another tool would
+    ref = json.loads(fs.cat_file(f"/{name}/data/a/b/@ref"))
+    members = re.findall(r"`(\w+)`", re.search(r"with the members (.*?) of the row above", SPEC_92, re.S).group(1))
+    assert list(ref) == members
+    assert ref == {"dir": info.dir, "dtype": "i32", "shape": [2, 3], "nbytes": 24, "checksum": info.checksum,
+                   "version": 1, "written": info.written}
+    assert json.loads(fs.cat_file(f"/{name}/quotas.json")) == {"a/": 1000}
+    assert json.loads(fs.cat_file(f"/{name}/{info.dir}/zarr.json"))["attributes"]["dtm"]["dtype"] == "i32"
+
+
+def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypatch):
+    st.put("k", np.arange(3))
+    stale = st.info("k")
+    st.put("k", np.arange(4))                           # removes the version `stale` names
+    real, calls = st._index.get, []
+
+    def first_stale(key):                               # as if the lookup came just before the put
+        calls.append(key)
+        return stale if len(calls) == 1 else real(key)
+
+    monkeypatch.setattr(st._index, "get", first_stale)
+    assert _same_bits(st.get_array("k"), np.arange(4))
+    calls.clear()
+    st.delete("k")
+    with pytest.raises(KeyMissing):
+        st.get_array("k")
+
+
+def test_collect_removes_old_unnamed_version_directories_only(st):
+    st.put("a/k", np.arange(64, dtype=np.float32))
+    st.put("b", np.ones(2))
+    current = st.info("a/k").dir
+    files = st._files
+    for vdir in ("data/a/k/@00000000000000aa", "data/b/@00000000000000bb"):  # as a killed put leaves them
+        files.write(f"{vdir}/c/0", [files.read_bytes(f"{current}/c/0")])
+    assert st.collect(older_than_s=3600) == []          # too young: maybe a put in flight
+    time.sleep(0.01)
+    assert st.collect(older_than_s=0) == ["data/a/k/@00000000000000aa", "data/b/@00000000000000bb"]
+    assert st.collect(older_than_s=0) == []
+    assert _same_bits(st.get_array("a/k"), np.arange(64, dtype=np.float32)) and st.verify().ok

@@ -1,7 +1,8 @@
 """The tensor store (spec 9.2): keys mapped to tensors, durable, checksummed and atomic.
 
 `open()` gives a `Store`: by default a directory (`$DTM_STORE`, else ~/.cache/dtm/store),
-or any path or `file://` URL, or `memory://NAME` for a process-local store. `use(st)` makes
+a path or `file://` URL (a directory store, indexed in SQLite), `memory://NAME` for a
+process-local store, or any other fsspec URL (`s3://...`, indexed by ref objects). `use(st)` makes
 a store the process's current one, which `store_get`/`store_put` in programs read and write;
 `current()` returns it, opening the default lazily.
 
@@ -18,10 +19,11 @@ import threading
 
 from .errors import (ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreCorrupt, StoreError, StoreIOError,
                      StoreTypeError)
-from .files import LocalFiles, MemoryFiles
+from .files import FsspecFiles, LocalFiles
 from .format import DEFAULT_CHUNK_BYTES
-from .index import Index
+from .index import SqliteIndex
 from .keys import MAX_KEY_BYTES, check_key
+from .refindex import RefIndex
 from .store import Info, Store, VerifyReport, set_tensor_factory
 
 __all__ = ["open", "use", "current", "Store", "Info", "VerifyReport", "StoreError", "KeyMissing", "StoreTypeError",
@@ -30,8 +32,6 @@ __all__ = ["open", "use", "current", "Store", "Info", "VerifyReport", "StoreErro
 
 _current: Store | None = None
 _lock = threading.RLock()  # current() opens the default store while holding it
-# memory:// stores by name, so two opens of one name in a process see one store
-_memory: dict[str, tuple[MemoryFiles, Index]] = {}
 
 
 def default_path() -> str:
@@ -43,14 +43,8 @@ def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHU
     `memory://NAME`; None for the default directory. E1104 when the path is a file or not
     writable."""
     url = default_path() if url is None else os.fspath(url)
-    if url.startswith("memory://"):
-        with _lock:
-            if url not in _memory:
-                _memory[url] = (MemoryFiles(), Index(":memory:"))
-            files, index = _memory[url]
-        return Store(url, files, index, chunk_bytes)
     if "://" in url and not url.startswith("file://"):
-        raise StoreIOError("only local paths, file:// and memory:// stores are supported by this version", url)
+        return _open_fsspec(url, chunk_bytes)
     root = os.path.abspath(os.path.expanduser(url.removeprefix("file://")))
     if os.path.exists(root) and not os.path.isdir(root):
         raise StoreIOError("the store path is not a directory", root)
@@ -60,7 +54,20 @@ def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHU
         raise StoreIOError(f"cannot create the store: {e.strerror or e}", root) from None
     if not os.access(root, os.W_OK) or not os.access(os.path.join(root, "data"), os.W_OK):
         raise StoreIOError("the store directory is not writable", root)
-    return Store("file://" + root, LocalFiles(root), Index(os.path.join(root, "index.sqlite")), chunk_bytes)
+    return Store("file://" + root, LocalFiles(root), SqliteIndex(os.path.join(root, "index.sqlite")), chunk_bytes)
+
+
+def _open_fsspec(url: str, chunk_bytes: int) -> Store:
+    """A store behind any other fsspec URL, with the user's own fsspec back ends and
+    credentials: `memory://NAME` (fsspec's process-local memory file system), `s3://...`."""
+    import fsspec  # only stores behind URLs need it
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:
+        raise StoreIOError(f"fsspec cannot open the store: {e}", url) from None
+    files = FsspecFiles(fs, root)
+    return Store(url, files, RefIndex(files), chunk_bytes)
 
 
 def use(store: Store) -> Store:

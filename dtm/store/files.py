@@ -1,12 +1,14 @@
 """Where a store's files live: a local directory (written durably, read through memory
-maps) or a process-local dict (`memory://`). Paths are relative, `/`-separated, and already
+maps), or an fsspec file system (object stores, `memory://`). Paths are relative, `/`-separated, and already
 checked by keys.py, so neither backend can be led outside its root."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from typing import Iterable
+import time
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -52,6 +54,15 @@ class LocalFiles:
             return np.empty(0, np.uint8)
         return np.memmap(path, np.uint8, mode="r")
 
+    def walk(self, rel: str) -> Iterator[tuple[str, float]]:
+        """(path relative to the root, modification time) of every file and directory below
+        `rel`: a put killed early leaves directories with no file in them."""
+        for dirpath, dirs, names in os.walk(self.path(rel)):
+            for n in dirs + names:
+                p = os.path.join(dirpath, n)
+                with contextlib.suppress(FileNotFoundError):  # removed by a concurrent put
+                    yield os.path.relpath(p, self.root).replace(os.sep, "/"), os.stat(p).st_mtime
+
     def remove_tree(self, rel: str) -> None:
         shutil.rmtree(self.path(rel), ignore_errors=True)
 
@@ -64,30 +75,54 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class MemoryFiles:
-    """Files in a dict, for `memory://` stores: process-local, gone when the process ends."""
+class FsspecFiles:
+    """Files under `root` of an fsspec file system (object stores, `memory://`). Writing
+    one object is atomic there, and durable once the call returns."""
 
-    def __init__(self) -> None:
-        self._files: dict[str, bytes] = {}
+    def __init__(self, fs: Any, root: str):
+        self.fs, self.root = fs, root.rstrip("/")
 
     def path(self, rel: str) -> str:
-        return "memory://" + rel
+        return f"{self.root}/{rel}"
 
     def write(self, rel: str, parts: Iterable[memoryview | bytes]) -> None:
-        self._files[rel] = b"".join(parts)  # a copy: the caller may change its array later
+        self.replace(rel, b"".join(parts))
+
+    def replace(self, rel: str, data: bytes) -> None:
+        """Write the object `rel` whole, replacing any earlier one in one step."""
+        self.fs.pipe_file(self.path(rel), data)
 
     def sync_tree(self, rel: str) -> None:
-        """Nothing to sync: memory is as durable as a memory store promises."""
+        """Nothing to sync: each object was durable when its write returned."""
 
     def read_bytes(self, rel: str) -> bytes:
-        try:
-            return self._files[rel]
-        except KeyError:
-            raise FileNotFoundError(rel) from None
+        return self.fs.cat_file(self.path(rel))
 
     def map(self, rel: str) -> np.ndarray:
         return np.frombuffer(self.read_bytes(rel), np.uint8)
 
+    def walk(self, rel: str) -> Iterator[tuple[str, float]]:
+        """(path relative to the root, modification time) of every file below `rel`; a file
+        system that keeps no times gives the current time, so nothing counts as old."""
+        for p in self.find(rel):
+            try:
+                t = self.fs.modified(self.path(p)).timestamp()
+            except (NotImplementedError, FileNotFoundError):
+                t = time.time()
+            yield p, t
+
+    def find(self, rel: str) -> list[str]:
+        """Every file below `rel`, as paths relative to the root."""
+        try:
+            return [p[len(self.root) + 1:] for p in self.fs.find(self.path(rel))]
+        except FileNotFoundError:
+            return []
+
+    def remove(self, rel: str) -> None:
+        self.fs.rm_file(self.path(rel))
+
     def remove_tree(self, rel: str) -> None:
-        for k in [k for k in self._files if k.startswith(rel + "/")]:
-            del self._files[k]
+        try:
+            self.fs.rm(self.path(rel), recursive=True)
+        except FileNotFoundError:
+            pass

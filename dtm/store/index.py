@@ -1,19 +1,21 @@
 """The index of a store (spec 9.2.4): one SQLite database mapping each key to the version
 directory that holds its tensor, with the tensor's type, size, checksum, version and time,
 plus the byte quotas. Switching a key's row is a put's commit point: SQLite's transaction
-(WAL journal, synchronous=FULL) makes it atomic and durable. A memory store uses the same
-schema in an in-memory database."""
+(WAL journal, synchronous=FULL) makes it atomic and durable. Stores behind fsspec URLs,
+where SQLite cannot live, use refindex.py instead, with the same methods."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from ..ir.dtypes import DTYPES, DType
-from .errors import QuotaExceeded, StoreCorrupt
+from .errors import QuotaExceeded, StoreCorrupt, StoreIOError
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for another process's transaction
@@ -41,14 +43,24 @@ class Entry:
     written: float
 
 
+def check_quotas(key: str, nbytes: int, old: int, quotas: dict[str, int], usage: Callable[[str], int]) -> None:
+    """QuotaExceeded when replacing `old` bytes under `key` by `nbytes` passes the quota of
+    a prefix of `key` (spec 9.2.7); `usage(prefix)` is du(prefix) now."""
+    for prefix, limit in quotas.items():
+        if key.startswith(prefix):
+            would = usage(prefix) - old + nbytes
+            if would > limit:
+                raise QuotaExceeded(key, prefix, limit, would)
+
+
 def _under(prefix: str) -> tuple[str, tuple]:
     """A WHERE clause for keys that start with `prefix` (substr counts characters, so it
     holds for any Unicode prefix)."""
     return "substr(key, 1, ?) = ?", (len(prefix), prefix)
 
 
-class Index:
-    """The key index over one SQLite connection (`path` a file, or ":memory:")."""
+class SqliteIndex:
+    """The key index of a directory store, over one SQLite connection to `path`."""
 
     def __init__(self, path: str):
         try:
@@ -64,6 +76,7 @@ class Index:
         if schema != str(SCHEMA_VERSION):
             raise StoreCorrupt(f"the store index {path} has schema {schema}, this reader reads {SCHEMA_VERSION}")
         self._lock = threading.Lock()  # one connection, shared by the process's threads
+        self._path = path
 
     def close(self) -> None:
         self._db.close()
@@ -109,43 +122,43 @@ class Index:
         """Point `key` at `dir` in one transaction, after checking the quotas again (another
         process may have put since the caller's check). Returns the new entry and the
         directory of the version it replaced, now garbage."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._check_quota(key, nbytes)
-                row = self._db.execute("SELECT dir, version FROM keys WHERE key = ?", (key,)).fetchone()
-                old_dir, version = (row[0], row[1] + 1) if row else (None, 1)
-                entry = Entry(key, dir, dtype, shape, nbytes, checksum, version, time.time())
-                self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                                 (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, version,
-                                  entry.written))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction(key):
+            self._check_quota(key, nbytes)
+            row = self._db.execute("SELECT dir, version FROM keys WHERE key = ?", (key,)).fetchone()
+            old_dir, version = (row[0], row[1] + 1) if row else (None, 1)
+            entry = Entry(key, dir, dtype, shape, nbytes, checksum, version, time.time())
+            self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                             (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, version, entry.written))
         return entry, old_dir
 
     def delete(self, key: str) -> Entry | None:
         """Remove `key`'s row; its entry (whose directory is now garbage), or None."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
-                self._db.execute("DELETE FROM keys WHERE key = ?", (key,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction(key):
+            row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
+            self._db.execute("DELETE FROM keys WHERE key = ?", (key,))
         return _entry(row) if row else None
+
+    @contextlib.contextmanager
+    def _transaction(self, key: str) -> Iterator[None]:
+        """One write transaction, taken at once (IMMEDIATE) so that its reads see what it
+        replaces; a failure of SQLite itself (a disk error, a lock held past the timeout)
+        is E1104, and the transaction is rolled back."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                yield
+                self._db.execute("COMMIT")
+            except BaseException as e:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if isinstance(e, sqlite3.OperationalError):
+                    raise StoreIOError(f"the index transaction for {key!r} failed: {e}", self._path, key) from None
+                raise
 
     def _check_quota(self, key: str, nbytes: int) -> None:
         row = self._db.execute("SELECT nbytes FROM keys WHERE key = ?", (key,)).fetchone()
-        old = row[0] if row else 0
-        for prefix, limit in self._db.execute("SELECT prefix, bytes FROM quotas").fetchall():
-            if key.startswith(prefix):
-                used = self._usage(prefix)
-                if used - old + nbytes > limit:
-                    raise QuotaExceeded(key, prefix, limit, used - old + nbytes)
+        check_quotas(key, nbytes, row[0] if row else 0, dict(self._db.execute("SELECT prefix, bytes FROM quotas")),
+                     self._usage)
 
 
     def _usage(self, prefix: str) -> int:

@@ -4,7 +4,9 @@ Zarr v3 layout of format.py."""
 
 from __future__ import annotations
 
+import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -15,8 +17,9 @@ from ..errors import ErrorCode
 from ..ir.dtypes import DTYPES, DType, from_numpy, numpy_dtype
 from . import format as fmt
 from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError, StoreTypeError
-from .files import LocalFiles, MemoryFiles
-from .index import Entry, Index
+from .files import FsspecFiles, LocalFiles
+from .index import Entry, SqliteIndex
+from .refindex import RefIndex
 from .keys import check_key
 
 # What `get` wraps its array in. The store sits below the user-facing API (DESIGN.md, layer
@@ -28,6 +31,9 @@ def set_tensor_factory(factory: Callable[[np.ndarray], Any]) -> None:
     global _tensor_factory
     _tensor_factory = factory
 
+
+# A version directory `data/KEY/@ID` or a path inside it (keys have no `@` segments, 9.2.1)
+_VERSION_DIR = re.compile(r"(data/(?:[^/]+/)+?@[0-9a-f]{16})(?:/|$)")
 
 Info = Entry  # what info() returns: dtype, shape, nbytes, checksum, version, written
 
@@ -65,7 +71,7 @@ def as_store_dtype(d: Any) -> DType:
 class Store:
     """An embedded tensor store. Open one with `dtm.store.open`."""
 
-    def __init__(self, url: str, files: LocalFiles | MemoryFiles, index: Index,
+    def __init__(self, url: str, files: LocalFiles | FsspecFiles, index: SqliteIndex | RefIndex,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES):
         self.url = url
         self._files = files
@@ -105,7 +111,7 @@ class Store:
         data = fmt.to_storage(a, dt)
         layout = fmt.plan(dt, shape, self._chunk_bytes)
         self._index.check_quota(key, layout.nbytes)
-        rel = f"data/{key}/@{secrets.token_hex(8)}"
+        rel = f"data/{key}/@{secrets.token_hex(8)}"  # 16 hex digits, as _VERSION_DIR expects
         try:
             checksum = self._write_chunks(rel, layout, data)
             self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
@@ -175,7 +181,7 @@ class Store:
     def get(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
         """The tensor under `key` as a dtm.Tensor; with `dtype`/`shape`, E0402/E0403 when
         the stored type differs. Quantized tensors: use get_array."""
-        stored = self.info(key).dtype
+        stored = self._checked(key, dtype, shape).dtype
         if stored.is_quant:
             raise StoreTypeError(ErrorCode.QUANTIZED_MISUSE,
                                  f"{key!r} holds {stored}, which a dtm.Tensor cannot hold; use get_array", key)
@@ -184,21 +190,33 @@ class Store:
     def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor under `key` as a read-only numpy array, memory-mapped when it is one
         chunk on a local disk; every chunk's CRC32C is checked first (E1102)."""
-        key = check_key(key)
-        entry = self._index.get(key)
-        if entry is None:
-            raise KeyMissing(key)
+        entry = self._checked(key, dtype, shape)
+        try:
+            return self._read(entry)
+        except (ChecksumError, StoreCorrupt):
+            # A put or delete of the key that committed after our lookup removes the version
+            # we were reading: that is not damage; read what the key holds now (or E0804).
+            if self.info(key).dir == entry.dir:
+                raise
+            return self.get_array(key, dtype, shape)
+
+    def _checked(self, key: str, dtype: Any, shape: tuple[int, ...] | None) -> Entry:
+        """The key's entry, once its stored type is the one asked for (E0402, then E0403)."""
+        entry = self.info(key)
         if dtype is not None and as_store_dtype(dtype) is not entry.dtype:
             raise StoreTypeError(ErrorCode.DTYPE_MISMATCH,
                                  f"{key!r} holds {entry.dtype}{list(entry.shape)}, not dtype {as_store_dtype(dtype)}", key)
         if shape is not None and tuple(shape) != entry.shape:
             raise StoreTypeError(ErrorCode.SHAPE_MISMATCH,
                                  f"{key!r} holds {entry.dtype}{list(entry.shape)}, not shape {list(shape)}", key)
+        return entry
+
+    def _read(self, entry: Entry) -> np.ndarray:
         layout = self._layout(entry)
         try:
             chunks = [self._chunk(entry, layout, i) for i in range(layout.nchunks)]
         except OSError as e:
-            raise StoreIOError(f"get {key!r}: {e.strerror or e}", self._files.path(entry.dir), key) from None
+            raise StoreIOError(f"get {entry.key!r}: {e.strerror or e}", self._files.path(entry.dir), entry.key) from None
         if layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes:  # no copy: the mapped chunk
             out = chunks[0].view(layout.storage_dtype).reshape(layout.storage_shape)
         else:
@@ -256,6 +274,23 @@ class Store:
                 except OSError as e:
                     report.bad.append((entry.key, layout.chunk_key(i), str(e)))
         return report
+
+    def collect(self, older_than_s: float = 3600.0) -> list[str]:
+        """Remove version directories no key names (spec 9.2.3: left by a put killed before
+        its commit, or by one killed between its commit and its cleanup) whose newest file
+        is older than `older_than_s`, so that puts still in flight are spared. Returns the
+        directories removed."""
+        current = {e.dir for e in self._index.entries("")}
+        newest: dict[str, float] = {}
+        for rel, mtime in self._files.walk("data"):
+            m = _VERSION_DIR.match(rel)  # not a ref object (`@ref`), which is a key's index row
+            if m:
+                newest[m.group(1)] = max(newest.get(m.group(1), 0.0), mtime)
+        cutoff = time.time() - older_than_s
+        garbage = sorted(d for d, t in newest.items() if d not in current and t < cutoff)
+        for d in garbage:
+            self._files.remove_tree(d)
+        return garbage
 
 
 def _quant_shape(key: str, a: np.ndarray, dt: DType) -> tuple[int, ...]:
