@@ -291,9 +291,9 @@ def norm(x: Tensor, p: Any = "fro", dim=None, keepdim: bool = False, dtype: Any 
 def _root(s: Tensor, p: float) -> Tensor:
     """s^(1/p) of a sum s >= 0, with torch's gradient at s = 0: zero, where the root's own
     derivative is infinite and would make the gradient of a zero vector's norm NaN."""
-    positive = F.gt(s, 0.0)
-    safe = F.where(positive, s, 1.0)
-    return F.where(positive, F.sqrt(safe) if p == 2 else F.pow(safe, 1.0 / p), 0.0)
+    zero = F.eq(s, 0.0)  # (not s > 0: a NaN sum stays NaN)
+    safe = F.where(zero, 1.0, s)
+    return F.where(zero, 0.0, F.sqrt(safe) if p == 2 else F.pow(safe, 1.0 / p))
 
 
 # --- movement -----------------------------------------------------------------------------
