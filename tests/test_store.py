@@ -460,6 +460,7 @@ def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypat
     st.put("k", np.arange(3))
     stale = st.info("k")
     st.put("k", np.arange(4))                           # removes the version `stale` names
+    st._files.drain()                                   # (on the reaper thread: wait for it)
     real, calls = st._index.get, []
 
     def first_stale(key):                               # as if the lookup came just before the put

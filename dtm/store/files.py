@@ -4,9 +4,12 @@ checked by keys.py, so neither backend can be led outside its root."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import queue
 import shutil
+import threading
 import time
 from typing import Any, Iterable, Iterator
 
@@ -65,6 +68,28 @@ class LocalFiles:
 
     def remove_tree(self, rel: str) -> None:
         shutil.rmtree(self.path(rel), ignore_errors=True)
+
+    def remove_later(self, rel: str) -> None:
+        """remove_tree on a thread of its own, for a version no key names any more: unlinking
+        a large file costs a quarter of a put (0.1 s for 512 MiB here) and nothing needs to
+        wait for it (a reader that mapped the version keeps its pages; what a process that
+        ends first leaves, `Store.collect` removes)."""
+        if getattr(self, "_doomed", None) is None:
+            self._doomed: queue.Queue = queue.Queue()
+            threading.Thread(target=self._reap, name="dtm-store-reaper", daemon=True).start()
+            atexit.register(self.drain)
+        self._doomed.put(rel)
+
+    def _reap(self) -> None:
+        while True:
+            rel = self._doomed.get()
+            self.remove_tree(rel)
+            self._doomed.task_done()
+
+    def drain(self) -> None:
+        """Until every removal remove_later queued is done."""
+        if getattr(self, "_doomed", None) is not None:
+            self._doomed.join()
 
 
 def _fsync_dir(path: str) -> None:
@@ -126,3 +151,8 @@ class FsspecFiles:
             self.fs.rm(self.path(rel), recursive=True)
         except FileNotFoundError:
             pass
+
+    remove_later = remove_tree  # (objects: no large unlink to spare the caller)
+
+    def drain(self) -> None:
+        """Nothing queued: removals here are done when they return."""

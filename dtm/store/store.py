@@ -88,6 +88,7 @@ class Store:
         self.close()
 
     def close(self) -> None:
+        self._files.drain()
         self._index.close()
 
     # --- writing ------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class Store:
             self._files.remove_tree(rel)
             raise
         if old is not None:
-            self._files.remove_tree(old)
+            self._files.remove_later(old)
         return entry
 
     def _write_chunks(self, rel: str, layout: fmt.Layout, data: np.ndarray) -> str:
