@@ -487,3 +487,14 @@ def test_collect_removes_old_unnamed_version_directories_only(st):
     assert st.collect(older_than_s=0) == ["data/a/k/@00000000000000aa", "data/b/@00000000000000bb"]
     assert st.collect(older_than_s=0) == []
     assert _same_bits(st.get_array("a/k"), np.arange(64, dtype=np.float32)) and st.verify().ok
+
+
+def test_a_closed_store_says_so(tmp_path):
+    s = dtm.store.open(tmp_path / "s")
+    s.put("k", np.arange(3))
+    s.close()
+    for use in (lambda: s.get_array("k"), lambda: s.put("k", np.arange(2)), lambda: s.keys()):
+        with pytest.raises(StoreIOError) as e:
+            use()
+        assert e.value.code is ErrorCode.STORE_IO_ERROR and "closed" in str(e.value)
+    assert _same_bits(dtm.store.open(tmp_path / "s").get_array("k"), np.arange(3))

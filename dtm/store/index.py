@@ -59,6 +59,17 @@ def _under(prefix: str) -> tuple[str, tuple]:
     return "substr(key, 1, ?) = ?", (len(prefix), prefix)
 
 
+class _Closed:
+    """A closed index's connection: any use is E1104 naming the store, not sqlite3's
+    ProgrammingError from inside."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __getattr__(self, name: str):
+        raise StoreIOError("the store was closed; open it again", self.path)
+
+
 class SqliteIndex:
     """The key index of a directory store, over one SQLite connection to `path`."""
 
@@ -80,6 +91,7 @@ class SqliteIndex:
 
     def close(self) -> None:
         self._db.close()
+        self._db = _Closed(self._path)
 
     def get(self, key: str) -> Entry | None:
         with self._lock:
