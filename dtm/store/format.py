@@ -117,7 +117,7 @@ def metadata(layout: Layout, checksum: str) -> bytes:
         "attributes": {"dtm": {"format": FORMAT_VERSION, "dtype": layout.dtype.name,
                                "shape": list(layout.shape), "checksum": checksum}},
     }
-    return json.dumps(doc, indent=1).encode("utf-8")
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")  # (compact: the C encoder, 10x faster)
 
 
 def parse_metadata(raw: bytes) -> tuple[Layout, str]:
