@@ -31,11 +31,12 @@ from timing import best_of
 PROMPT_LEN, PREFILL_LEN = 16, 128
 
 
-def random_weights(n_layer: int) -> dict[str, np.ndarray]:
-    """GPT-2 124M-shaped weights under DTM's names, the same in every process."""
+def random_weights(**config) -> dict[str, np.ndarray]:
+    """GPT-2-shaped weights under DTM's names (124M's unless `config`, GPT2Config's fields,
+    says otherwise), the same in every process: biases 0, layer norms 1, the rest N(0, 0.02)."""
     from dtm.models.gpt2 import GPT2, GPT2Config
 
-    model = GPT2(GPT2Config(n_layer=n_layer), init=False)
+    model = GPT2(GPT2Config(**config), init=False)
     rng = np.random.default_rng(0)
     out = {}
     for name, p in model.named_parameters():
@@ -99,7 +100,7 @@ def torch_engine(n_layer: int, weights: dict[str, np.ndarray]):
 
 def worker(engine: str, args) -> dict:
     """Measure one engine in this process; the result as a dict (printed as JSON)."""
-    weights = random_weights(args.layers)
+    weights = random_weights(n_layer=args.layers)
     ids = np.random.default_rng(1).integers(0, 50257, size=(1, PREFILL_LEN), dtype=np.int64)
     prompt = ids[:, :PROMPT_LEN]
     prefill, decode = (torch_engine(args.layers, weights) if engine == "torch"

@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from gpt2 import random_weights  # this folder is on sys.path when run as a script
+
 MODELS = {  # GPT2Config fields, batch, context
     "char": (dict(vocab_size=65, n_positions=64, n_embd=128, n_layer=4, n_head=4), 16, 64),
     "gpt2": (dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12), 2, 128),
@@ -40,21 +42,10 @@ LR, CLIP = 3e-4, 1.0
 
 def weights_and_batches(model: str, steps: int) -> tuple[dict, list]:
     """The same random weights (DTM's names) and batches in every process."""
-    from dtm.models.gpt2 import GPT2, GPT2Config
-
     fields, batch, context = MODELS[model]
-    m = GPT2(GPT2Config(**fields), init=False)
-    rng = np.random.default_rng(0)
-    weights = {}
-    for name, p in m.named_parameters():
-        if name.endswith("bias"):
-            weights[name] = np.zeros(p.shape, np.float32)
-        elif ".ln_" in name or name.startswith("ln_f"):
-            weights[name] = np.ones(p.shape, np.float32)
-        else:
-            weights[name] = (rng.standard_normal(p.shape) * 0.02).astype(np.float32)
+    rng = np.random.default_rng(1)
     data = [rng.integers(0, fields["vocab_size"], (batch, context + 1)) for _ in range(steps)]
-    return weights, [(d[:, :-1], d[:, 1:]) for d in data]
+    return random_weights(**fields), [(d[:, :-1], d[:, 1:]) for d in data]
 
 
 def dtm_step(model: str, weights: dict, jitted: bool):

@@ -19,8 +19,7 @@ from .errors import ErrorCode, user_line
 from .ir.dtypes import numpy_dtype
 from .ir.types import TensorType
 from .tensor import (DEFAULT_FLOAT, STATE, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
-                     normalize_dim, result_type, tensor)
-from .tensor import rand  # dropout's draws
+                     normalize_dim, rand, result_type, tensor)
 from .tensor.jit import value_fault
 
 # --- helpers ------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ def _check_divisor(op: str, b: Any, d) -> None:
         return
     fault = f"{op}: integer division by zero (the divisor {{}} holds a 0; torch raises ZeroDivisionError too)"
     if isinstance(b, Tensor):
-        _check_values(b, ErrorCode.DIVISION_BY_ZERO, lambda v: fault.format(f"{b._type}") if not v.all() else None)
+        _check_values(b, ErrorCode.DIVISION_BY_ZERO, lambda v: fault.format(b._type) if not v.all() else None)
     elif isinstance(b, (bool, int, np.integer)) and int(b) == 0:
         raise error(ErrorCode.DIVISION_BY_ZERO, fault.format(repr(b)))
 

@@ -196,8 +196,12 @@ def runtime_library(dtype: str = "f32") -> ctypes.CDLL:
     """The runtime library for products of `dtype` ("f32" or "f64"), built and loaded once per
     process with its symbols global, so the kernels that call it resolve against it."""
     if dtype not in _runtime:
-        _runtime[dtype] = load(build(RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS), global_symbols=True)
+        _runtime[dtype] = load(_build_runtime(dtype), global_symbols=True)
     return _runtime[dtype]
+
+
+def _build_runtime(dtype: str) -> Path:
+    return build(RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS)
 
 
 def _function(lib: ctypes.CDLL, symbol: str):
@@ -237,7 +241,7 @@ def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
 
     runtimes = sorted({f.gemm_dtype for f in funcs if f.gemm_dtype} - set(_runtime))
     with ThreadPoolExecutor(max_workers=max(1, min(len(units) + len(runtimes), os.cpu_count() or 1))) as pool:
-        building = [pool.submit(build, RUNTIME_SOURCES[dt], f"dtm_runtime_{dt}", RUNTIME_FLAGS) for dt in runtimes]
+        building = [pool.submit(_build_runtime, dt) for dt in runtimes]
         paths = list(pool.map(one, units))
         for b in building:
             b.result()

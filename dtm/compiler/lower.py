@@ -284,7 +284,7 @@ class KernelBuilder:
             pos = full_ix[op.attrs["axis"]]
             self.emit(L.If(cmp, [L.Assign(acc, val), L.Assign(best_i, L.Op("cast", (pos,), r.type.dtype))]))
         else:
-            fn = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}[op.name]
+            fn = _COMBINE[op.name]
             self.emit(L.Assign(acc, L.Op(fn, (acc, val), dt)))
             if fn in ("add", "mul") and dt.is_float:
                 reduction = (("+" if fn == "add" else "*", acc.name),)
@@ -507,12 +507,12 @@ class KernelBuilder:
             levels = self.sum_levels(rows)
         else:
             levels = [(var, Const(0, INDEX), extent, False) for var, extent in rows]
-        self.column_rows(ops, accs, full_ix, levels, cols, lane)
+        self.column_rows(ops, accs, full_ix, levels, block, cols, lane)
         for op, (acc, dt) in zip(ops, accs):
             rix = _row_index(full_ix, self.group.axes, op.attrs.get("keepdims", False))
             self.acc[op.results[0]] = (rix, L.Load(acc, lane, dt))
 
-    def column_rows(self, ops: list[Op], accs: list, full_ix: tuple, levels: list, cols: tuple,
+    def column_rows(self, ops: list[Op], accs: list, full_ix: tuple, levels: list, block: int, cols: tuple,
                     lane: L.Expr) -> None:
         """The loops over rows of a column sweep, accumulating into the arrays `accs` (one
         per op). With float sums, `levels` are sum_levels and each loop inside another sums
@@ -528,21 +528,21 @@ class KernelBuilder:
             for k in summed:
                 dt = accs[k][1]
                 mine[k] = (self.fresh("sum"), dt)
-                self.scopes[-2].body.append(L.Array(mine[k][0], dt, COLUMN_BLOCK))
+                self.scopes[-2].body.append(L.Array(mine[k][0], dt, block))
                 self.emit(L.Store(mine[k][0], lane, Const(0, dt)))
             self.emit(L.Loop(col, *cols, self.pop(), simd=True))
-            self.column_rows(ops, mine, full_ix, inner, cols, lane)
+            self.column_rows(ops, mine, full_ix, inner, block, cols, lane)
             self.push((col,))
             for k in summed:
                 (acc, dt), (part, _) = accs[k], mine[k]
                 self.emit(L.Store(acc, lane, L.Op("add", (L.Load(acc, lane, dt), L.Load(part, lane, dt)), dt)))
             self.emit(L.Loop(col, *cols, self.pop(), simd=True))
         elif inner:
-            self.column_rows(ops, accs, full_ix, inner, cols, lane)
+            self.column_rows(ops, accs, full_ix, inner, block, cols, lane)
         else:
             self.push((col,))
             for op, (acc, dt) in zip(ops, accs):
-                fn = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}[op.name]
+                fn = _COMBINE[op.name]
                 self.emit(L.Store(acc, lane, L.Op(fn, (L.Load(acc, lane, dt), self.ev(op.operands[0], full_ix)), dt)))
             self.emit(L.Loop(col, *cols, self.pop(), simd=True))
         self.emit(L.Loop(var, start, stop, self.pop()))
@@ -671,6 +671,7 @@ def _row_shapes(F, R):
 
 
 COLUMN_BLOCK = 64  # columns a reduction down columns keeps accumulators for, see build_columns
+_COMBINE = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}
 SUM_BLOCK = 2048  # the most terms one running float sum takes, see KernelBuilder.sum_level
 
 
@@ -679,7 +680,7 @@ def _down_columns(g: Group) -> bool:
     F, R = g.domain, g.axes
     last = len(F) - 1
     return (bool(g.passes) and last >= 0 and last not in R and F[last] != 1 and any(F[k] != 1 for k in R)
-            and all(p.name in ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min") for p in g.passes))
+            and all(p.name in _COMBINE for p in g.passes))
 
 
 def _row_index(full_ix: tuple, R: tuple, keepdims: bool) -> tuple:

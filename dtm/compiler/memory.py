@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..ir.symbolic import dim_mul, dim_prod
 from . import loopir as L
-from .program import Buffer, FallbackStep, KernelStep, Program
+from .program import Buffer, FallbackStep, KernelStep, Program, writes_into
 
 
 def nbytes(b: Buffer):
@@ -67,10 +67,9 @@ def in_place_pairs(step: KernelStep, several: bool = False) -> list[tuple[str, s
     stores: dict = {}
     if not _accesses(step.kernel.body, loads, stores):
         return []
-    if several:
-        pass  # each pair is checked below: one index, no read after the store, no repeated store
-    elif sum(len(ix) for ix in stores.values()) != 1 or _store_count(step.kernel.body) != 1:
+    if not several and (sum(len(ix) for ix in stores.values()) != 1 or _store_count(step.kernel.body) != 1):
         return []  # one store, the last statement of its loop body: every load comes before it
+    # (several: each pair is checked below: one index, no read after the store, no repeated store)
     params = {p.name: (p, b) for p, b in zip(step.kernel.params, step.args)}
     order = _positions(step.kernel.body, ({}, {}, set()), [0]) if several else None
     pairs = []
@@ -202,7 +201,7 @@ def plan_memory(program: Program) -> Program:
                     s.kernel.aliases[names[id(b)]] = cand
                     continue
                 take_slot(b)
-        elif s.writes_into and s.outputs[0].kind == "temp":
+        elif writes_into(s.op) and s.outputs[0].kind == "temp":
             # scatter_add: over its operand x when this is x's last use (it only adds to it)
             b, x = s.outputs[0], s.inputs[0]
             if x.kind == "temp" and last.get(x) == i and x.slot is not None and x not in s.inputs[1:] \

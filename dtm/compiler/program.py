@@ -63,12 +63,6 @@ class FallbackStep:
     inputs: list
     outputs: list
 
-    @property
-    def writes_into(self) -> bool:
-        """Whether this step writes its result into memory the plan gives it (see
-        writes_into) rather than returning a fresh array."""
-        return writes_into(self.op)
-
 
 # Fallback ops whose reference has an in-place form (`ref.ops.scatter_add_into`): their
 # result is planned memory like a kernel's (a slot, or a dead operand's slot), not a fresh

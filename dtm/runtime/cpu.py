@@ -33,7 +33,7 @@ import numpy as np
 
 from ..compiler import build as B
 from ..compiler.passes import compile_func
-from ..compiler.program import Buffer, FallbackStep, KernelStep, Program
+from ..compiler.program import Buffer, FallbackStep, KernelStep, Program, writes_into
 from ..errors import DTMError, ErrorCode as E
 from ..ir.module import Module
 from ..ir.symbolic import SymDim
@@ -46,6 +46,7 @@ from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
 _EMPTY_PTR = _EMPTY.ctypes.data
 STATS = {"plans": 0}
+_RUNTIME_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}  # the runtime library's types
 
 
 def _debug_level() -> int:
@@ -137,7 +138,7 @@ class Plan:
         # through the general fallback: (target buffer, value buffer) by step
         self.assigns = {id(s): tuple(self.fb_args[id(s)][0]) for s in program.fallbacks if s.op.name == "assign"}
         # scatter_adds write into the memory the plan gave their result (memory.plan_memory)
-        self.into = {id(s) for s in program.fallbacks if s.writes_into}
+        self.into = {id(s) for s in program.fallbacks if writes_into(s.op)}
         # the values a kernel writes straight into their parameter (plan_memory): (value, parameter)
         self.in_place = [(buf_index[id(b)], buf_index[id(b.alias)]) for b in self.buffers
                          if b.alias is not None and b.alias.kind == "param"]
@@ -267,7 +268,7 @@ class Plan:
         if _ptr(result) != _ptr(x):
             np.copyto(result, x)
         axis = step.op.attrs["axis"]
-        dtype = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(result.dtype)
+        dtype = _RUNTIME_DTYPES.get(result.dtype)
         if dtype is None or not updates.flags.c_contiguous or indices.dtype == np.uint64:  # (u64 > 2^63 clamps high)
             scatter_add_into(result, indices, updates, axis)
             return

@@ -19,6 +19,7 @@ from ..ir.types import TensorType
 from .core import STATE, Tensor, apply, no_grad, on_replay, result_type
 from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, int64
 
+
 def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
     if isinstance(data, Tensor):
         arr = data.numpy()
