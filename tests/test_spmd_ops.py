@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,10 +69,16 @@ def split_one(rng, v: np.ndarray, p, n: int) -> list[np.ndarray]:
 
 
 def make_pieces(rng, x: np.ndarray, placements, sizes) -> list[np.ndarray]:
-    """Every rank's piece of x, rank-major over the mesh coordinates."""
+    """Every rank's piece of x, rank-major over the mesh coordinates. Replicas along one axis
+    are split alike along the next, as a program's own partial values are: pieces that differ
+    between replicas would round differently after a division and break their agreement."""
     values = {(): x}
     for p, n in zip(placements, sizes):
-        values = {key + (c,): part for key, v in values.items() for c, part in enumerate(split_one(rng, v, p, n))}
+        splits: dict = {}
+        for v in values.values():
+            if (v.shape, v.tobytes()) not in splits:
+                splits[v.shape, v.tobytes()] = split_one(rng, v, p, n)
+        values = {key + (c,): part for key, v in values.items() for c, part in enumerate(splits[v.shape, v.tobytes()])}
     return [values[c] for c in itertools.product(*(range(n) for n in sizes))]
 
 
@@ -320,7 +327,7 @@ def valid(ps) -> bool:
 @pytest.mark.parametrize("mesh", ["1d", "2d"])
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_op_on_sharded_inputs(c: Case, mesh: str):
-    rng = np.random.default_rng(abs(hash((c.id, mesh))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{c.id} {mesh}".encode()))
     xs = [array(rng, spec) for spec in c.inputs]
     tol = dict(rtol=1e-6, atol=1e-6) if any("f32" in t for t, _ in c.inputs) or (c.type or "").startswith("f32") \
         else None
