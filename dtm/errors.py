@@ -114,6 +114,7 @@ class ErrorCode(str, enum.Enum):
     STORE_QUOTA_EXCEEDED = "E1103"
     STORE_IO_ERROR = "E1104"
     STORE_CORRUPT = "E1105"
+    STORE_KEY_LOST = "E1106"
 
     def __str__(self) -> str:
         return self.value

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shutil
 import platform
 import time
 from collections.abc import Callable
@@ -152,8 +153,12 @@ def remove_all(prefix: str) -> list[str]:
     except FileNotFoundError:  # no /dev/shm: no segments either
         return []
     for n in names:
+        path = f"/dev/shm/{n}"
         try:
-            os.unlink(f"/dev/shm/{n}")
+            if os.path.isdir(path):  # the mesh's store parts (dtm/store/mesh_store.py names them so)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
         except FileNotFoundError:  # another survivor was first
             pass
     return names

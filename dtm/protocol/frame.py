@@ -70,6 +70,8 @@ class MsgType(enum.IntEnum):
     P2P_SEND = 8
     ERROR = 9
     CANCEL = 10
+    STORE_REQUEST = 11
+    STORE_REPLY = 12
 
 
 # Never stale (spec 9.1.7): Hello and JoinMesh come before the sender knows an epoch, and an

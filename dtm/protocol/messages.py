@@ -15,6 +15,7 @@ of the payload.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -161,8 +162,10 @@ def _first(*problems: str | None) -> str | None:
 
 
 def _shape_ok(dtype: str, shape: tuple[int, ...]) -> str | None:
-    if dtype not in DTYPES:
-        return f"unknown dtype {dtype!r} (spec 2.1)"
+    return f"unknown dtype {dtype!r} (spec 2.1)" if dtype not in DTYPES else _dims_ok(shape)
+
+
+def _dims_ok(shape: tuple[int, ...]) -> str | None:
     if len(shape) > MAX_RANK:
         return f"rank {len(shape)} exceeds {MAX_RANK}"
     bad = [d for d in shape if not 0 <= d < MAX_DIM]
@@ -546,9 +549,115 @@ class Cancel(Message):
         return _str_ok("reason", self.reason)
 
 
+# --- the mesh's tensor store (spec 9.2.10) ---------------------------------------------------------
+
+STORE_OPS = ("get", "put", "info", "keys", "delete")
+MAX_KEY_BYTES = 1024       # spec 9.2.1; the store checks the rest of a key's syntax
+MAX_STORE_KEYS = 1 << 20   # keys in one StoreReply
+FLAG_EXPECT_SHAPE = 0x01   # StoreRequest.flags: a get's `shape` is the shape it expects
+
+
+@dataclass(frozen=True)
+class StoreRequest(Message):
+    """One operation on the part of the mesh's store a rank serves. A put's tensor bytes
+    follow in Data frames with `seq` = `id`, on the same stream, `nbytes` in all."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STORE_REQUEST
+    id: int
+    op: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    flags: int
+    nbytes: int
+
+    def _check(self) -> str | None:
+        return _first(self.op not in STORE_OPS and f"op {self.op!r} is not one of {', '.join(STORE_OPS)}",
+                      _key_ok(self.key, empty=self.op == "keys"),
+                      _shape_ok(self.dtype, self.shape) if self.dtype else _dims_ok(self.shape),
+                      self.shape and not (self.op == "put" or self.flags & FLAG_EXPECT_SHAPE)
+                      and f"a {self.op} names a shape {list(self.shape)} it does not expect",
+                      not 0 <= self.flags < 256 and f"flags {self.flags} do not fit a u8",
+                      self.flags & ~FLAG_EXPECT_SHAPE and f"unknown flag bits {self.flags & ~FLAG_EXPECT_SHAPE:#x}",
+                      self.op != "put" and self.nbytes and f"a {self.op} carries no bytes, found nbytes {self.nbytes}",
+                      self.op == "put" and not self.dtype and "a put names its tensor's dtype")
+
+    def _write(self, w: Writer) -> None:
+        w.u64(self.id, "id")
+        w.str(self.op, "op")
+        w.str(self.key, "key")
+        w.str(self.dtype, "dtype")
+        _write_shape(w, self.shape)
+        w.u8(self.flags, "flags")
+        w.u64(self.nbytes, "nbytes")
+
+    @classmethod
+    def _read(cls, r: Reader) -> "StoreRequest":
+        return cls(r.u64("id"), r.str("op"), r.str("key"), r.str("dtype"), _read_shape(r), r.u8("flags"),
+                   r.u64("nbytes"))
+
+
+@dataclass(frozen=True)
+class StoreReply(Message):
+    """The answer to StoreRequest `id`: `code` empty for success, else an error code of
+    chapter 10 and its message. A get's tensor bytes follow in Data frames with `seq` =
+    `id`; `keys` lists a keys request's keys with their stored bytes."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STORE_REPLY
+    id: int
+    code: str
+    message: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+    checksum: str
+    written: float
+    keys: tuple[tuple[str, int], ...]
+
+    _JSON_IN: ClassVar = {"keys": lambda v: tuple((k, int_from_json(n)) for k, n in v)}
+
+    def _check(self) -> str | None:
+        return _first(self.code and not _CODE.fullmatch(self.code) and f"code {self.code!r} is not E and four digits",
+                      _str_ok("message", self.message), _str_ok("checksum", self.checksum),
+                      self.dtype and _shape_ok(self.dtype, self.shape),
+                      not self.dtype and self.shape and "a shape without a dtype",
+                      not math.isfinite(self.written) and f"written {self.written} is not finite",
+                      len(self.keys) > MAX_STORE_KEYS and f"{len(self.keys)} keys, at most {MAX_STORE_KEYS}",
+                      *(_key_ok(k) for k, _ in self.keys))
+
+    def _write(self, w: Writer) -> None:
+        w.u64(self.id, "id")
+        w.str(self.code, "code")
+        w.str(self.message, "message")
+        w.str(self.dtype, "dtype")
+        _write_shape(w, self.shape)
+        w.u64(self.nbytes, "nbytes")
+        w.u64(self.version, "version")
+        w.str(self.checksum, "checksum")
+        w.f64(self.written, "written")
+        w.u32(len(self.keys), "keys")
+        for k, n in self.keys:
+            w.str(k, "key")
+            w.u64(n, "nbytes")
+
+    @classmethod
+    def _read(cls, r: Reader) -> "StoreReply":
+        head = (r.u64("id"), r.str("code"), r.str("message"), r.str("dtype"), _read_shape(r), r.u64("nbytes"),
+                r.u64("version"), r.str("checksum"), r.f64("written"))
+        n = r.count("u32", "keys", item_bytes=10, limit=MAX_STORE_KEYS)
+        return cls(*head, tuple((r.str("key"), r.u64("nbytes")) for _ in range(n)))
+
+
+def _key_ok(key: str, empty: bool = False) -> str | None:
+    n = len(key.encode("utf-8", "surrogatepass"))
+    return (not key and not empty and "the key is empty") or (n > MAX_KEY_BYTES and
+                                                              f"the key is {n} bytes, at most {MAX_KEY_BYTES}")
+
+
 MESSAGES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, JoinMesh, MeshView, Heartbeat, Leave, CollectiveStart, Data, P2PSend, Error,
-                              Cancel)}
+                              Cancel, StoreRequest, StoreReply)}
 assert set(MESSAGES) == set(MsgType), "every message type has its payload class"
 assert all(not m.WIRE or [n for n, _ in m.WIRE] == [f.name for f in dataclasses.fields(m)] for m in MESSAGES.values()), \
     "a WIRE table lists every field of its message, in order"
@@ -582,6 +691,6 @@ def decode_message(header: FrameHeader, payload: Buffer) -> Message:
 
 
 __all__ = ["Message", "Hello", "JoinMesh", "Member", "MeshView", "Heartbeat", "Leave", "CollectiveStart", "Data",
-           "P2PSend", "Error", "Cancel", "MESSAGES", "frame_parts", "encode_message", "decode_message",
+           "P2PSend", "Error", "Cancel", "StoreRequest", "StoreReply", "STORE_OPS", "FLAG_EXPECT_SHAPE", "MESSAGES", "frame_parts", "encode_message", "decode_message",
            "CHALLENGE_SIZE", "ANSWER_SIZE", "MIN_MAX_PAYLOAD", "MAX_MEMBERS", "MAX_AXES", "MAX_VERSIONS",
            "DATA_HEADER_SIZE", "COLLECTIVE_OPS", "REDUCE_OPS", "int_to_json", "int_from_json"]

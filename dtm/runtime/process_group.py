@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,8 +36,8 @@ from ..cluster.membership import Membership, join
 from ..comm.calls import call_site
 from ..comm.collectives import Communicator
 from ..comm.inproc import InprocHub
-from ..comm.shm import connect_local
-from ..comm.tcp import connect_mesh
+from ..comm.shm import connect_local, session_of
+from ..comm.tcp import connect_mesh, listen
 from ..comm.transport import DEFAULT_TIMEOUT_S, PeerLost
 from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import from_numpy
@@ -61,6 +62,15 @@ class ProcessGroup:
         self.membership, self.coordinator = membership, coordinator
         self.comm: Communicator | None = None
         self.last_op = ""
+        # For the L2 services (the mesh's store) that `on_join` hooks start: the cluster token,
+        # the mesh's epoch and session name, each rank's machine and service address.
+        self.token = b""
+        self.epoch = 0
+        self.session = ""
+        self.nodes: tuple[str, ...] = ()
+        self.service_addresses: tuple[tuple[str, int], ...] = ()
+        self.service_listener: socket.socket | None = None
+        self._closers: list[Callable[[], None]] = []
 
     def _attach(self, comm: Communicator) -> None:
         self.comm = comm
@@ -185,6 +195,12 @@ class ProcessGroup:
     def close(self) -> None:
         """Flush and close the data connections (Leave to every peer), leave the mesh, and,
         on the rank that runs the coordinator, let the others leave before it stops."""
+        for closer in reversed(self._closers):
+            try:
+                closer()
+            except Exception as e:  # noqa: BLE001 - closing goes on; the data connections still close
+                log.warning("rank %d: closing a service: %s", self.rank, e)
+        self._closers.clear()
         try:
             if self.comm is not None:
                 self.comm.close()
@@ -204,6 +220,15 @@ class ProcessGroup:
 _current: ProcessGroup | None = None
 _lock = threading.Lock()
 _atexit_registered = False
+_join_hooks: list[Callable[[ProcessGroup], Callable[[], None] | None]] = []
+
+
+def on_join(hook: Callable[[ProcessGroup], Callable[[], None] | None]) -> None:
+    """Run `hook(pg)` each time this process joins a mesh of several processes, once every
+    pair of ranks is connected; what it returns is called when the group closes. The L2
+    services (layer 8) start here, so that a rank serves its part of the mesh's store from
+    the moment the mesh exists, whether or not its own program ever touches the store."""
+    _join_hooks.append(hook)
 
 
 def init(timeout: float | None = None, *, op_timeout: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
@@ -253,6 +278,7 @@ def _join(env, timeout: float, op_timeout: float) -> ProcessGroup:
                             epoch=view.epoch, timeout=max(deadline - time.monotonic(), 1.0), **kw)
         transport.timeout = op_timeout
         pg._attach(Communicator(transport))
+        _start_services(pg, env.token, view, session_of(env.token, addresses, view.epoch))
         return pg
     except BaseException as err:
         if listener is not None:
@@ -265,6 +291,23 @@ def _join(env, timeout: float, op_timeout: float) -> ProcessGroup:
         if lost is not None:  # a rank died while the others connected to it
             raise PeerLost(lost[0], "forming the mesh", lost[1]) from err
         raise
+
+
+def _start_services(pg: ProcessGroup, token: bytes | str, view, session: str) -> None:
+    """Open this rank's service listener beside its data one, learn every rank's (one
+    all_gather of the ports), and run the join hooks."""
+    pg.token = token.encode() if isinstance(token, str) else token
+    pg.epoch, pg.session = view.epoch, session
+    pg.nodes = tuple(m.node for m in view.members)
+    host = view.members[pg.rank].host
+    pg.service_listener = listen(host, 0)
+    ports = pg.all_gather(np.array([pg.service_listener.getsockname()[1]], np.int64))
+    pg.service_addresses = tuple((m.host, int(p)) for m, p in zip(view.members, ports))
+    pg._closers.append(pg.service_listener.close)
+    for hook in _join_hooks:
+        closer = hook(pg)
+        if closer is not None:
+            pg._closers.append(closer)
 
 
 def current() -> ProcessGroup:

@@ -4,10 +4,13 @@
 a path or `file://` URL (a directory store, indexed in SQLite), `memory://NAME` for a
 process-local store, or any other fsspec URL (`s3://...`, indexed by ref objects). `use(st)` makes
 a store the process's current one, which `store_get`/`store_put` in programs read and write;
-`current()` returns it, opening the default lazily.
+`current()` returns it, opening the default lazily. After `dtm.init()` in a mesh of several
+processes, `mesh()` is the store spread over the mesh's ranks (mesh.py), and the current
+store unless `use` named another.
 
-Layer: `dtm/store` is row 8 of DESIGN.md's table (L2 services). It imports only `dtm/ir`
-(dtypes), `dtm/errors` and the standard library, numpy and crc32c, and never the
+Layer: `dtm/store` is row 8 of DESIGN.md's table (L2 services). It imports `dtm/ir`
+(dtypes), `dtm/protocol` (frames), `dtm/runtime` (the process group), `dtm/errors`, the
+standard library, numpy and crc32c, and never the
 user-facing API of row 9: `get` returns a `dtm.Tensor` through a factory that
 `dtm/__init__.py` installs (`set_tensor_factory`).
 """
@@ -22,16 +25,23 @@ from .errors import (ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, Store
 from .files import FsspecFiles, LocalFiles
 from .format import DEFAULT_CHUNK_BYTES
 from .index import SqliteIndex
+from ..errors import ErrorCode
+from ..runtime import process_group
+from .errors import KeyLost
 from .keys import MAX_KEY_BYTES, check_key
+from .mesh_store import MeshStore, start_service
 from .refindex import RefIndex
 from .store import Info, Store, VerifyReport, set_tensor_factory
 
-__all__ = ["open", "use", "current", "Store", "Info", "VerifyReport", "StoreError", "KeyMissing", "StoreTypeError",
+__all__ = ["open", "mesh", "use", "current", "Store", "MeshStore", "KeyLost", "Info", "VerifyReport", "StoreError", "KeyMissing", "StoreTypeError",
            "InvalidKey", "ChecksumError", "QuotaExceeded", "StoreIOError", "StoreCorrupt", "MAX_KEY_BYTES",
            "check_key", "set_tensor_factory"]
 
-_current: Store | None = None
+_current: Store | MeshStore | None = None
 _lock = threading.RLock()  # current() opens the default store while holding it
+_meshes: dict[tuple, MeshStore] = {}
+
+process_group.on_join(start_service)  # every rank of a mesh serves its part of the mesh's store
 
 
 def default_path() -> str:
@@ -70,19 +80,42 @@ def _open_fsspec(url: str, chunk_bytes: int) -> Store:
     return Store(url, files, RefIndex(files), chunk_bytes)
 
 
-def use(store: Store) -> Store:
+def mesh(*, replicas: int | None = None, share_memory: bool = True) -> MeshStore:
+    """The mesh's store (spec 9.2.10), after `dtm.init()`: the same keys from every rank,
+    each kept on `replicas` ranks (default 2, at most the world size). `share_memory=False`
+    makes gets from ranks on this machine travel over the wire as from another host's.
+    Without a mesh of several processes, E1005."""
+    pg = process_group.current() if process_group.is_initialized() else None
+    if pg is None or getattr(pg, "store_part", None) is None:
+        raise StoreError(ErrorCode.NOT_INITIALIZED, "dtm.store.mesh() needs a mesh of several processes: call "
+                                                    "dtm.init() under `dtm launch` first (a single process has "
+                                                    "dtm.store.open())")
+    key = (id(pg), replicas, share_memory)
+    with _lock:
+        if key not in _meshes:
+            local, root = pg.store_part
+            _meshes.clear()  # those of an earlier, closed group
+            _meshes[key] = MeshStore(pg, local, root, replicas=replicas, share_memory=share_memory)
+        return _meshes[key]
+
+
+def use(store: Store | MeshStore) -> Store | MeshStore:
     """Make `store` the process's current store (what `current()` and programs use)."""
     global _current
-    if not isinstance(store, Store):
+    if not isinstance(store, (Store, MeshStore)):
         raise TypeError(f"dtm.store.use takes a Store, not {type(store).__name__}")
     _current = store
     return store
 
 
-def current() -> Store:
-    """The process's current store: the one last given to `use`, else the default one."""
+def current() -> Store | MeshStore:
+    """The process's current store: the one last given to `use`; else, in a mesh of several
+    processes, the mesh's store; else the default one."""
     global _current
     with _lock:
-        if _current is None:
-            _current = open()
+        if _current is not None:
+            return _current
+        if process_group.is_initialized() and getattr(process_group.current(), "store_part", None) is not None:
+            return mesh()
+        _current = open()
         return _current

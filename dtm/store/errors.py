@@ -64,3 +64,28 @@ class StoreCorrupt(StoreError):
 
     def __init__(self, message: str, key: str | None = None):
         super().__init__(ErrorCode.STORE_CORRUPT, message, key)
+
+
+class KeyLost(StoreError, KeyError):
+    """Every rank that may have held the key is lost (E1106): no live rank of the mesh
+    holds it, and some of the ranks it was placed on are gone."""
+
+    def __init__(self, key: str, lost: list[int]):
+        super().__init__(ErrorCode.STORE_KEY_LOST,
+                         f"no live rank holds {key!r}; the ranks it was placed on that are lost: {lost}", key)
+        self.lost = lost
+
+
+_BY_CODE: dict[ErrorCode, type[StoreError]] = {
+    ErrorCode.STORE_KEY_MISSING: KeyMissing, ErrorCode.DTYPE_MISMATCH: StoreTypeError,
+    ErrorCode.SHAPE_MISMATCH: StoreTypeError, ErrorCode.INVALID_STORE_KEY: InvalidKey,
+    ErrorCode.STORE_CHUNK_CORRUPT: ChecksumError, ErrorCode.STORE_QUOTA_EXCEEDED: QuotaExceeded,
+    ErrorCode.STORE_IO_ERROR: StoreIOError, ErrorCode.STORE_CORRUPT: StoreCorrupt}
+
+
+def remote_error(code: ErrorCode, message: str, key: str, peer: str) -> StoreError:
+    """The error a peer's store answered with, as the class this side raises for its code
+    (so `except KeyMissing` catches a key missing on another rank too), naming the peer."""
+    err = StoreError.__new__(_BY_CODE.get(code, StoreError))
+    StoreError.__init__(err, code, f"{peer}: {message}", key)
+    return err

@@ -104,7 +104,7 @@ class Store:
         key = check_key(key)
         dt = as_store_dtype(a.dtype if dtype is None else dtype)
         if dt.is_quant:
-            shape = _quant_shape(key, a, dt)
+            shape = quant_shape(key, a, dt)
         else:
             if dtype is not None:
                 a = a.astype(numpy_dtype(dt), copy=False)
@@ -182,11 +182,7 @@ class Store:
     def get(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
         """The tensor under `key` as a dtm.Tensor; with `dtype`/`shape`, E0402/E0403 when
         the stored type differs. Quantized tensors: use get_array."""
-        stored = self._checked(key, dtype, shape).dtype
-        if stored.is_quant:
-            raise StoreTypeError(ErrorCode.QUANTIZED_MISUSE,
-                                 f"{key!r} holds {stored}, which a dtm.Tensor cannot hold; use get_array", key)
-        return _tensor_factory(self.get_array(key, dtype, shape))
+        return as_tensor(key, self._checked(key, dtype, shape).dtype, self.get_array(key, dtype, shape))
 
     def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor under `key` as a read-only numpy array, memory-mapped when it is one
@@ -294,7 +290,16 @@ class Store:
         return garbage
 
 
-def _quant_shape(key: str, a: np.ndarray, dt: DType) -> tuple[int, ...]:
+def as_tensor(key: str, stored: DType, a: np.ndarray) -> Any:
+    """What `get` returns for the array under `key`: a dtm.Tensor (numpy before dtm/__init__
+    installs the factory); a quantized tensor refused (E0408), as no dtm.Tensor holds one."""
+    if stored.is_quant:
+        raise StoreTypeError(ErrorCode.QUANTIZED_MISUSE,
+                             f"{key!r} holds {stored}, which a dtm.Tensor cannot hold; use get_array", key)
+    return _tensor_factory(a)
+
+
+def quant_shape(key: str, a: np.ndarray, dt: DType) -> tuple[int, ...]:
     """The logical shape of quantized block storage `a`."""
     if a.dtype != np.uint8 or a.ndim < 1 or a.shape[-1] % dt.itemsize:
         raise StoreTypeError(ErrorCode.QUANTIZED_MISUSE,

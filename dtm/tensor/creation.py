@@ -16,6 +16,7 @@ from ..ir import DType
 from ..ir.dtypes import numpy_dtype
 from ..ir.dtypes import from_numpy as dtype_of_numpy
 from ..ir.types import TensorType
+from ..runtime.host import available_bytes
 from .core import STATE, Tensor, apply, no_grad, on_replay, result_type
 from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, int64
 
@@ -64,22 +65,6 @@ def from_dlpack(obj: Any) -> Tensor:
 _SMALL_BYTES = 1 << 30
 
 
-def _available_bytes() -> int | None:
-    """The memory this machine can give now (Linux's MemAvailable, else all physical
-    memory), or None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _shape(size: Sequence, dtype: DType) -> tuple[int, ...]:
     """The shape `size` names (sizes, or one tuple or list of them), checked before any
     memory is allocated, so a bad size is an error at the user's line and not numpy's from
@@ -98,7 +83,7 @@ def _shape(size: Sequence, dtype: DType) -> tuple[int, ...]:
         shape.append(n)
     nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
     if nbytes > _SMALL_BYTES:
-        free = _available_bytes()
+        free = available_bytes()
         if free is not None and nbytes > free:
             raise error(ErrorCode.INVALID_DIM, f"a {dtype} tensor of shape {tuple(shape)} needs {nbytes / 2**30:.1f} "
                         f"GiB, more than the {free / 2**30:.1f} GiB of memory free")

@@ -1,0 +1,378 @@
+"""The mesh's tensor store (spec 9.2.10): one store spread over the ranks of a multi-process
+mesh, with the methods of the embedded `Store`.
+
+    dtm.init()
+    st = dtm.store.mesh()          # every rank: the same store
+    st.put("w/0", x)               # kept on `replicas` ranks chosen by the key's hash
+    y = st.get("w/0")              # from any rank
+
+Placement is rendezvous hashing: each rank scores a key with BLAKE2b(key, rank), and the key
+lives on the `replicas` live ranks of highest score. Every rank computes the same order, a
+lost rank moves only its own keys (to the next rank in each key's order), and no table of
+placements exists to keep in step.
+
+Each rank serves its part from an embedded directory store (`service.StoreServer`), kept in
+/dev/shm where the machine has it, under a directory named by the mesh's session, which
+`dtm launch` removes after the run. A get from a rank on the same machine opens that rank's
+directory and maps the chunk files (no copy through a socket; CRC32C checked as always); a get
+from another machine travels as StoreRequest / StoreReply frames with the bytes in Data frames
+(spec 9.1.5), each CRC-checked.
+
+A put goes to the key's first `replicas` live ranks; a rank that turns out to be gone during
+the put is replaced by the next in the key's order. A get asks the key's live ranks in order
+and takes the first copy; when none holds it and some of the ranks it may have been placed on
+are lost, it raises KeyLost (E1106) naming them, else KeyMissing (E0804).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import DTMError, ErrorCode as E
+from ..ir.dtypes import DType, numpy_dtype
+from ..protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest
+from . import format as fmt
+from .errors import KeyLost, KeyMissing, StoreError, StoreTypeError, remote_error
+from .files import LocalFiles
+from .index import Entry, SqliteIndex
+from .keys import check_key
+from .service import StoreServer
+from .store import Info, Store, as_store_dtype, as_tensor, quant_shape
+from .wire import StoreConnection
+
+DEFAULT_REPLICAS = 2
+REQUEST_TIMEOUT_S = 120.0  # one request and its bytes, either way
+
+
+def root_for(session: str) -> str:
+    """Where the ranks of mesh `session` on this machine keep their parts: $DTM_MESH_STORE,
+    else a directory in /dev/shm (memory, as Ray's object store), else the temp directory.
+    The name starts with the mesh's shared-memory prefix, so `dtm launch` removes it."""
+    base = os.environ.get("DTM_MESH_STORE") or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+    return os.path.join(base, f"dtm{session}_store")
+
+
+def open_local(path: str) -> Store:
+    """A directory store at `path` (made if missing)."""
+    os.makedirs(os.path.join(path, "data"), exist_ok=True)
+    return Store("file://" + path, LocalFiles(path), SqliteIndex(os.path.join(path, "index.sqlite")))
+
+
+def placement(key: str, world_size: int) -> list[int]:
+    """Every rank, best home of `key` first (rendezvous hashing, spec 9.2.10)."""
+    raw = key.encode("utf-8")
+    score = [int.from_bytes(hashlib.blake2b(raw + r.to_bytes(4, "little"), digest_size=8).digest(), "little")
+             for r in range(world_size)]
+    return sorted(range(world_size), key=lambda r: (-score[r], r))
+
+
+class MeshStore:
+    """The mesh's store as seen from one rank. Made by `dtm.store.mesh()`."""
+
+    def __init__(self, pg: Any, local: Store, root: str, *, replicas: int | None = None, share_memory: bool = True,
+                 timeout: float = REQUEST_TIMEOUT_S):
+        self.pg, self.local, self.root = pg, local, root
+        self.rank, self.world_size = pg.rank, pg.world_size
+        n = DEFAULT_REPLICAS if replicas is None else replicas
+        if not isinstance(n, int) or n < 1:
+            raise StoreError(E.ATTRIBUTE_VALUE, f"replicas is a count of ranks >= 1, not {replicas!r}")
+        self.replicas = min(n, self.world_size)
+        self.share_memory, self.timeout = share_memory, timeout
+        self.url = f"mesh://{pg.session}"
+        self._conns: dict[int, StoreConnection] = {}
+        self._peer_stores: dict[int, Store] = {}
+        self._locks = [threading.Lock() for _ in range(self.world_size)]
+        self._next_id = [0] * self.world_size
+        self._unreachable: dict[int, str] = {}
+
+    def __repr__(self) -> str:
+        return f"MeshStore(rank {self.rank} of {self.world_size}, replicas={self.replicas})"
+
+    # --- who holds what ----------------------------------------------------------------------
+
+    def _gone(self) -> dict[int, str]:
+        """Ranks that hold nothing any more: lost, left, or unreachable from here."""
+        gone = dict(self._unreachable)
+        m = self.pg.membership
+        if m is not None:
+            gone.update({r: f"left: {why}" for r, why in m.left.items()})
+            gone.update(m.lost)
+        return gone
+
+    def homes(self, key: str) -> list[int]:
+        """The live ranks a put of `key` writes to now."""
+        gone = self._gone()
+        return [r for r in placement(check_key(key), self.world_size) if r not in gone][:self.replicas]
+
+    def _candidates(self, key: str) -> tuple[list[int], list[int]]:
+        """The live ranks that may hold `key`, in its order, and the lost ones among the
+        ranks it may have been placed on (its first `replicas` plus one per lost rank)."""
+        gone = self._gone()
+        order = placement(key, self.world_size)[:self.replicas + len(gone)]
+        return [r for r in order if r not in gone], [r for r in order if r in gone]
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def put(self, key: str, x: Any, dtype: Any = None) -> Info:
+        """Store a copy of `x` under `key` on its `replicas` ranks, replacing what was there."""
+        return self.put_array(key, np.asarray(x), dtype)
+
+    def put_array(self, key: str, a: np.ndarray, dtype: Any = None) -> Info:
+        key = check_key(key)
+        dt = as_store_dtype(a.dtype if dtype is None else dtype)
+        data, shape = _storage(key, a, dt)
+        first: Info | None = None
+        done: list[int] = []
+        for r in placement(key, self.world_size):
+            if len(done) == self.replicas:
+                break
+            if r in self._gone():
+                continue
+            try:
+                info = self._put_on(r, key, data, dt, shape)
+            except DTMError as err:
+                if err.code is not E.PEER_LOST:
+                    raise
+                self._unreachable[r] = str(err)
+                continue
+            first = first or info
+            done.append(r)
+        if first is None:
+            raise DTMError(E.PEER_LOST, f"put {key!r}: no rank of the mesh could take it; lost: {self._gone()}")
+        return first
+
+    def _put_on(self, r: int, key: str, data: np.ndarray, dt: DType, shape: tuple[int, ...]) -> Info:
+        if r == self.rank:
+            return self.local.put_array(key, fmt.from_storage(data, dt), dt)
+        raw = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+        reply = self._request(r, "put", key, dtype=dt.name, shape=shape, data=raw)
+        return _entry(key, reply)
+
+    def delete(self, key: str) -> None:
+        """Remove `key` from every live rank (E0804 when none held it)."""
+        key = check_key(key)
+        held = False
+        for r in range(self.world_size):
+            if r in self._gone():
+                continue
+            try:
+                if r == self.rank:
+                    self.local.delete(key)
+                else:
+                    self._request(r, "delete", key)
+                held = True
+            except KeyMissing:
+                pass
+        if not held:
+            raise KeyMissing(key)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def get(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
+        """The tensor under `key` as a dtm.Tensor, from whichever live rank holds it."""
+        return as_tensor(key, self.info(key).dtype, self.get_array(key, dtype, shape))
+
+    def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        key = check_key(key)
+        want = None if dtype is None else as_store_dtype(dtype)
+        return self._first(key, lambda r: self._get_from(r, key, want, shape))
+
+    def info(self, key: str) -> Info:
+        key = check_key(key)
+        return self._first(key, lambda r: self._info_from(r, key))
+
+    def __contains__(self, key: str) -> bool:
+        try:
+            self.info(key)
+            return True
+        except (KeyMissing, KeyLost):
+            return False
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every key under `prefix` held by a live rank, sorted."""
+        return sorted(self._listing(prefix))
+
+    def du(self, prefix: str = "") -> int:
+        """Bytes of tensor data under `prefix`, each key counted once (not once per replica)."""
+        return sum(self._listing(prefix).values())
+
+    def _listing(self, prefix: str) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for r in range(self.world_size):
+            if r in self._gone():
+                continue
+            if r == self.rank:
+                items = [(k, self.local.info(k).nbytes) for k in self.local.keys(prefix)]
+            else:
+                try:
+                    items = list(self._request(r, "keys", prefix).keys)
+                except DTMError as err:
+                    if err.code is not E.PEER_LOST:
+                        raise
+                    self._unreachable[r] = str(err)
+                    continue
+            found.update(items)
+        return found
+
+    def _first(self, key: str, read):
+        """`read(r)` on the first live rank that holds `key`."""
+        live, lost = self._candidates(key)
+        for r in live:
+            try:
+                return read(r)
+            except KeyMissing:
+                continue
+            except DTMError as err:
+                if err.code is not E.PEER_LOST:
+                    raise
+                self._unreachable[r] = str(err)
+                lost.append(r)
+        if lost:
+            raise KeyLost(key, sorted(set(lost)))
+        raise KeyMissing(key)
+
+    def _get_from(self, r: int, key: str, want: DType | None, shape: tuple[int, ...] | None) -> np.ndarray:
+        if r == self.rank:
+            return self.local.get_array(key, want, shape)
+        peer = self._peer_store(r)
+        if peer is not None:
+            return peer.get_array(key, want, shape)
+        flags = FLAG_EXPECT_SHAPE if shape is not None else 0
+        with self._locks[r]:
+            conn = self._conn(r)
+            rid = self._send(r, conn, "get", key, dtype=want.name if want else "",
+                             shape=tuple(shape) if shape is not None else (), flags=flags)
+            reply = self._reply(r, conn, rid, key)
+            layout = fmt.plan(as_store_dtype(reply.dtype), reply.shape)
+            if reply.nbytes != layout.nbytes:
+                raise DTMError(E.BAD_PAYLOAD, f"get {key!r}: rank {r} announces {reply.nbytes} bytes for "
+                                              f"{reply.dtype}{list(reply.shape)}, which holds {layout.nbytes}")
+            out = np.empty(layout.storage_shape, layout.storage_dtype)
+            self._io(r, lambda: conn.read_data(rid, memoryview(out.reshape(-1).view(np.uint8)),
+                                                time.monotonic() + self.timeout, f"get {key!r}"))
+        out = fmt.from_storage(out, layout.dtype)
+        out.flags.writeable = False
+        return out
+
+    def _info_from(self, r: int, key: str) -> Info:
+        if r == self.rank:
+            return self.local.info(key)
+        peer = self._peer_store(r)
+        if peer is not None:
+            return peer.info(key)
+        return _entry(key, self._request(r, "info", key))
+
+    def _peer_store(self, r: int) -> Store | None:
+        """Rank r's part, opened directly, when it lives on this machine."""
+        if not self.share_memory or self.pg.nodes[r] != self.pg.nodes[self.rank]:
+            return None
+        if r not in self._peer_stores:
+            path = os.path.join(self.root, f"rank-{r}")
+            if not os.path.isdir(os.path.join(path, "data")):
+                return None  # its service uses another root ($DTM_MESH_STORE differs): ask it
+            self._peer_stores[r] = open_local(path)
+        return self._peer_stores[r]
+
+    # --- talking to a peer's service ---------------------------------------------------------
+
+    def _request(self, r: int, op: str, key: str, *, dtype: str = "", shape: tuple[int, ...] = (),
+                 data: memoryview | None = None) -> StoreReply:
+        with self._locks[r]:
+            conn = self._conn(r)
+            rid = self._send(r, conn, op, key, dtype=dtype, shape=shape, data=data)
+            return self._reply(r, conn, rid, key)
+
+    def _send(self, r: int, conn: StoreConnection, op: str, key: str, *, dtype: str = "",
+              shape: tuple[int, ...] = (), flags: int = 0, data: memoryview | None = None) -> int:
+        rid = self._next_id[r]
+        self._next_id[r] += 1
+        req = StoreRequest(rid, op, key, dtype, shape, flags, len(data) if data is not None else 0)
+        self._io(r, lambda: conn.send(req, data))
+        return rid
+
+    def _reply(self, r: int, conn: StoreConnection, rid: int, key: str) -> StoreReply:
+        reply = self._io(r, lambda: conn.receive(time.monotonic() + self.timeout, f"waiting for rank {r}'s store"))
+        if not isinstance(reply, StoreReply) or reply.id != rid:
+            self._drop(r)
+            raise DTMError(E.UNEXPECTED_MESSAGE, f"rank {r}'s store answered {reply} to request {rid}")
+        if reply.code:
+            code = next((c for c in E if c.value == reply.code), E.UNEXPECTED_MESSAGE)
+            raise remote_error(code, reply.message, key, f"rank {r}")
+        return reply
+
+    def _io(self, r: int, fn):
+        """Run one exchange with rank r; any failure of the connection drops it (the next
+        request opens a new one)."""
+        try:
+            return fn()
+        except DTMError:
+            self._drop(r)
+            raise
+
+    def _conn(self, r: int) -> StoreConnection:
+        if r not in self._conns:
+            self._conns[r] = StoreConnection.connect(self.pg.service_addresses[r], self.pg.token, rank=self.rank,
+                                                     epoch=self.pg.epoch, timeout=self.timeout, peer=f"rank {r}")
+            self._next_id[r] = 0
+        return self._conns[r]
+
+    def _drop(self, r: int) -> None:
+        conn = self._conns.pop(r, None)
+        if conn is not None:
+            conn.close()
+
+    # --- the rest of the Store methods -------------------------------------------------------
+
+    def verify(self, prefix: str = ""):
+        """Scrub this rank's own part (each rank verifies what it holds)."""
+        return self.local.verify(prefix)
+
+    def close(self) -> None:
+        for r in list(self._conns):
+            self._drop(r)
+        for st in self._peer_stores.values():
+            st.close()
+        self._peer_stores.clear()
+
+
+def _storage(key: str, a: np.ndarray, dt: DType) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The storage array of `a` as `dt` and the tensor's logical shape (a quantized array
+    is its uint8 blocks, as `Store.put_array` takes them)."""
+    if dt.is_quant:
+        return fmt.to_storage(a, dt), quant_shape(key, a, dt)
+    # to_storage gives a 0-d array 1 dim (np.ascontiguousarray does): its shape is put back
+    return fmt.to_storage(a.astype(numpy_dtype(dt), copy=False), dt).reshape(a.shape), tuple(a.shape)
+
+
+def _entry(key: str, reply: StoreReply) -> Entry:
+    return Entry(key, "", as_store_dtype(reply.dtype), tuple(reply.shape), reply.nbytes, reply.checksum,
+                 reply.version, reply.written)
+
+
+def start_service(pg: Any) -> Any:
+    """The join hook (process_group.on_join): open this rank's part and serve it."""
+    root = root_for(pg.session)
+    path = os.path.join(root, f"rank-{pg.rank}")
+    shutil.rmtree(path, ignore_errors=True)  # a part left by an earlier mesh of the same session
+    local = open_local(path)
+    server = StoreServer(local, pg.service_listener, pg.token, rank=pg.rank, epoch=pg.epoch)
+    pg.store_part = (local, root)
+
+    def stop() -> None:
+        server.close()
+        local.close()
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rmdir(root)  # the last rank of this machine to leave removes the mesh's directory
+        except OSError:
+            pass
+
+    return stop

@@ -1,0 +1,179 @@
+"""The mesh's store across real processes on 127.0.0.1 (spec 9.2.10): `dtm.store.mesh()`
+after `dtm.init()`, keys on two ranks by their hash, any rank getting any key, gets from
+ranks on this machine mapped from their directories (no bytes through a socket), gets over
+the wire when that is turned off, programs' store_get / store_put on the mesh's store, and
+a rank killed with SIGKILL losing no key that had a live replica. Every value is compared
+with the numpy array the test regenerates from its seed. Run as a script, this file is one
+rank's side."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).resolve()
+ROOT = HERE.parent.parent
+TIMEOUT_S = 90     # a whole run of ranks sharing 2 cores
+PG_TIMEOUT_S = 30  # joining the mesh, and each collective
+
+
+def value(i: int, rows: int = 64) -> np.ndarray:
+    return np.random.default_rng(i).standard_normal((rows, 33)).astype(np.float32)
+
+
+def mapped(a: np.ndarray) -> bool:
+    """Whether `a`'s memory is a mapping of a file (not a copy)."""
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = getattr(a, "base", None) if isinstance(a, np.ndarray) else getattr(a, "obj", None)
+    return isinstance(a, mmap.mmap)
+
+
+def report(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+# --- the ranks' side -------------------------------------------------------------------------
+
+def killed_rank_main() -> None:
+    """Three ranks; rank 0 puts; after the test SIGKILLs rank 2 the others get every key."""
+    import dtm
+    from dtm.store.mesh_store import placement
+
+    pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S)
+    st, one = dtm.store.mesh(), dtm.store.mesh(replicas=1)
+    if pg.rank == 0:
+        for i in range(24):
+            st.put(f"w/{i}", value(i))
+            one.put(f"one/{i}", value(100 + i))
+    pg.barrier()
+    # rank 1 reads a key it does not hold: from a local rank's directory, mapped, no socket
+    away = next(f"w/{i}" for i in range(24) if 1 not in placement(f"w/{i}", 3)[:2])
+    got = st.get_array(away)
+    local_read = dict(mapped=mapped(got), sockets=len(st._conns), equal=bool(np.array_equal(got, value(int(away[2:])))))
+    print(json.dumps({"ready": pg.rank, "pid": os.getpid()}), flush=True)
+    if pg.rank == 2:
+        time.sleep(TIMEOUT_S)  # the test kills this rank
+    deadline = time.monotonic() + PG_TIMEOUT_S
+    while 2 not in pg.membership.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    equal = [bool(np.array_equal(st.get_array(f"w/{i}"), value(i))) for i in range(24)]
+    single = {}
+    for i in range(24):
+        try:
+            single[i] = bool(np.array_equal(one.get_array(f"one/{i}"), value(100 + i)))
+        except dtm.store.KeyLost as e:
+            single[i] = {"code": e.code.value, "lost": e.lost, "msg": str(e)}
+    report(rank=pg.rank, knows_lost=2 in pg.membership.lost, equal=equal, single=single,
+           homes={i: placement(f"one/{i}", 3)[0] for i in range(24)}, local_read=local_read)
+    os._exit(0)  # the mesh lost a rank: no orderly shutdown to wait for
+
+
+def program_rank_main() -> None:
+    """Two ranks: a program's store ops use the mesh's store (no dtm.store.use), then a get
+    of 8 MiB over the wire (share_memory=False)."""
+    import dtm
+    from dtm.runtime import l1
+    from dtm.store.mesh_store import placement
+    from test_store_programs import rank_program  # this folder is on sys.path
+
+    pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S)
+    xs = [np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1) for r in range(2)]
+    (got,) = l1.executor().run(rank_program(pg.rank), "f", [xs[pg.rank]])
+    current = type(dtm.store.current()).__name__
+    wire = dtm.store.mesh(replicas=1, share_memory=False)
+    key = next(f"big/{i}" for i in range(100) if placement(f"big/{i}", 2)[0] == 0)
+    if pg.rank == 0:
+        wire.put(key, value(7, rows=64 << 10))  # 8.25 MiB
+    pg.barrier()
+    big = wire.get_array(key)
+    report(rank=pg.rank, program=bool(np.array_equal(got, xs[1 - pg.rank] - xs[pg.rank])), current=current,
+           big=bool(np.array_equal(big, value(7, rows=64 << 10))),
+           over_wire=wire._conns[0].bytes_received if pg.rank == 1 else 0,
+           keys=dtm.store.current().keys("ranks/"))
+    pg.barrier()
+
+
+# --- the test's side ---------------------------------------------------------------------------
+
+def _env(tmp_path, **kw) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTM_")}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{HERE.parent}", PYTHONUNBUFFERED="1", DTM_HOST="127.0.0.1",
+               DTM_MESH_STORE=str(tmp_path / "parts"), **{k: str(v) for k, v in kw.items()})
+    return env
+
+
+def _results(text: str) -> dict[int, dict]:
+    out = {}
+    for line in text.splitlines():
+        if "RESULT " in line:
+            d = json.loads(line.split("RESULT ", 1)[1])
+            out[d["rank"]] = d
+    return out
+
+
+def test_programs_use_the_mesh_store_and_a_get_crosses_the_wire(tmp_path):
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "2", "--join-timeout", str(PG_TIMEOUT_S), str(HERE),
+           "program"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = _results(proc.stdout)
+    assert sorted(res) == [0, 1], proc.stdout
+    for r, d in res.items():
+        assert d["program"] and d["current"] == "MeshStore" and d["big"], d
+        assert d["keys"] == ["ranks/0", "ranks/1"], d
+    assert res[1]["over_wire"] == 64 * 1024 * 33 * 4  # every byte came through the socket
+    assert not any((tmp_path / "parts").iterdir())  # each rank removed its part at shutdown
+
+
+def test_a_rank_killed_with_sigkill_loses_no_key_that_had_a_live_replica(tmp_path):
+    from dtm.cluster import Coordinator
+
+    coord = Coordinator(3, "mesh store").start()
+    host, port = coord.address
+    procs = []
+    try:
+        for r in range(3):
+            env = _env(tmp_path, DTM_COORDINATOR=f"{host}:{port}", DTM_RANK=r, DTM_WORLD_SIZE=3,
+                       DTM_TOKEN="mesh store", DTM_COORDINATOR_EXTERNAL=1)
+            procs.append(subprocess.Popen([sys.executable, str(HERE), "killed"], env=env, cwd=ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        pids = {}
+        for r, p in enumerate(procs):
+            line = p.stdout.readline()  # bounded: init and the barrier time out after PG_TIMEOUT_S
+            assert line, p.stderr.read()[-4000:]
+            pids[r] = json.loads(line)["pid"]
+        os.kill(pids[2], signal.SIGKILL)
+        res = {}
+        for r in (0, 1):
+            out, err = procs[r].communicate(timeout=TIMEOUT_S)
+            res.update(_results(out))
+            assert r in res, out[-2000:] + err[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        coord.stop()
+    for r, d in res.items():
+        assert d["knows_lost"], d
+        assert d["equal"] == [True] * 24, d  # replicas=2: every key had a live copy
+        for i, got in d["single"].items():
+            if d["homes"][i] == 2:  # replicas=1 and its only rank was killed
+                assert got["code"] == "E1106" and got["lost"] == [2] and f"one/{i}" in got["msg"], got
+            else:
+                assert got is True, (i, got)
+    assert any(h == 2 for h in res[0]["homes"].values())  # the lost case was exercised
+    assert res[1]["local_read"] == {"mapped": True, "sockets": 0, "equal": True}
+
+
+if __name__ == "__main__":
+    {"killed": killed_rank_main, "program": program_rank_main}[sys.argv[1]]()
