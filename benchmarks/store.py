@@ -16,6 +16,11 @@
     ray.put / ray.get on a local Ray. Run the whole benchmark in a loopback-only namespace
     so Ray's ports stay local: unshare -n sh -c 'ip link set lo up && exec "$@"' sh python benchmarks/store.py
 
+(d) across two ranks over TCP (`dtm launch -n 2` of this file): rank 1 gets a 64 MiB tensor
+    that only rank 0 holds from the mesh's store with share_memory=False (StoreRequest,
+    StoreReply and Data frames, every frame's CRC32C checked), against the same bytes
+    asked for and sent over a plain loopback TCP socket between the same two processes.
+
 Ratios are peer time / DTM time: above 1.0, DTM is faster.
 
     python benchmarks/store.py                    # about a minute
@@ -195,6 +200,67 @@ def between_processes(mib: int) -> None:
     row("get, then sum every element", dtm_s[1], "ray.get, then sum", ray_s[1])
 
 
+def _raw_server(sock, data: memoryview) -> None:
+    conn, _ = sock.accept()
+    with conn:
+        while conn.recv(1):
+            conn.sendall(data)
+
+
+def _raw_get(address, buf: memoryview, runs: int) -> float:
+    import socket
+
+    with socket.create_connection(address) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def once() -> None:
+            c.sendall(b"g")
+            got = 0
+            while got < len(buf):
+                got += c.recv_into(buf[got:])
+        return best_of(once, runs)
+
+
+def mesh_rank(mib: int, runs: int) -> None:
+    """One rank of (d); run by `dtm launch -n 2 benchmarks/store.py --mesh-rank`."""
+    import socket
+    import threading
+
+    from dtm.store.mesh_store import placement
+
+    pg = dtm.runtime.process_group.init(timeout=60)
+    st = dtm.store.mesh(replicas=1, share_memory=False)
+    key = next(f"big/{i}" for i in range(100) if placement(f"big/{i}", 2)[0] == 0)
+    x = np.random.default_rng(3).standard_normal(mib * MIB // 4, dtype=np.float32)
+    raw = socket.create_server(("127.0.0.1", 0))
+    if pg.rank == 0:
+        st.put(key, x)
+        threading.Thread(target=_raw_server, args=(raw, memoryview(x.view(np.uint8))), daemon=True).start()
+    port = int(pg.all_gather(np.array([raw.getsockname()[1]], np.int64))[0])
+    if pg.rank == 1:
+        st.get_array(key)  # the connection opens once, outside the timing
+        dtm_s = best_of(lambda: st.get_array(key), runs)
+        assert np.array_equal(st.get_array(key), x)
+        raw_s = _raw_get(("127.0.0.1", port), memoryview(np.empty(x.nbytes, np.uint8)), runs)
+        gbs = lambda t: x.nbytes / t / 1e9  # noqa: E731
+        print(f"(d) {mib} MiB f32 from the other rank over loopback TCP")
+        print(f"    mesh store get (wire)              {dtm_s * 1e3:8.1f} ms  {gbs(dtm_s):5.2f} GB/s   "
+              f"raw socket {raw_s * 1e3:8.1f} ms  {gbs(raw_s):5.2f} GB/s   ratio {raw_s / dtm_s:5.2f}x", flush=True)
+    pg.barrier()
+
+
+def across_ranks(mib: int, runs: int) -> None:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "2", __file__, "--mesh-rank", "--mesh-mib", str(mib),
+           "--runs", str(runs)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    print("".join(line.split("] ", 1)[-1] + "\n" for line in out.stdout.splitlines()), end="")
+    if out.returncode:
+        print(out.stderr[-3000:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512, help="size of (a)'s tensor")
@@ -203,11 +269,21 @@ def main() -> None:
     ap.add_argument("--durable-pairs", type=int, default=200, help="(b)'s pairs on a directory store on disk")
     ap.add_argument("--ray-mib", type=int, default=256, help="size of (c)'s tensor")
     ap.add_argument("--dir", default=None, help="where the on-disk stores and files go (default: a temp dir)")
+    ap.add_argument("--mesh-mib", type=int, default=64, help="size of (d)'s tensor")
+    ap.add_argument("--mesh-rank", action="store_true", help="run as one rank of (d) (dtm launch does this)")
+    ap.add_argument("--only", choices=["a", "b", "c", "d"], default=None, help="run only this part")
     args = ap.parse_args()
+    if args.mesh_rank:
+        mesh_rank(args.mesh_mib, max(args.runs, 3))
+        return
+    if args.only == "d":
+        across_ranks(args.mesh_mib, max(args.runs, 3))
+        return
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         large(Path(d), args.mib, args.runs)
         small(Path(d), args.pairs, args.durable_pairs)
     between_processes(args.ray_mib)
+    across_ranks(args.mesh_mib, max(args.runs, 3))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ def killed_rank_main() -> None:
             single[i] = {"code": e.code.value, "lost": e.lost, "msg": str(e)}
     report(rank=pg.rank, knows_lost=2 in pg.membership.lost, equal=equal, single=single,
            homes={i: placement(f"one/{i}", 3)[0] for i in range(24)}, local_read=local_read)
+    # A survivor serves its part until the other is done too (no collective: one rank is gone).
+    done = pathlib.Path(os.environ["DTM_MESH_STORE"]).parent
+    (done / f"done-{pg.rank}").touch()
+    while not all((done / f"done-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline + PG_TIMEOUT_S:
+        time.sleep(0.05)
     os._exit(0)  # the mesh lost a rank: no orderly shutdown to wait for
 
 

@@ -143,19 +143,22 @@ def attach(name: str, size: int, *, create: bool, magic: int, layout: dict[str, 
     return Segment(shm, buf, create)
 
 
-def remove_all(prefix: str) -> list[str]:
+def remove_all(prefix: str, dirs: bool = False) -> list[str]:
     """Remove every segment name in /dev/shm that starts with `prefix`: those of a mesh
     whose creator was killed, with multiprocessing's resource tracker that would have
     removed them, before it dropped them (the survivors or the launcher call this once the
-    mesh is over). The names removed."""
+    mesh is over). With `dirs`, directories too: the parts of the mesh's store
+    (dtm/store/mesh_store.py names them so), which only the launcher removes, once every
+    rank ended (a survivor's own part is still served). The names removed."""
     try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)
+                 and (dirs or not os.path.isdir(f"/dev/shm/{n}"))]
     except FileNotFoundError:  # no /dev/shm: no segments either
         return []
     for n in names:
         path = f"/dev/shm/{n}"
         try:
-            if os.path.isdir(path):  # the mesh's store parts (dtm/store/mesh_store.py names them so)
+            if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.unlink(path)

@@ -459,9 +459,9 @@ def session_of(token: bytes | str, addresses: Sequence[tuple[str, int]], epoch: 
 
 
 def remove_segments(token: bytes | str, addresses: Sequence[tuple[str, int]], epoch: int) -> list[str]:
-    """Remove whatever segment names the mesh of these left in /dev/shm (for a launcher,
-    once all its ranks ended); the names removed."""
-    return segment.remove_all(f"dtm{session_of(token, addresses, epoch)}_")
+    """Remove whatever segment names the mesh of these left in /dev/shm, and its store's
+    parts (for a launcher, once all its ranks ended); the names removed."""
+    return segment.remove_all(f"dtm{session_of(token, addresses, epoch)}_", dirs=True)
 
 
 def connect_local(rank: int, world_size: int, addresses: Sequence[tuple[str, int]], token: bytes | str, *,

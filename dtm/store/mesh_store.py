@@ -370,6 +370,12 @@ def start_service(pg: Any) -> Any:
         server.close()
         local.close()
         shutil.rmtree(path, ignore_errors=True)
+        # The parts of this machine's ranks that were killed: nobody else will remove them
+        # when the mesh was started without `dtm launch`.
+        lost = pg.membership.lost if pg.membership is not None else {}
+        for r in lost:
+            if pg.nodes[r] == pg.nodes[pg.rank]:
+                shutil.rmtree(os.path.join(root, f"rank-{r}"), ignore_errors=True)
         try:
             os.rmdir(root)  # the last rank of this machine to leave removes the mesh's directory
         except OSError:
