@@ -6,10 +6,12 @@ process-local store, or any other fsspec URL (`s3://...`, indexed by ref objects
 a store the process's current one, which `store_get`/`store_put` in programs read and write;
 `current()` returns it, opening the default lazily.
 
-Layer: `dtm/store` is row 8 of DESIGN.md's table (L2 services). It imports only `dtm/ir`
-(dtypes), `dtm/errors` and the standard library, numpy and crc32c, and never the
-user-facing API of row 9: `get` returns a `dtm.Tensor` through a factory that
-`dtm/__init__.py` installs (`set_tensor_factory`).
+Layer: `dtm/store` is row 8 of DESIGN.md's table (L2 services). It imports `dtm/ir`
+(dtypes), `dtm/errors`, for distributed tensors (sharded.py) the piece geometry of
+`dtm/compiler/spmd` and the meshes and `Shards` of `dtm/runtime`, and the standard
+library, numpy and crc32c, and never the user-facing API of row 9: `get` returns a
+`dtm.Tensor` through factories that `dtm/__init__.py` installs (`set_tensor_factory`), and
+a distributed tensor given to `put` is duck-typed.
 """
 
 from __future__ import annotations
