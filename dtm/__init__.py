@@ -29,7 +29,8 @@ from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E40
 from . import store  # noqa: E402 - dtm.store.open(), the tensor store
 from .ref.context import bind_process_store  # noqa: E402
 
-store.set_tensor_factory(Tensor.from_numpy)  # the store (layer 8) returns Tensors without importing them
+# the store (layer 8) returns Tensors, plain or distributed (a Shards value), without importing them
+store.set_tensor_factory(Tensor.from_numpy, lambda type, value: Tensor(type, buffer=value))
 bind_process_store(store.current)  # programs' store_get / store_put (layer 2) use the process's store
 
 # torch's short dtype names

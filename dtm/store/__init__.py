@@ -5,14 +5,15 @@ a path or `file://` URL (a directory store, indexed in SQLite), `memory://NAME` 
 process-local store, or any other fsspec URL (`s3://...`, indexed by ref objects). `use(st)` makes
 a store the process's current one, which `store_get`/`store_put` in programs read and write;
 `current()` returns it, opening the default lazily. After `dtm.init()` in a mesh of several
-processes, `mesh()` is the store spread over the mesh's ranks (mesh.py), and the current
+processes, `mesh()` is the store spread over the mesh's ranks (mesh_store.py), and the current
 store unless `use` named another.
 
 Layer: `dtm/store` is row 8 of DESIGN.md's table (L2 services). It imports `dtm/ir`
-(dtypes), `dtm/protocol` (frames), `dtm/runtime` (the process group), `dtm/errors`, the
-standard library, numpy and crc32c, and never the
-user-facing API of row 9: `get` returns a `dtm.Tensor` through a factory that
-`dtm/__init__.py` installs (`set_tensor_factory`).
+(dtypes), `dtm/protocol` (frames), `dtm/runtime` (the process group; the meshes and
+`Shards` for distributed tensors), the piece geometry of `dtm/compiler/spmd` (sharded.py),
+`dtm/errors`, the standard library, numpy and crc32c, and never the user-facing API of
+row 9: `get` returns a `dtm.Tensor` through factories that `dtm/__init__.py` installs
+(`set_tensor_factory`), and a distributed tensor given to `put` is duck-typed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The on-disk form of one stored tensor (spec 9.2.3): a Zarr v3 array, `zarr.json` plus one
 file per chunk, each chunk's raw little-endian bytes followed by their CRC32C (the `bytes`
-and `crc32c` codecs), chunked along the first dim.
+and `crc32c` codecs), on a regular chunk grid: along the first dim for a tensor put whole,
+along the pieces of a distributed tensor put piece by piece.
 
 Dtypes Zarr v3 lacks are stored as their bit patterns: `bf16` as `uint16`, `f8e4m3` and
 `f8e5m2` as `uint8`, and the quantized `q8_0`/`q4_0` as the `uint8` bytes of their blocks
@@ -10,9 +11,11 @@ Pure functions on bytes and dicts: where the files live is the backends' job.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import numpy as np
 from crc32c import crc32c
@@ -37,49 +40,51 @@ _ZARR_TYPE = {
 @dataclass(frozen=True)
 class Layout:
     """How a tensor of `dtype`/`shape` is stored: the storage array's numpy dtype (little-
-    endian), its shape, and `rows` (first-dim entries per chunk)."""
+    endian), its shape, and the shape of its chunks, a regular grid over the storage array
+    (spec 9.2.3). Chunk ids are tuples, one index per storage dim (`()` for a scalar)."""
 
     dtype: DType
     shape: tuple[int, ...]
     storage_dtype: np.dtype
     storage_shape: tuple[int, ...]
-    rows: int
+    chunk_shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.storage_shape) * self.storage_dtype.itemsize
 
     @property
-    def row_bytes(self) -> int:
-        return math.prod(self.storage_shape[1:]) * self.storage_dtype.itemsize
-
-    @property
-    def chunk_shape(self) -> tuple[int, ...]:
-        # Zarr requires positive chunk dims, also for zero-size dims (such arrays have no chunks)
-        return (self.rows, *(max(d, 1) for d in self.storage_shape[1:])) if self.storage_shape else ()
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each dim (0 along a zero-size dim: such a tensor has no chunks)."""
+        return tuple(-(-n // c) for n, c in zip(self.storage_shape, self.chunk_shape))
 
     @property
     def nchunks(self) -> int:
-        if not self.storage_shape:
-            return 1
-        if 0 in self.storage_shape:
-            return 0
-        return -(-self.storage_shape[0] // self.rows)
+        return math.prod(self.grid)
 
     @property
     def chunk_data_bytes(self) -> int:
         """Bytes of one encoded chunk before its CRC: Zarr stores edge chunks whole, padded."""
         return math.prod(self.chunk_shape) * self.storage_dtype.itemsize
 
-    def chunk_key(self, i: int) -> str:
-        """The chunk's key in Zarr's default encoding: `c/i/0/0...`, or `c` for a scalar."""
-        return "/".join(["c", str(i)] + ["0"] * (len(self.storage_shape) - 1)) if self.storage_shape else "c"
+    def chunks(self) -> Iterator[tuple[int, ...]]:
+        """Every chunk id, in row-major order."""
+        return itertools.product(*(range(g) for g in self.grid))
 
-    def chunk_rows(self, i: int) -> tuple[int, int]:
-        """The first-dim range [start, stop) of the tensor that chunk i holds."""
-        if not self.storage_shape:
-            return 0, 1
-        return i * self.rows, min((i + 1) * self.rows, self.storage_shape[0])
+    def chunks_over(self, box: Sequence[tuple[int, int]]) -> Iterator[tuple[int, ...]]:
+        """The ids of the chunks that overlap `box` ([start, stop) per storage dim), and of
+        no other: an empty box overlaps none."""
+        if any(a >= b for a, b in box):
+            return iter(())
+        return itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk_shape)))
+
+    def chunk_key(self, i: tuple[int, ...]) -> str:
+        """The chunk's key in Zarr's default encoding: `c/i/j/...`, or `c` for a scalar."""
+        return "/".join(["c", *map(str, i)])
+
+    def chunk_box(self, i: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """The [start, stop) of the tensor that chunk i holds along each storage dim."""
+        return tuple((k * c, min((k + 1) * c, n)) for k, c, n in zip(i, self.chunk_shape, self.storage_shape))
 
 
 def storage_numpy_dtype(dtype: DType) -> np.dtype:
@@ -91,16 +96,26 @@ def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def plan(dtype: DType, shape: tuple[int, ...], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Layout:
-    """The layout of a tensor: as few chunks as `chunk_bytes` allows, of near-equal rows so
-    the padded edge chunk wastes at most one row per chunk."""
+    """The layout of a tensor put whole: chunks split the first dim only, as few as
+    `chunk_bytes` allows, of near-equal rows so the padded edge chunk wastes at most one row
+    per chunk."""
     sshape = _storage_shape(dtype, shape)
     sdtype = storage_numpy_dtype(dtype)
     if not sshape:
-        return Layout(dtype, shape, sdtype, sshape, 1)
+        return Layout(dtype, shape, sdtype, sshape, ())
     row_bytes = max(math.prod(sshape[1:]) * sdtype.itemsize, 1)
     n0 = max(sshape[0], 1)
     nchunks = max(1, -(-(n0 * row_bytes) // chunk_bytes))
-    return Layout(dtype, shape, sdtype, sshape, -(-n0 // nchunks))
+    # Zarr requires positive chunk dims, also for zero-size dims (such arrays have no chunks)
+    return Layout(dtype, shape, sdtype, sshape, (-(-n0 // nchunks), *(max(d, 1) for d in sshape[1:])))
+
+
+def plan_grid(dtype: DType, shape: tuple[int, ...], block: tuple[int, ...]) -> Layout:
+    """The layout whose chunks are `block` (logical dims: the piece shape of a distributed
+    tensor, spec 9.2.10), so that each piece is one chunk."""
+    sblock = _storage_shape(dtype, block)
+    return Layout(dtype, shape, storage_numpy_dtype(dtype), _storage_shape(dtype, shape),
+                  tuple(max(c, 1) for c in sblock))
 
 
 def metadata(layout: Layout, checksum: str) -> bytes:
@@ -129,13 +144,16 @@ def parse_metadata(raw: bytes) -> tuple[Layout, str]:
         raise ValueError(f"format version {attrs['format']}, this reader reads {FORMAT_VERSION}")
     dtype = DTYPES[attrs["dtype"]]
     shape = tuple(int(d) for d in attrs["shape"])
-    chunk_shape = doc["chunk_grid"]["configuration"]["chunk_shape"]
-    layout = Layout(dtype, shape, storage_numpy_dtype(dtype), _storage_shape(dtype, shape),
-                    int(chunk_shape[0]) if chunk_shape else 1)
-    if list(layout.storage_shape) != doc["shape"] or list(layout.chunk_shape) != chunk_shape \
-            or doc["data_type"] != _ZARR_TYPE[dtype.name]:
-        raise ValueError("the Zarr shape, chunk shape or data type contradicts the DTM attributes")
-    return layout, attrs["checksum"]
+    sshape = _storage_shape(dtype, shape)
+    grid = doc["chunk_grid"]
+    chunk = grid["configuration"]["chunk_shape"]
+    # bounded by the array: a chunk never exceeds its dim (at least 1, as Zarr wants)
+    if grid["name"] != "regular" or len(chunk) != len(sshape) \
+            or not all(type(c) is int and 1 <= c <= max(n, 1) for c, n in zip(chunk, sshape)):
+        raise ValueError(f"chunk grid {grid} is not a regular grid of chunks within shape {list(sshape)}")
+    if list(sshape) != doc["shape"] or doc["data_type"] != _ZARR_TYPE[dtype.name]:
+        raise ValueError("the Zarr shape or data type contradicts the DTM attributes")
+    return Layout(dtype, shape, storage_numpy_dtype(dtype), sshape, tuple(chunk)), attrs["checksum"]
 
 
 def to_storage(x: np.ndarray, dtype: DType) -> np.ndarray:
@@ -153,3 +171,25 @@ def from_storage(a: np.ndarray, dtype: DType) -> np.ndarray:
     """The inverse of `to_storage`: the tensor's own numpy dtype, viewed, never copied."""
     return a if dtype.is_quant else a.view(numpy_dtype(dtype).newbyteorder("<"))
 
+
+
+def encode_chunk(layout: Layout, block: np.ndarray) -> tuple[list[memoryview | bytes], int]:
+    """The parts of the file of a chunk that holds `block` (its storage elements, at most
+    the chunk shape along each dim), and the chunk's CRC32C: the bytes, zero padding up to
+    the chunk shape (spec 9.2.3), then the CRC. A block short along the first dim alone
+    is padded at its end, without a copy."""
+    block = np.asarray(block)
+    if block.shape[1:] == layout.chunk_shape[1:]:
+        body = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+        pad = bytes(layout.chunk_data_bytes - len(body))
+    else:
+        whole = np.zeros(layout.chunk_shape, layout.storage_dtype)
+        whole[tuple(slice(0, n) for n in block.shape)] = block
+        body, pad = memoryview(whole.reshape(-1).view(np.uint8)), b""
+    crc = crc32c(pad, crc32c(body))
+    return [body, pad, crc.to_bytes(CRC_BYTES, "little")], crc
+
+
+def decode_chunk(layout: Layout, body: np.ndarray) -> np.ndarray:
+    """A chunk's data bytes (CRC checked and cut off) as its storage array, padding included."""
+    return body.view(layout.storage_dtype).reshape(layout.chunk_shape)

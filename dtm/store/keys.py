@@ -1,4 +1,5 @@
-"""Store keys (spec 9.2.1): validation, and the bound on their size.
+"""Store keys (spec 9.2.1): validation, the bound on their size, and the names of the
+version directories under them (9.2.3).
 
 A key is a `/`-separated path of segments. The rules keep every key a safe relative path on
 any file system the store lands on (no `..` escapes, no absolute paths, no control bytes),
@@ -48,3 +49,9 @@ def _check_segment(key: str, seg: str) -> None:
         raise InvalidKey(key, f"the segment {seg!r} starts with '@', which the store reserves")
     if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
         raise InvalidKey(key, f"a segment longer than {MAX_SEGMENT_BYTES} UTF-8 bytes")
+
+
+def version_dir(key: str, vid: int) -> str:
+    """The directory of version `vid` (random bits, below 2**64) of `key`: `data/KEY/@` and
+    16 lowercase hex digits."""
+    return f"data/{key}/@{vid:016x}"

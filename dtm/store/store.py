@@ -1,35 +1,44 @@
 """`Store`: the embedded tensor store of one process (spec 9.2): put, get, info, keys,
 delete, du, quotas and verify over an index (index.py) and a file backend (files.py), in the
-Zarr v3 layout of format.py."""
+Zarr v3 layout of format.py. Distributed tensors go piece by piece (sharded.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from crc32c import crc32c
 
 from ..errors import ErrorCode
 from ..ir.dtypes import DTYPES, DType, from_numpy, numpy_dtype
+from ..ir.types import TensorType
+from ..runtime.mesh import Shards
 from . import format as fmt
+from . import sharded
 from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError, StoreTypeError
 from .files import FsspecFiles, LocalFiles
 from .index import Entry, SqliteIndex
 from .refindex import RefIndex
-from .keys import check_key
+from .keys import check_key, version_dir
 
-# What `get` wraps its array in. The store sits below the user-facing API (DESIGN.md, layer
-# 8), so `dtm/__init__.py` installs `Tensor.from_numpy` here; until then get gives numpy.
+# What `get` wraps its array in, and its pieces with a mesh: (type, Shards) -> a distributed
+# tensor. The store sits below the user-facing API (DESIGN.md, layer 8), so `dtm/__init__.py`
+# installs the Tensor's here; until then get gives numpy, and a Shards with a mesh.
 _tensor_factory: Callable[[np.ndarray], Any] = lambda a: a
+_distributed_factory: Callable[[TensorType, Shards], Any] = lambda t, v: v
 
 
-def set_tensor_factory(factory: Callable[[np.ndarray], Any]) -> None:
-    global _tensor_factory
+def set_tensor_factory(factory: Callable[[np.ndarray], Any],
+                       distributed: Callable[[TensorType, Shards], Any] | None = None) -> None:
+    global _tensor_factory, _distributed_factory
     _tensor_factory = factory
+    if distributed is not None:
+        _distributed_factory = distributed
 
 
 # A version directory `data/KEY/@ID` or a path inside it (keys have no `@` segments, 9.2.1)
@@ -95,7 +104,11 @@ class Store:
 
     def put(self, key: str, x: Any, dtype: Any = None) -> Info:
         """Store a copy of `x` (a dtm.Tensor, numpy array or anything np.asarray takes)
-        under `key`, replacing what was there; visible whole or not at all."""
+        under `key`, replacing what was there; visible whole or not at all. A distributed
+        tensor (dtm.distribute) is written piece by piece, without a gather (spec 9.2.10):
+        on a mesh of processes every rank calls put."""
+        if getattr(x, "device_mesh", None) is not None:
+            return sharded.put(self, check_key(key), x, as_store_dtype(x.dtype if dtype is None else dtype))
         return self.put_array(key, np.asarray(x), dtype)
 
     def put_array(self, key: str, a: np.ndarray, dtype: Any = None) -> Info:
@@ -112,12 +125,39 @@ class Store:
         data = fmt.to_storage(a, dt)
         layout = fmt.plan(dt, shape, self._chunk_bytes)
         self._index.check_quota(key, layout.nbytes)
-        rel = f"data/{key}/@{secrets.token_hex(8)}"  # 16 hex digits, as _VERSION_DIR expects
-        try:
-            checksum = self._write_chunks(rel, layout, data)
+        rel = version_dir(key, secrets.randbits(64))
+        with self._writing(key, rel):
+            crc = 0
+            for i in layout.chunks():
+                crc = self._write_chunk(rel, layout, i, data[_slices(layout.chunk_box(i))])
+            # one unpadded chunk: its CRC is the tensor's; else one more pass over the bytes
+            whole = layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes
+            checksum = crc if whole else crc32c(data.reshape(-1).view(np.uint8) if data.size else b"")
+        return self._commit(key, rel, layout, f"{checksum:08x}")
+
+    def _write_chunk(self, rel: str, layout: fmt.Layout, i: tuple[int, ...], block: np.ndarray) -> int:
+        """Write chunk i of a new version (bytes, edge padding, CRC32C, fsync); its CRC32C."""
+        parts, crc = fmt.encode_chunk(layout, block)
+        self._files.write(f"{rel}/{layout.chunk_key(i)}", parts)
+        return crc
+
+    def _commit(self, key: str, rel: str, layout: fmt.Layout, checksum: str) -> Info:
+        """Steps 2 to 4 of spec 9.2.6 once the chunks are written: `zarr.json`, the syncs,
+        the index switch (the commit point), the removal of the version it replaced."""
+        with self._writing(key, rel):
             self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
             self._files.sync_tree(rel)
-            entry, old = self._index.commit(key, rel, dt, shape, layout.nbytes, checksum)
+            entry, old = self._index.commit(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
+        if old is not None:
+            self._files.remove_later(old)
+        return entry
+
+    @contextlib.contextmanager
+    def _writing(self, key: str, rel: str) -> Iterator[None]:
+        """Writing version `rel` of `key`: on any failure the version is removed (the key
+        keeps its earlier tensor), and an OSError becomes E1104."""
+        try:
+            yield
         except OSError as e:
             self._files.remove_tree(rel)
             raise StoreIOError(f"put {key!r} failed, the earlier tensor is kept: {e.strerror or e}",
@@ -125,23 +165,6 @@ class Store:
         except BaseException:
             self._files.remove_tree(rel)
             raise
-        if old is not None:
-            self._files.remove_later(old)
-        return entry
-
-    def _write_chunks(self, rel: str, layout: fmt.Layout, data: np.ndarray) -> str:
-        """Write every chunk (bytes, edge padding, CRC32C); the tensor's checksum, the CRC32C
-        of all its storage bytes in order."""
-        flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
-        total, row = 0, layout.row_bytes
-        for i in range(layout.nchunks):
-            start, stop = layout.chunk_rows(i)
-            body = memoryview(flat[start * row:stop * row]) if layout.storage_shape else memoryview(flat)
-            pad = bytes(layout.chunk_data_bytes - len(body))
-            crc = crc32c(pad, crc32c(body))
-            total = crc32c(body, total) if layout.nchunks > 1 or pad else crc
-            self._files.write(f"{rel}/{layout.chunk_key(i)}", [body, pad, crc.to_bytes(fmt.CRC_BYTES, "little")])
-        return f"{total:08x}"
 
     def delete(self, key: str) -> None:
         """Remove `key` (E0804 when it is not stored)."""
@@ -179,10 +202,23 @@ class Store:
     def __contains__(self, key: str) -> bool:
         return self._index.get(check_key(key)) is not None
 
-    def get(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
+    def get(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None, *, mesh: Any = None,
+            placements: Any = None) -> Any:
         """The tensor under `key` as a dtm.Tensor; with `dtype`/`shape`, E0402/E0403 when
-        the stored type differs. Quantized tensors: use get_array."""
+        the stored type differs. Quantized tensors: use get_array. With `mesh` (a dtm.Mesh)
+        and `placements` (as dtm.distribute takes them; default: replicated), a distributed
+        tensor laid out so, each rank reading only the chunks its piece overlaps (spec
+        9.2.10); on a mesh of processes every rank calls get."""
+        if mesh is not None or placements is not None:
+            return _distributed_factory(*sharded.get(self, key, dtype, shape, mesh, placements))
         return as_tensor(key, self._checked(key, dtype, shape).dtype, self.get_array(key, dtype, shape))
+
+    def _tensor_entry(self, key: str, dtype: Any, shape: tuple[int, ...] | None) -> Entry:
+        """The key's entry, checked as `_checked` does, and refused (E0408) when its dtype is
+        one a dtm.Tensor cannot hold."""
+        entry = self._checked(key, dtype, shape)
+        refuse_quantized(key, entry.dtype)
+        return entry
 
     def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor under `key` as a read-only numpy array, memory-mapped when it is one
@@ -210,21 +246,34 @@ class Store:
 
     def _read(self, entry: Entry) -> np.ndarray:
         layout = self._layout(entry)
-        try:
-            chunks = [self._chunk(entry, layout, i) for i in range(layout.nchunks)]
-        except OSError as e:
-            raise StoreIOError(f"get {entry.key!r}: {e.strerror or e}", self._files.path(entry.dir), entry.key) from None
         if layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes:  # no copy: the mapped chunk
-            out = chunks[0].view(layout.storage_dtype).reshape(layout.storage_shape)
+            with self._reading(entry):
+                out = fmt.decode_chunk(layout, self._chunk(entry, layout, next(layout.chunks())))
         else:
-            out = np.empty(layout.storage_shape, layout.storage_dtype)
-            flat = out.reshape(-1).view(np.uint8)
-            for i, c in enumerate(chunks):
-                start, stop = layout.chunk_rows(i)
-                flat[start * layout.row_bytes:stop * layout.row_bytes] = c[:(stop - start) * layout.row_bytes]
+            out = self._read_box(entry, layout, tuple((0, n) for n in layout.storage_shape))
         out = fmt.from_storage(out, entry.dtype)
         out.flags.writeable = False
         return out
+
+    def _read_box(self, entry: Entry, layout: fmt.Layout, box: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The storage elements of `box` ([start, stop) per storage dim), a new array read
+        from the chunks that overlap the box and no others, each checked (E1102)."""
+        out = np.empty(tuple(b - a for a, b in box), layout.storage_dtype)
+        with self._reading(entry):
+            for i in layout.chunks_over(box):
+                chunk_box = layout.chunk_box(i)
+                both = [(max(a, s), min(b, t)) for (a, b), (s, t) in zip(box, chunk_box)]
+                chunk = fmt.decode_chunk(layout, self._chunk(entry, layout, i))
+                out[_slices(both, box)] = chunk[_slices(both, chunk_box)]
+        return out
+
+    @contextlib.contextmanager
+    def _reading(self, entry: Entry) -> Iterator[None]:
+        """Reading a version of `entry`'s key: an OSError becomes E1104."""
+        try:
+            yield
+        except OSError as e:
+            raise StoreIOError(f"get {entry.key!r}: {e.strerror or e}", self._files.path(entry.dir), entry.key) from None
 
     def _layout(self, entry: Entry) -> fmt.Layout:
         try:
@@ -235,7 +284,7 @@ class Store:
             raise StoreCorrupt(f"the metadata of {entry.key!r} contradicts the index", entry.key)
         return layout
 
-    def _chunk(self, entry: Entry, layout: fmt.Layout, i: int) -> np.ndarray:
+    def _chunk(self, entry: Entry, layout: fmt.Layout, i: tuple[int, ...]) -> np.ndarray:
         """Chunk i's data bytes (without its CRC), checked against its CRC32C."""
         name = layout.chunk_key(i)
         try:
@@ -262,7 +311,7 @@ class Store:
             except StoreCorrupt as e:
                 report.bad.append((entry.key, "zarr.json", e.message))
                 continue
-            for i in range(layout.nchunks):
+            for i in layout.chunks():
                 report.chunks += 1
                 try:
                     self._chunk(entry, layout, i)
@@ -293,10 +342,22 @@ class Store:
 def as_tensor(key: str, stored: DType, a: np.ndarray) -> Any:
     """What `get` returns for the array under `key`: a dtm.Tensor (numpy before dtm/__init__
     installs the factory); a quantized tensor refused (E0408), as no dtm.Tensor holds one."""
+    refuse_quantized(key, stored)
+    return _tensor_factory(a)
+
+
+def refuse_quantized(key: str, stored: DType) -> None:
+    """E0408 for a quantized tensor where a dtm.Tensor is asked for."""
     if stored.is_quant:
         raise StoreTypeError(ErrorCode.QUANTIZED_MISUSE,
                              f"{key!r} holds {stored}, which a dtm.Tensor cannot hold; use get_array", key)
-    return _tensor_factory(a)
+
+
+def _slices(box: Sequence[tuple[int, int]], within: Sequence[tuple[int, int]] | None = None) -> tuple:
+    """A numpy index of `box`, counted from the start of box `within` (default: the origin);
+    `...` for a scalar's, so that it gives an array."""
+    starts = [a for a, _ in within] if within is not None else [0] * len(box)
+    return tuple(slice(a - s, b - s) for (a, b), s in zip(box, starts)) or (Ellipsis,)
 
 
 def quant_shape(key: str, a: np.ndarray, dt: DType) -> tuple[int, ...]:

@@ -1,0 +1,198 @@
+"""Distributed tensors in the store (spec 9.2.10): `put` writes each piece of a tensor laid
+out over a mesh as its own chunk of one stored tensor, without a gather; `get` with a mesh
+and placements reads, for each mesh rank this process holds, the chunks its piece overlaps
+and no others.
+
+The chunk grid of such a put is the piece grid (spec 2.7's chunking): along a dim sharded
+n ways the chunk is ceil(D/n), the full chunk of a piece; along the others the whole dim. So
+each non-empty piece is exactly one chunk, and replicas of a piece are one chunk, written by
+the lowest mesh rank that holds it. On a mesh of processes (runtime L1) every rank calls
+put and get: the ranks agree through small all_gathers of status rows, so that a failure on
+one rank fails the operation on every rank instead of leaving the others waiting, and a put
+is committed by process rank 0 alone, after every rank's chunks are written: the commit
+point stays the one index switch of spec 9.2.6.
+
+The tensor is duck-typed (`device_mesh`, `placements`, `local_shards`, `dtype`, `shape`):
+the store sits below the user-facing API (DESIGN.md, layer 8). Meshes are the runtime's
+DeviceMesh, and a get returns the runtime's Shards for the store's factory to wrap.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ..compiler.spmd.layout import chunk, coords
+from ..errors import DTMError, ErrorCode
+from ..ir.dtypes import DType, numpy_dtype
+from ..ir.types import Placement, Replicate, TensorType
+from ..runtime.mesh import DeviceMesh, Shards
+from . import crc
+from . import format as fmt
+from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError
+from .index import Entry
+from .keys import version_dir
+
+if TYPE_CHECKING:
+    from .store import Store
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) along each dim of the tensor
+
+GET_ATTEMPTS = 5  # lookups a get tries when the ranks see different versions of the key (a put between)
+_RACED = -1       # a status row's code: the version read was replaced mid-read, read the key again
+
+
+def boxes(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> list[Box]:
+    """Each mesh rank's piece of a tensor of `shape`, as a box of the tensor."""
+    out = []
+    for r in range(mesh.size):
+        box = [(0, n) for n in shape]
+        for (_, n), c, p in zip(mesh.axes, coords(mesh.ir(), r), placements):
+            if p.kind == "shard":
+                box[p.arg] = chunk(shape[p.arg], n, c)
+        out.append(tuple(box))
+    return out
+
+
+def block(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
+    """The chunk shape of a put with these placements: the shape of a full piece."""
+    out = list(shape)
+    for (_, n), p in zip(mesh.axes, placements):
+        if p.kind == "shard":
+            out[p.arg] = -(-shape[p.arg] // n)
+    return tuple(out)
+
+
+def writers(pieces: Sequence[Box]) -> list[int]:
+    """The ranks that write a piece: the lowest rank of each distinct non-empty box."""
+    first: dict[Box, int] = {}
+    for r, box in enumerate(pieces):
+        if all(a < b for a, b in box):
+            first.setdefault(box, r)
+    return sorted(first.values())
+
+
+def put(store: "Store", key: str, x: Any, dtype: DType) -> Entry:
+    """Store distributed tensor `x` under `key` as `dtype`, each piece by a rank that holds it."""
+    mesh: DeviceMesh = x.device_mesh
+    values = x.local_shards()  # realized; on a process mesh the other processes' pieces are None
+    placements = tuple(x.placements)
+    if any(p.kind == "partial" for p in placements):
+        raise StoreError(ErrorCode.INVALID_PLACEMENT,
+                         f"put {key!r}: the tensor is partial ({list(placements)} on {mesh}), so no rank's piece is "
+                         "its value; reduce it first, as x.redistribute() with Replicate() for each Partial", key)
+    shape = tuple(x.shape)
+    layout = fmt.plan_grid(dtype, shape, block(shape, mesh, placements))
+    pieces = boxes(shape, mesh, placements)
+    pg, lead = mesh.process, mesh.process is None or mesh.process.rank == 0
+    # one version directory for all ranks: process rank 0's draw (63 bits: an int64 row)
+    rel = version_dir(key, int(_rows(pg, [secrets.randbits(63)])[0, 0]))
+    code, part, err = 0, 0, None
+    try:
+        store._index.check_quota(key, layout.nbytes)
+        with store._writing(key, rel):
+            for r in writers(pieces):
+                if values[r] is not None:
+                    data = fmt.to_storage(np.asarray(values[r]).astype(numpy_dtype(dtype), copy=False), dtype)
+                    store._write_chunk(rel, layout, _chunk_of(layout, pieces[r]), data)
+                    part ^= crc.box_crc(data, pieces[r], layout.storage_shape)
+    except DTMError as e:
+        code, err = _code(e), e
+    rows = _rows(pg, [code, part])  # every rank's chunks are written (and synced) past here
+    if rows[:, 0].any():
+        if lead:
+            store._files.remove_tree(rel)
+        raise err or _failed(rows, key, "put", "could not write its pieces; the earlier tensor is kept")
+    checksum = f"{crc.tensor_crc(rows[:, 1], layout.nbytes):08x}"
+    entry, result = None, [0, 0, 0]
+    if lead:
+        try:
+            entry = store._commit(key, rel, layout, checksum)
+            result = [0, entry.version, np.float64(entry.written).view(np.int64)]
+        except DTMError as e:
+            result, err = [_code(e), 0, 0], e
+    rows = _rows(pg, result)[:1]  # rank 0's
+    code, version, written = rows[0]
+    if code:
+        raise err or _failed(rows, key, "put", "could not commit it; the earlier tensor is kept")
+    return entry or Entry(key, rel, dtype, shape, layout.nbytes, checksum, int(version),
+                          float(np.int64(written).view(np.float64)))
+
+
+def get(store: "Store", key: str, dtype: Any, shape: tuple[int, ...] | None, mesh: Any,
+        placements: Any) -> tuple[TensorType, Shards]:
+    """The type of the tensor under `key` and its pieces on `mesh` laid out by `placements`
+    (None: replicated), those of this process's ranks read."""
+    if not isinstance(mesh, DeviceMesh):
+        raise StoreError(ErrorCode.INVALID_MESH, f"get {key!r}: placements {placements!r} need mesh=, a dtm.Mesh, "
+                         f"not {type(mesh).__name__}", key)
+    pg = mesh.process
+    for _ in range(GET_ATTEMPTS):
+        entry, version, code, err = None, 0, 0, None
+        try:
+            entry = store._tensor_entry(key, dtype, shape)
+            t = TensorType(entry.dtype, entry.shape)
+            pl = mesh.placements(Replicate() if placements is None else placements, t, f"get({key!r})")
+            if any(p.kind == "partial" for p in pl):
+                raise StoreError(ErrorCode.INVALID_PLACEMENT, f"get {key!r}: {list(pl)} on {mesh}: a stored tensor "
+                                 "is got whole, shard or replicate it; partial values are not stored", key)
+            version = entry.version
+        except DTMError as e:
+            code, err = _code(e), e
+        rows = _rows(pg, [code, version])
+        if rows[:, 0].any():
+            raise err or _failed(rows, key, "get", "could not look the key up")
+        if (rows[:, 1] != version).any():
+            continue  # a put committed between the ranks' lookups: look again
+        code, pieces = 0, [None] * mesh.size
+        try:
+            layout = store._layout(entry)
+            for r, box in enumerate(boxes(entry.shape, mesh, pl)):
+                if pg is None or r == mesh.rank:
+                    pieces[r] = fmt.from_storage(store._read_box(entry, layout, box), entry.dtype)
+        except (ChecksumError, StoreCorrupt) as e:
+            code, err = (_RACED if _replaced(store, entry) else _code(e)), e
+        except DTMError as e:
+            code, err = _code(e), e
+        rows = _rows(pg, [code])
+        if (rows[:, 0] > 0).any():  # a rank failed: every rank fails
+            raise err if code > 0 else _failed(rows, key, "get", "could not read its piece")
+        if not rows[:, 0].any():
+            return t, Shards(mesh, pl, pieces)
+        # a rank read a version that a put or delete replaced under it: look again
+    raise StoreIOError(f"get {key!r}: the key changed under every one of {GET_ATTEMPTS} reads (puts in between)",
+                       store.url, key)
+
+
+def _chunk_of(layout: fmt.Layout, box: Box) -> tuple[int, ...]:
+    """The id of the chunk that is exactly the piece `box`."""
+    return tuple(a // c for (a, _), c in zip(box, layout.chunk_shape))
+
+
+def _replaced(store: "Store", entry: Entry) -> bool:
+    """Whether `entry`'s version is no longer the key's (replaced or deleted since it was looked up)."""
+    try:
+        return store.info(entry.key).dir != entry.dir
+    except KeyMissing:
+        return True
+
+
+def _rows(pg: Any, row: Sequence[int]) -> np.ndarray:
+    """Every process's `row` of int64s, in process rank order: one all_gather over a mesh of
+    processes; this process's row alone over local devices."""
+    mine = np.array([row], np.int64)
+    return mine if pg is None else pg.all_gather(mine, dim=0)
+
+
+def _code(e: DTMError) -> int:
+    """An error code as the number a status row carries (E1104: 1104)."""
+    return int(e.code.value[1:])
+
+
+def _failed(rows: np.ndarray, key: str, op: str, what: str) -> StoreError:
+    """The error a rank raises when another rank's status row says it failed: that rank's code."""
+    r = int(np.flatnonzero(rows[:, 0] > 0)[0])
+    code = ErrorCode(f"E{int(rows[r, 0]):04d}")
+    return StoreError(code, f"{op} {key!r}: process rank {r} {what} ({code.value})", key)
