@@ -147,7 +147,7 @@ def test_header_checks_in_the_order_of_the_spec():
     for major in (0, 2, 255):
         assert code_of(good[:4] + bytes([major]) + good[5:]) is E.UNSUPPORTED_PROTOCOL_VERSION
     assert code_of(good[:4] + b"\x02\x00\xff" + good[7:]) is E.UNSUPPORTED_PROTOCOL_VERSION
-    for t in (0, 11, 255):
+    for t in (0, 13, 255):
         assert code_of(good[:6] + bytes([t]) + good[7:]) is E.UNKNOWN_MESSAGE
     huge = good[:16] + struct.pack("<Q", 2**64 - 1) + good[24:]
     assert code_of(huge[:6] + b"\x00" + huge[7:]) is E.UNKNOWN_MESSAGE
@@ -255,4 +255,4 @@ def test_constants_are_the_spec_s():
     assert MAGIC == b"DTMW" and HEADER_SIZE == 40 and MAX_PAYLOAD == 2**30
     assert [(t.name, t.value) for t in MsgType] == [
         ("HELLO", 1), ("JOIN_MESH", 2), ("MESH_VIEW", 3), ("HEARTBEAT", 4), ("LEAVE", 5), ("COLLECTIVE_START", 6),
-        ("DATA", 7), ("P2P_SEND", 8), ("ERROR", 9), ("CANCEL", 10)]
+        ("DATA", 7), ("P2P_SEND", 8), ("ERROR", 9), ("CANCEL", 10), ("STORE_REQUEST", 11), ("STORE_REPLY", 12)]

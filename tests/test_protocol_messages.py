@@ -20,7 +20,8 @@ from dtm.protocol import (PROTOCOL_VERSION, Cancel, Cap, CollectiveStart, Data, 
 from dtm.protocol.caps import cap_names
 from dtm.protocol.conformance import frame_to_json, encode_from_json
 from dtm.protocol.frame import encode_frame
-from dtm.protocol.messages import COLLECTIVE_OPS, MESSAGES, REDUCE_OPS
+from dtm.protocol.messages import (COLLECTIVE_OPS, FLAG_EXPECT_SHAPE, MESSAGES, REDUCE_OPS, STORE_OPS, StoreReply,
+                                   StoreRequest)
 
 u8, u16, u32, u64 = (st.integers(0, 2**n - 1) for n in (8, 16, 32, 64))
 i32, i64 = st.integers(-2**31, 2**31 - 1), st.integers(-2**63, 2**63 - 1)
@@ -62,6 +63,32 @@ def collective_starts(draw):
     return CollectiveStart(draw(u64), op, reduce_op, draw(dtypes), draw(shapes), group, root, draw(text))
 
 
+# keys of at most 1024 UTF-8 bytes (spec 9.1.5); the codec leaves 9.2.1's syntax to the store
+store_keys = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=40)
+
+
+@st.composite
+def store_requests(draw):
+    op = draw(st.sampled_from(STORE_OPS))
+    key = draw(st.one_of(st.just(""), store_keys) if op == "keys" else store_keys)
+    if op == "put":
+        return StoreRequest(draw(u64), op, key, draw(dtypes), draw(shapes), draw(st.sampled_from([0, 1])), draw(u64))
+    if op == "get":
+        flags = draw(st.sampled_from([0, FLAG_EXPECT_SHAPE]))
+        return StoreRequest(draw(u64), op, key, draw(st.one_of(st.just(""), dtypes)),
+                            draw(shapes) if flags else (), flags, 0)
+    return StoreRequest(draw(u64), op, key, "", (), 0, 0)
+
+
+@st.composite
+def store_replies(draw):
+    dtype = draw(st.one_of(st.just(""), dtypes))
+    return StoreReply(draw(u64), draw(st.one_of(st.just(""), st.from_regex(r"E[0-9]{4}", fullmatch=True))),
+                      draw(text), dtype, draw(shapes) if dtype else (), draw(u64), draw(u64), draw(text),
+                      draw(st.floats(allow_nan=False, allow_infinity=False)),
+                      tuple(draw(st.lists(st.tuples(store_keys, u64), max_size=4))))
+
+
 messages = st.one_of(
     hellos(),
     st.builds(JoinMesh, st.integers(-1, 2**31 - 1), u32, text.filter(bool), u16, text, u32),
@@ -73,6 +100,8 @@ messages = st.one_of(
     st.builds(P2PSend, u64, i64, dtypes, shapes, text),
     st.builds(Error, st.from_regex(r"E[0-9]{4}", fullmatch=True), text, st.integers(-1, 2**31 - 1)),
     st.builds(Cancel, u64, text),
+    store_requests(),
+    store_replies(),
 )
 
 
@@ -178,6 +207,19 @@ def test_data_travels_without_a_copy():
     (lambda: P2PSend(0, 0, "f32", (2**62,), ""), "outside [0, 2^62)"),
     (lambda: P2PSend(0, 0, "float", (), ""), "unknown dtype 'float'"),
     (lambda: Error("E12", "", -1), "not E followed by four digits"),
+    (lambda: StoreRequest(0, "move", "k", "", (), 0, 0), "op 'move' is not one of"),
+    (lambda: StoreRequest(0, "get", "", "", (), 0, 0), "the key is empty"),
+    (lambda: StoreRequest(0, "get", "a" * 1025, "", (), 0, 0), "the key is 1025 bytes, at most 1024"),
+    (lambda: StoreRequest(0, "get", "k", "f33", (), 0, 0), "unknown dtype 'f33'"),
+    (lambda: StoreRequest(0, "get", "k", "f32", (2,), 0, 0), "names a shape [2] it does not expect"),
+    (lambda: StoreRequest(0, "info", "k", "", (2,), 0, 0), "names a shape [2] it does not expect"),
+    (lambda: StoreRequest(0, "get", "k", "", (), 2, 0), "unknown flag bits 0x2"),
+    (lambda: StoreRequest(0, "delete", "k", "", (), 0, 4), "carries no bytes"),
+    (lambda: StoreRequest(0, "put", "k", "", (2,), 0, 8), "a put names its tensor's dtype"),
+    (lambda: StoreReply(0, "E12", "", "", (), 0, 0, "", 0.0, ()), "not E and four digits"),
+    (lambda: StoreReply(0, "", "", "", (2,), 0, 0, "", 0.0, ()), "a shape without a dtype"),
+    (lambda: StoreReply(0, "", "", "", (), 0, 0, "", float("nan"), ()), "not finite"),
+    (lambda: StoreReply(0, "", "", "", (), 0, 0, "", 0.0, (("", 1),)), "the key is empty"),
 ])
 def test_invalid_messages_are_refused_at_the_sender_too(make, fragment):
     with pytest.raises(ProtocolError) as e:
@@ -219,6 +261,19 @@ def test_describe_names_the_call():
     assert cs.describe() == "all_reduce(sum) #3 f32[4, 8] over ranks [0, 1] at train.py:42"
     b = CollectiveStart(0, "broadcast", "", "i64", (), (2, 5), 5, "x.py:1")
     assert b.describe() == "broadcast #0 i64[] over ranks [2, 5] root 5 at x.py:1"
+
+
+def test_store_messages_bytes_as_the_spec_tables_lay_them_out():
+    req = StoreRequest(7, "get", "layer0/w", "f32", (2, 3), FLAG_EXPECT_SHAPE, 0)
+    want = struct.pack("<QH3sH8sH3sBQQBQ", 7, 3, b"get", 8, b"layer0/w", 3, b"f32", 2, 2, 3, 1, 0)
+    assert req.encode() == want
+    reply = StoreReply(7, "", "", "f32", (2,), 8, 1, "0a1b2c3d", 1.5, (("a", 4),))
+    want = struct.pack("<QHHH3sBQQQH8sdIH1sQ", 7, 0, 0, 3, b"f32", 1, 2, 8, 1, 8, b"0a1b2c3d", 1.5, 1, 1, b"a", 4)
+    assert reply.encode() == want
+    # a key's bound counts UTF-8 bytes, not characters
+    assert StoreRequest.decode(StoreRequest(0, "get", "é" * 512, "", (), 0, 0).encode()).key == "é" * 512
+    with pytest.raises(ProtocolError, match="1026 bytes"):
+        StoreRequest(0, "get", "é" * 513, "", (), 0, 0)
 
 
 def test_levels_imply_the_capabilities_of_spec_8_2():

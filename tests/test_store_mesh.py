@@ -1,4 +1,4 @@
-"""The mesh's store across real processes on 127.0.0.1 (spec 9.2.10): `dtm.store.mesh()`
+"""The mesh's store across real processes on 127.0.0.1 (spec 9.2.11): `dtm.store.mesh()`
 after `dtm.init()`, keys on two ranks by their hash, any rank getting any key, gets from
 ranks on this machine mapped from their directories (no bytes through a socket), gets over
 the wire when that is turned off, programs' store_get / store_put on the mesh's store, and

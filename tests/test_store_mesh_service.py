@@ -1,4 +1,4 @@
-"""The mesh store's wire (spec 9.2.10) in one process: two ranks' services on 127.0.0.1, each
+"""The mesh store's wire (spec 9.2.11) in one process: two ranks' services on 127.0.0.1, each
 over its own directory store, and each rank's MeshStore talking to the other through real
 sockets (share_memory=False, so nothing is read from the other's directory). Every value is
 compared with the numpy array that was put; faults are injected as raw frames."""
@@ -53,7 +53,7 @@ def key_homed_on(rank: int, world: int = 2, prefix: str = "k") -> str:
 
 
 def test_placement_is_rendezvous_hashing_as_the_spec_writes_it():
-    def by_spec(key: str, n: int) -> list[int]:  # spec 9.2.10, written out independently
+    def by_spec(key: str, n: int) -> list[int]:  # spec 9.2.11, written out independently
         score = {r: int.from_bytes(hashlib.blake2b(key.encode() + r.to_bytes(4, "little"), digest_size=8).digest(),
                                    "little") for r in range(n)}
         return sorted(range(n), key=lambda r: (-score[r], r))

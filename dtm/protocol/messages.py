@@ -549,7 +549,7 @@ class Cancel(Message):
         return _str_ok("reason", self.reason)
 
 
-# --- the mesh's tensor store (spec 9.2.10) ---------------------------------------------------------
+# --- the mesh's tensor store (spec 9.2.11) ---------------------------------------------------------
 
 STORE_OPS = ("get", "put", "info", "keys", "delete")
 MAX_KEY_BYTES = 1024       # spec 9.2.1; the store checks the rest of a key's syntax

@@ -82,7 +82,7 @@ def _open_fsspec(url: str, chunk_bytes: int) -> Store:
 
 
 def mesh(*, replicas: int | None = None, share_memory: bool = True) -> MeshStore:
-    """The mesh's store (spec 9.2.10), after `dtm.init()`: the same keys from every rank,
+    """The mesh's store (spec 9.2.11), after `dtm.init()`: the same keys from every rank,
     each kept on `replicas` ranks (default 2, at most the world size). `share_memory=False`
     makes gets from ranks on this machine travel over the wire as from another host's.
     Without a mesh of several processes, E1005."""

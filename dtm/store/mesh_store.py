@@ -1,4 +1,4 @@
-"""The mesh's tensor store (spec 9.2.10): one store spread over the ranks of a multi-process
+"""The mesh's tensor store (spec 9.2.11): one store spread over the ranks of a multi-process
 mesh, with the methods of the embedded `Store`.
 
     dtm.init()
@@ -67,7 +67,7 @@ def open_local(path: str) -> Store:
 
 
 def placement(key: str, world_size: int) -> list[int]:
-    """Every rank, best home of `key` first (rendezvous hashing, spec 9.2.10)."""
+    """Every rank, best home of `key` first (rendezvous hashing, spec 9.2.11)."""
     raw = key.encode("utf-8")
     score = [int.from_bytes(hashlib.blake2b(raw + r.to_bytes(4, "little"), digest_size=8).digest(), "little")
              for r in range(world_size)]

@@ -1,4 +1,4 @@
-"""A rank's store service (spec 9.2.10): serves the part of the mesh's store this rank holds
+"""A rank's store service (spec 9.2.11): serves the part of the mesh's store this rank holds
 to its peers, one thread per connection, each answering StoreRequests in order.
 
     server = StoreServer(local_store, listener, token, rank=1, epoch=1)   # accepting at once

@@ -1,4 +1,4 @@
-"""One connection of the mesh's store service (spec 9.2.10): the frames of spec 9.1 over a
+"""One connection of the mesh's store service (spec 9.2.11): the frames of spec 9.1 over a
 blocking socket, opened with the three-Hello handshake at level L2 (the peer must announce
 CAP_STORE), then StoreRequest / StoreReply messages on stream 0 with a tensor's bytes in
 Data frames.

@@ -28,6 +28,8 @@ import re
 import struct
 import sys
 
+from crc32c import crc32c
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # conformance/protocol
 sys.path.insert(0, str(ROOT.parents[1]))  # the repository, so `dtm` imports without installing
 
@@ -35,7 +37,7 @@ from dtm.ir.version import SPEC_VERSION  # noqa: E402
 from dtm.protocol import (FLAG_LAST, FLAG_RELAYED, PROTOCOL_VERSION, Cancel, Cap, CollectiveStart, Data,  # noqa: E402
                           Error, Handshake, Heartbeat, Hello, JoinMesh, Leave, Member, MeshView, MsgType, P2PSend,
                           encode_frame, encode_message, hmac_answer, level_caps)
-from dtm.protocol.messages import int_to_json  # noqa: E402
+from dtm.protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest, int_to_json  # noqa: E402
 from dtm.protocol.conformance import header_to_json, run_protocol_vectors, summary  # noqa: E402
 from dtm.protocol.frame import FrameDecoder  # noqa: E402
 
@@ -56,6 +58,37 @@ VIEW = MeshView(7, 500, 10000, tuple(Member("127.0.0.1", 29500 + r, "node-a" if 
                                      for r in range(4)), (("dp", 2), ("tp", 2)))
 ALL_REDUCE = CollectiveStart(17, "all_reduce", "sum", "f32", (1024, 768), (0, 1, 2, 3), -1, "train.py:42")
 BF16_BYTES = struct.pack("<4H", 0x3F80, 0xC000, 0x7F80, 0x0000)  # bf16 1.0, -2.0, inf, 0.0
+
+
+# The mesh's store (spec 9.2.11): a client's requests and a service's replies on stream 0 of
+# their own connection, after the handshake. The connecting peer (the client) sent two Hellos
+# (seq 0 and 1), the accepting one (the service) one (seq 0), so each side's first frame after
+# the handshake has seq 2 and 1. Requests are numbered 0, 1, 2, ...; a tensor's Data frames
+# carry the request's id as their `seq`.
+STORE_EPOCH = 1
+W_BYTES = struct.pack("<2f", 1.0, -2.0)  # f32[2] of layer0/w
+W_CHECKSUM = f"{crc32c(W_BYTES):08x}"
+WRITTEN = 1767225600.25  # 2026-01-01T00:00:00.25Z, seconds since the Unix epoch
+PUT_W = StoreRequest(0, "put", "layer0/w", "f32", (2,), 0, len(W_BYTES))
+GET_W = StoreRequest(1, "get", "layer0/w", "f32", (2,), FLAG_EXPECT_SHAPE, 0)
+GET_SCALAR = StoreRequest(2, "get", "step", "", (), FLAG_EXPECT_SHAPE, 0)
+KEYS_ALL = StoreRequest(3, "keys", "", "", (), 0, 0)
+PUT_EMPTY = StoreRequest(4, "put", "empty", "f32", (0, 4), 0, 0)
+REPLY_PUT_W = StoreReply(0, "", "", "f32", (2,), len(W_BYTES), 1, W_CHECKSUM, WRITTEN, ())
+REPLY_GET_W = StoreReply(1, "", "", "f32", (2,), len(W_BYTES), 1, W_CHECKSUM, WRITTEN, ())
+REPLY_KEYS = StoreReply(3, "", "", "", (), 0, 0, "", 0.0, (("layer0/b", 16), ("layer0/w", 8)))
+REPLY_MISSING = StoreReply(2, "E0804", "the tensor store holds no key 'step'", "", (), 0, 0, "", 0.0, ())
+
+
+def store_request_bytes(id_: int, op: bytes, key: bytes, dtype: bytes, shape: tuple[int, ...], flags: int,
+                        nbytes: int) -> bytes:
+    """A StoreRequest payload written field by field from the table of spec 9.1.5, with no
+    check, for the invalid vectors (the message class refuses to build them)."""
+    out = struct.pack("<Q", id_)
+    for s in (op, key, dtype):
+        out += struct.pack("<H", len(s)) + s
+    out += struct.pack("<B", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape)
+    return out + struct.pack("<BQ", flags, nbytes)
 
 
 def frame(msg, *, epoch=0, stream=0, seq=0, flags=0, version=PROTOCOL_VERSION) -> dict:
@@ -149,6 +182,39 @@ VALID = {
         "decoded (the rank raises its epoch when it accepts the view, 9.1.7)",
         [frame(MeshView(6, 1, 1, (Member("h", 1, "n"),), ()), epoch=6), frame(Leave(0, ""), epoch=5, seq=1)],
         {"expected_epoch": 5}),
+    "store_put": ("the mesh store's put of f32[2] under layer0/w, the client's first request after the handshake "
+                  "(its Hellos took seq 0 and 1), then the tensor's 8 bytes in one Data frame whose seq is the "
+                  "request's id (9.2.11)",
+                  [frame(PUT_W, epoch=STORE_EPOCH, seq=2),
+                   frame(Data(PUT_W.id, 0, 0, 0, W_BYTES), epoch=STORE_EPOCH, seq=3)],
+                  {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 2}}),
+    "store_put_empty": ("a put of f32[0, 4]: nbytes 0, and no Data frame follows (9.2.11)",
+                        [frame(PUT_EMPTY, epoch=STORE_EPOCH, seq=7)],
+                        {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 7}}),
+    "store_get_expected_shape": ("two gets: layer0/w expected as f32[2] (flags bit 0 with a shape), then step "
+                                 "expected as a scalar of any dtype (bit 0 with no dims and no dtype)",
+                                 [frame(GET_W, epoch=STORE_EPOCH, seq=4), frame(GET_SCALAR, epoch=STORE_EPOCH, seq=5)],
+                                 {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 4}}),
+    "store_keys_request": ("a keys request for every key: the empty prefix (only a keys request may name an "
+                           "empty key)", [frame(KEYS_ALL, epoch=STORE_EPOCH, seq=6)],
+                           {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 6}}),
+    "store_key_1024_bytes": ("a get whose key is 512 two-byte characters: 1024 UTF-8 bytes, the most a key holds",
+                             [frame(StoreRequest(5, "get", "é" * 512, "", (), 0, 0), epoch=STORE_EPOCH, seq=8)],
+                             {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 8}}),
+    "store_reply_put": ("the service's reply to the put of store_put: the stored entry, version 1, its checksum "
+                        "(the CRC32C of its bytes) and time written", [frame(REPLY_PUT_W, epoch=STORE_EPOCH, seq=1)],
+                        {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 1}}),
+    "store_reply_get": ("the reply to the get of layer0/w, then the tensor's bytes in one Data frame whose seq is "
+                        "the request's id",
+                        [frame(REPLY_GET_W, epoch=STORE_EPOCH, seq=2),
+                         frame(Data(REPLY_GET_W.id, 0, 0, 0, W_BYTES), epoch=STORE_EPOCH, seq=3)],
+                        {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 2}}),
+    "store_reply_keys": ("the reply to a keys request: two keys with their stored bytes",
+                         [frame(REPLY_KEYS, epoch=STORE_EPOCH, seq=5)],
+                         {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 5}}),
+    "store_reply_error": ("an error reply: the get of step found no key (E0804); no Data frame follows, and the "
+                          "connection goes on", [frame(REPLY_MISSING, epoch=STORE_EPOCH, seq=4)],
+                          {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 4}}),
     "quantized_dtypes": ("CollectiveStart and P2PSend may name quantized dtypes; the codec does not check 2.2's "
                          "block rule (9.1.5)",
                          [frame(CollectiveStart(0, "all_gather", "", "q8_0", (4, 64), (0, 1), -1, "q.py:1"),
@@ -171,6 +237,15 @@ def _payload(msg) -> bytes:
 GROUP_COUNT_AT = 8 + 12 + 5 + 5 + 17
 GROUP_COUNT_TOO_BIG = patch(_payload(ALL_REDUCE), GROUP_COUNT_AT, b"\xff" * 4)
 MEMBERS_PAST_THE_END = patch(_payload(VIEW), 16, struct.pack("<I", 1000))  # the count follows 8 + 4 + 4 bytes
+# the keys count follows id (8), code, message, dtype (2 each, empty), the shape (1), nbytes
+# and version (8 each), checksum (2) and written (8)
+KEYS_COUNT_AT = 8 + 2 + 2 + 2 + 1 + 8 + 8 + 2 + 8
+# in the put's reply, written follows id (8), code and message (2 each, empty), dtype (2 + 3),
+# the shape (1 + 8), nbytes and version (8 each) and checksum (2 + 8)
+WRITTEN_AT = 8 + 2 + 2 + 5 + 9 + 8 + 8 + 10
+assert struct.unpack_from("<d", _payload(REPLY_PUT_W), WRITTEN_AT)[0] == WRITTEN
+assert struct.unpack_from("<I", _payload(REPLY_KEYS), KEYS_COUNT_AT)[0] == 2
+KEYS_PAST_THE_END = patch(_payload(REPLY_KEYS), KEYS_COUNT_AT, struct.pack("<I", 1000))
 STALE_HB = frame(Heartbeat(1, 0.0, 0, 0, 0, 0, ""), epoch=2, seq=3)["bytes"]
 
 
@@ -185,7 +260,7 @@ INVALID = {
     "older_major": ("a frame of protocol 0.9", raw(MsgType.LEAVE, _payload(Leave(2, "done")), version=(0, 9)), {},
                     "E0902"),
     "unknown_type_0": ("message type 0", raw(0, b""), {}, "E0903"),
-    "unknown_type_11": ("message type 11, one past Cancel", raw(11, b""), {}, "E0903"),
+    "unknown_type_13": ("message type 13, one past StoreReply", raw(13, b""), {}, "E0903"),
     "unknown_type_255": ("message type 255", raw(255, b"\x00" * 4), {}, "E0903"),
     "oversized_length": ("length 2^40, far above the default limit of 2^30; no payload follows",
                          patch(LEAVE[:40], 16, struct.pack("<Q", 1 << 40)), {}, "E0904"),
@@ -263,6 +338,35 @@ INVALID = {
                                  JoinMesh(-1, 4, "h", 1, "n", 1))[11:]), {}, "E0910"),
     "error_rank_below_minus_one": ("an Error from rank -2", raw(MsgType.ERROR, _payload(Error("E0001", ""))[:-4]
                                                                  + struct.pack("<i", -2)), {}, "E0910"),
+    "store_unknown_op": ("a StoreRequest of op move (9.1.5: get, put, info, keys or delete)",
+                         raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"move", b"layer0/w", b"", (), 0, 0)), {},
+                         "E0910"),
+    "store_key_1025_bytes": ("a StoreRequest whose key is a and 512 two-byte characters: 1025 UTF-8 bytes",
+                             raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"get", ("a" + "é" * 512).encode(), b"",
+                                                                            (), 0, 0)), {}, "E0910"),
+    "store_empty_key": ("a get of the empty key (only keys may name one)",
+                        raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"get", b"", b"", (), 0, 0)), {}, "E0910"),
+    "store_shape_without_flag": ("a get that names the shape [2] without flags bit 0",
+                                 raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"get", b"layer0/w", b"f32", (2,),
+                                                                                0, 0)), {}, "E0910"),
+    "store_unknown_flag_bit": ("a get with flags 0x03: bit 1 is no flag of version 1.0",
+                               raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"get", b"layer0/w", b"f32", (2,),
+                                                                              0x03, 0)), {}, "E0910"),
+    "store_nbytes_on_a_get": ("a get that announces nbytes 8 (only a put carries bytes)",
+                              raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"get", b"layer0/w", b"", (), 0, 8)),
+                              {}, "E0910"),
+    "store_put_without_dtype": ("a put of [2] that names no dtype",
+                                raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"put", b"layer0/w", b"", (2,), 0,
+                                                                               8)), {}, "E0910"),
+    "store_reply_keys_past_the_end": (f"a StoreReply keys count of 1000 in a {len(KEYS_PAST_THE_END)}-byte payload, "
+                                      "under the limit of 2^20 but more than the bytes left can hold",
+                                      raw(MsgType.STORE_REPLY, KEYS_PAST_THE_END), {}, "E0910"),
+    "store_reply_bad_code": ("a StoreReply whose code is E804 (a code is E and four digits, or empty)",
+                             raw(MsgType.STORE_REPLY, _payload(REPLY_MISSING).replace(b"\x05\x00E0804",
+                                                                                      b"\x04\x00E804")), {}, "E0910"),
+    "store_reply_written_inf": ("a StoreReply whose written time is +inf",
+                                raw(MsgType.STORE_REPLY, patch(_payload(REPLY_PUT_W), WRITTEN_AT,
+                                                               struct.pack("<d", float("inf")))), {}, "E0910"),
     "error_bad_code": ("an Error whose code is X0001", raw(MsgType.ERROR, _payload(Error("E0001", "")).replace(
         b"E0001", b"X0001")), {}, "E0910"),
 }
