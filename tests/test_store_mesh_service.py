@@ -6,6 +6,7 @@ compared with the numpy array that was put; faults are injected as raw frames.""
 from __future__ import annotations
 
 import hashlib
+import pathlib
 import socket
 import time
 from types import SimpleNamespace
@@ -221,3 +222,23 @@ def test_without_a_mesh_the_mesh_store_is_not_initialized():
 def test_a_data_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DTM_MESH_STORE", str(tmp_path))
     assert mesh_mod.root_for("abc") == str(tmp_path / "dtmabc_store")
+
+
+def test_a_copy_with_a_corrupt_chunk_is_passed_over_for_a_good_one(two_ranks):
+    a, b = two_ranks
+    key = key_homed_on(1)
+    x = np.arange(64, dtype=np.float32)
+    a.put(key, x)  # on both ranks
+    entry = b.local.info(key)
+    chunk = next(p for p in (pathlib.Path(b.local.url.removeprefix("file://")) / entry.dir).rglob("*")
+                 if p.is_file() and p.name != "zarr.json")
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 1
+    chunk.write_bytes(bytes(raw))  # rank 1's copy is damaged
+    order = placement(key, 2)
+    assert order[0] == 1  # rank 1 is asked first ...
+    np.testing.assert_array_equal(a.get_array(key), x)  # ... and rank 0's good copy is returned
+    a.local.delete(key)
+    with pytest.raises(StoreError) as e:  # no good copy left: the checksum error, naming the key
+        a.get_array(key)
+    assert e.value.code is E.STORE_CHUNK_CORRUPT and key in str(e.value)

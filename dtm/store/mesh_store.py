@@ -223,18 +223,25 @@ class MeshStore:
         return found
 
     def _first(self, key: str, read):
-        """`read(r)` on the first live rank that holds `key`."""
+        """`read(r)` on the first live rank that holds `key` whole: a copy with a bad chunk
+        (E1102) is passed over for the next, and raised only when no copy is good."""
         live, lost = self._candidates(key)
+        corrupt: StoreError | None = None
         for r in live:
             try:
                 return read(r)
             except KeyMissing:
                 continue
             except DTMError as err:
+                if err.code is E.STORE_CHUNK_CORRUPT:
+                    corrupt = corrupt or err
+                    continue
                 if err.code is not E.PEER_LOST:
                     raise
                 self._unreachable[r] = str(err)
                 lost.append(r)
+        if corrupt is not None:
+            raise corrupt
         if lost:
             raise KeyLost(key, sorted(set(lost)))
         raise KeyMissing(key)

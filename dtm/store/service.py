@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest
+from ..protocol.payload import MAX_STR_BYTES
 from ..runtime.host import available_bytes
 from . import format as fmt
 from .store import Store, as_store_dtype
@@ -103,7 +104,7 @@ class StoreServer:
         except ProtocolError:
             raise
         except DTMError as err:
-            reply, data = _reply(req.id, code=err.code.value, message=str(err.message)[:60000]), None
+            reply, data = _reply(req.id, code=err.code.value, message=_fits(str(err.message))), None
         conn.send(reply, data)
 
     def _put(self, conn, req: StoreRequest) -> StoreReply:
@@ -143,6 +144,11 @@ class StoreServer:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def _fits(text: str) -> str:
+    """`text` cut to what a `str` field holds (65535 UTF-8 bytes), never inside a character."""
+    return text.encode("utf-8", "replace")[:MAX_STR_BYTES].decode("utf-8", "ignore")
 
 
 def _reply(id_: int, *, code: str = "", message: str = "", keys: tuple = ()) -> StoreReply:
