@@ -242,3 +242,12 @@ def test_a_copy_with_a_corrupt_chunk_is_passed_over_for_a_good_one(two_ranks):
     with pytest.raises(StoreError) as e:  # no good copy left: the checksum error, naming the key
         a.get_array(key)
     assert e.value.code is E.STORE_CHUNK_CORRUPT and key in str(e.value)
+
+
+def test_a_distributed_tensor_is_refused_not_gathered(two_ranks):
+    a, _ = two_ranks
+    x = dtm.distribute(dtm.tensor(np.arange(8, dtype=np.float32)), dtm.parallel.Mesh({"x": 2}), [dtm.Shard(0)])
+    with pytest.raises(StoreError) as e:
+        a.put("d/x", x)
+    assert e.value.code is E.INVALID_PLACEMENT and "dtm.store.open" in str(e.value)
+    assert "d/x" not in a

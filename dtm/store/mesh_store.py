@@ -123,6 +123,10 @@ class MeshStore:
 
     def put(self, key: str, x: Any, dtype: Any = None) -> Info:
         """Store a copy of `x` under `key` on its `replicas` ranks, replacing what was there."""
+        if getattr(x, "device_mesh", None) is not None:  # np.asarray would gather it on this rank
+            raise StoreError(E.INVALID_PLACEMENT, f"put {key!r}: the mesh's store keeps whole tensors, and this one "
+                                                  "is distributed; put it into a store every rank opens "
+                                                  "(dtm.store.open(PATH)), which writes it piece by piece", key)
         return self.put_array(key, np.asarray(x), dtype)
 
     def put_array(self, key: str, a: np.ndarray, dtype: Any = None) -> Info:
