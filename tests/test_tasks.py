@@ -219,3 +219,60 @@ def test_100000_tasks_build_and_order_without_recursion(st):
 
 def test_empty_graph_finishes(st):
     assert Graph(st).run().wait(timeout=5).state == "finished"
+
+
+# --- an IR module's task declarations, and `dtm tasks run` -------------------------------------
+
+MODULE = """\
+dtm 1.0
+func @affine(%x: f32[1, 4], %w: f32[4, 3]) -> (f32[3]) {
+  %m = matmul %x, %w : f32[1, 3]
+  %y = reshape %m {shape = [3]} : f32[3]
+  return %y
+}
+func @split(%y: f32[3]) -> (f32[3], f32[3]) {
+  %a = exp %y : f32[3]
+  %b = neg %y : f32[3]
+  return %a, %b
+}
+task @first = @affine {inputs = ["x", "w"], outputs = ["y"]}
+task @second = @split {inputs = ["y"], outputs = ["e", "n"], after = [@first]}
+"""
+
+
+def _inputs(st, dtype=np.float32):
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((1, 4)).astype(dtype), rng.standard_normal((4, 3)).astype(dtype)
+    st.put("x", x)
+    st.put("w", w)
+    return x, w
+
+
+def test_dtm_tasks_run_cli_matches_numpy(tmp_path):
+    from click.testing import CliRunner
+
+    from dtm.cli import main
+
+    (tmp_path / "m.dtm").write_text(MODULE)
+    with dtm.store.open(tmp_path / "s") as st:
+        x, w = _inputs(st)
+    out = CliRunner().invoke(main, ["tasks", "run", str(tmp_path / "m.dtm"), "--store", str(tmp_path / "s"),
+                                    "--kernels", "ref"])
+    assert out.exit_code == 0, out.output
+    assert "2 finished" in out.output and "second" in out.output
+    with dtm.store.open(tmp_path / "s") as st:
+        y = (x @ w).reshape(3)
+        np.testing.assert_allclose(st.get_array("e"), np.exp(y), rtol=1e-5)
+        np.testing.assert_allclose(st.get_array("n"), -y, rtol=1e-6)
+
+    (tmp_path / "cycle.dtm").write_text(MODULE.replace('outputs = ["y"]}', 'outputs = ["y"], after = [@second]}'))
+    out = CliRunner().invoke(main, ["tasks", "run", str(tmp_path / "cycle.dtm"), "--store", str(tmp_path / "s")])
+    assert out.exit_code == 1 and "E0209" in out.output
+
+
+def test_ir_task_input_of_the_wrong_type_fails_before_anything_runs(st):
+    _inputs(st, np.float64)
+    with pytest.raises(GraphError) as e:
+        Graph.from_module(dtm.ir.parse(MODULE), st).run()
+    assert e.value.code is ErrorCode.DTYPE_MISMATCH and e.value.task == "first" and "f64" in str(e.value)
+    assert st.keys() == ["w", "x"]

@@ -70,7 +70,8 @@ class LocalRun:
                     self.queues[tasks[i].process].put(i)
             if n == 0:
                 self._end()
-        threading.Thread(target=self._monitor, name="dtm-task-monitor", daemon=True).start()
+        self.monitor = threading.Thread(target=self._monitor, name="dtm-task-monitor", daemon=True)
+        self.monitor.start()
 
     # --- the handle -----------------------------------------------------------------------
 
@@ -84,7 +85,9 @@ class LocalRun:
             self.cancel()
             self.ended.wait(CANCEL_GRACE_S + 1)
             raise
-        if not ended:
+        if ended:
+            self.monitor.join(1.0)  # the progress bar's last frame, before the caller prints
+        else:
             raise DTMError(ErrorCode.TIMEOUT, f"the task graph did not finish within {timeout:g} s: "
                            f"{self.report().summary()}")
         if self.error is not None:
