@@ -456,13 +456,11 @@ def tasks_group() -> None:
 @click.option("--store", "url", default=None, metavar="PATH|URL", help="the store the tasks read and write "
               "(as dtm.store.open takes; default DTM_STORE, else ~/.cache/dtm/store)")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="threads (default: the CPU count)")
-@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="the task scheduler")
 @click.option("--kernels", default=None, metavar="cpu|ref", help="the backend that runs each function "
               "(default DTM_BACKEND, else cpu)")
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="seconds to wait for the whole graph")
 @click.option("--progress/--no-progress", default=None, help="a progress bar (default: when stderr is a terminal)")
-def tasks_run(file: str, url: str | None, workers: int | None, backend: str, kernels: str | None, timeout: float,
+def tasks_run(file: str, url: str | None, workers: int | None, kernels: str | None, timeout: float,
               progress: bool | None) -> None:
     """Run every `task` of the IR module FILE; print each task's time, worker and bytes."""
     from . import store, tasks
@@ -470,7 +468,7 @@ def tasks_run(file: str, url: str | None, workers: int | None, backend: str, ker
     module = _load(file)
     with _store_errors():
         st = store.open(url)
-        run = tasks.Graph.from_module(module, st, kernels).run(workers, backend=backend, progress=progress)
+        run = tasks.Graph.from_module(module, st, kernels).run(workers, progress=progress)
         try:
             report = run.wait(timeout)
         finally:

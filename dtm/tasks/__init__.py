@@ -1,10 +1,10 @@
 """Task graphs (spec 9.3): functions whose inputs and outputs are keys in the tensor store,
-ordered by `after`, run by a local scheduler or by Ray.
+ordered by `after`, run by a local scheduler (a Ray backend is planned).
 
     g = dtm.tasks.Graph(store=st)
     tok = g.task(tokenize, inputs=["raw/0"], outputs=["tok/0"], process=True)  # a worker process
     emb = g.task(embed, inputs=["tok/0", "w/emb"], outputs=["x/0"], after=[tok])  # a thread, jitted
-    run = g.run(workers=2)             # or backend="ray"; returns at once
+    run = g.run(workers=2)             # returns at once
     run.wait(timeout=60); run.status(); run.cancel(); run.report()
 
 Only `after` orders tasks; a task that reads a key another writes must name it there.

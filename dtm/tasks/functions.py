@@ -117,7 +117,7 @@ class PyFunction:
 
     def __call__(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         args = [_tensor(a) for a in arrays]
-        if not self.jit:
+        if not self.jit or not arrays:  # nothing to trace on: a source or a side effect
             return _as_list(self.fn(*args))
         signature = tuple((a.dtype.str, a.shape) for a in arrays)
         if signature in self._seen:

@@ -16,6 +16,7 @@ from ..ir.verifier import verify
 from ..store.keys import check_key
 from .errors import GraphError
 from .functions import IRFunction, PyFunction, reference
+from .local import LocalRun
 
 
 class Task:
@@ -136,20 +137,16 @@ class Graph:
 
     def run(self, workers: int | None = None, *, backend: str = "local", progress: bool | None = None) -> Any:
         """Start the graph and return its `Run` handle at once. `workers`: threads (and, when
-        the graph has process tasks, worker processes) for `local` (default: the CPU count);
-        Ray's scheduler places tasks for `ray`. `progress`: a progress bar on stderr (default:
+        the graph has process tasks, worker processes) (default: the CPU count). `progress`: a progress bar on stderr (default:
         when stderr is a terminal)."""
         deps = self.dependencies()
         topological_order(deps, [t.name for t in self.tasks])
         self.check_inputs()
         workers = workers or os.cpu_count() or 1
         if backend == "local":
-            from .local import LocalRun
             return LocalRun(self, deps, workers, progress)
-        if backend == "ray":
-            from .ray_backend import RayRun
-            return RayRun(self, deps, progress)
-        raise GraphError(ErrorCode.UNKNOWN_BACKEND, f"unknown task backend {backend!r}; available: local, ray")
+        raise GraphError(ErrorCode.UNKNOWN_BACKEND, f"unknown task backend {backend!r}; available: local "
+                         "(a Ray backend is planned, issue 18)")
 
 
 def _check_count(task: str, fn: str, least: int, most: int | None, inputs: tuple[str, ...]) -> None:
