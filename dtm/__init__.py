@@ -28,9 +28,11 @@ from .protocol import ChecksumError  # noqa: E402
 from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E402
 from . import store  # noqa: E402 - dtm.store.open(), the tensor store
 from .ref.context import bind_process_store  # noqa: E402
+from . import tasks  # noqa: E402 - dtm.tasks.Graph, task graphs over the store
 
 # the store (layer 8) returns Tensors, plain or distributed (a Shards value), without importing them
 store.set_tensor_factory(Tensor.from_numpy, lambda type, value: Tensor(type, buffer=value))
+tasks.install(jit=jit, tensor=Tensor.from_numpy)  # task functions take Tensors and are jitted, layer 8 below them
 bind_process_store(store.current)  # programs' store_get / store_put (layer 2) use the process's store
 
 # torch's short dtype names
@@ -39,4 +41,4 @@ bool = bool_  # noqa: A001 - dtm.bool, as torch.bool
 float = float32  # noqa: A001
 int = int32  # noqa: A001
 
-__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]
+__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "tasks", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]

@@ -9,6 +9,7 @@
     dtm launch -n N script.py   run N local ranks (DTM_* environment, output prefixed by rank)
     dtm coordinator --world-size N   run a coordinator on its own
     dtm store ls|info|get|put|rm|du|verify|export|import   the tensor store (--store PATH/URL)
+    dtm tasks run FILE --store DIR   run the task declarations of an IR module
 
 FILE may be `-` for standard input. Every failure exits non-zero with the error on stderr.
 """
@@ -441,6 +442,41 @@ def store_import(file: str, prefix: str) -> None:
         for name, t in tensors.items():
             st.put_array(prefix + name, t.numpy())
     click.echo(f"{len(tensors)} tensor(s) <- {file}")
+
+
+# --- task graphs ---------------------------------------------------------------------------
+
+@main.group("tasks")
+def tasks_group() -> None:
+    """Run task graphs over the tensor store."""
+
+
+@tasks_group.command("run")
+@click.argument("file")
+@click.option("--store", "url", default=None, metavar="PATH|URL", help="the store the tasks read and write "
+              "(as dtm.store.open takes; default DTM_STORE, else ~/.cache/dtm/store)")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="threads (default: the CPU count)")
+@click.option("--kernels", default=None, metavar="cpu|ref", help="the backend that runs each function "
+              "(default DTM_BACKEND, else cpu)")
+@click.option("--timeout", type=float, default=3600.0, show_default=True, help="seconds to wait for the whole graph")
+@click.option("--progress/--no-progress", default=None, help="a progress bar (default: when stderr is a terminal)")
+def tasks_run(file: str, url: str | None, workers: int | None, kernels: str | None, timeout: float,
+              progress: bool | None) -> None:
+    """Run every `task` of the IR module FILE; print each task's time, worker and bytes."""
+    from . import store, tasks
+
+    module = _load(file)
+    with _store_errors():
+        st = store.open(url)
+        run = tasks.Graph.from_module(module, st, kernels).run(workers, progress=progress)
+        try:
+            report = run.wait(timeout)
+        finally:
+            report = run.report()
+            _table(report.summary(), ("task", "state", "worker", "seconds", "read", "written"),
+                   [(t.name, t.state, t.worker or "-", f"{t.seconds:.4f}", t.bytes_read, t.bytes_written)
+                    for t in report.tasks])
+
 
 if __name__ == "__main__":
     main()

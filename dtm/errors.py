@@ -115,6 +115,11 @@ class ErrorCode(str, enum.Enum):
     STORE_IO_ERROR = "E1104"
     STORE_CORRUPT = "E1105"
     STORE_KEY_LOST = "E1106"
+    # E12xx: task graphs
+    TASK_FAILED = "E1201"
+    WORKER_LOST = "E1202"
+    TASK_CANCELLED = "E1203"
+    TASK_NOT_IMPORTABLE = "E1204"
 
     def __str__(self) -> str:
         return self.value

@@ -1,0 +1,87 @@
+"""A task worker process: `python -m dtm.tasks.worker STORE_URL`. It opens the store the
+parent names and runs tasks it is sent as JSON lines on stdin, one at a time, answering
+each with one JSON line on stdout. Only function names (`module:qualname`) and store keys
+cross the pipe; tensors go through the store, and nothing is pickled.
+
+    -> {"task": 3, "fn": "mymod:tokenize", "jit": false, "inputs": ["raw/0"], "outputs": ["tok/0"]}
+    <- {"task": 3, "ok": true, "read": 4096, "written": 1024, "seconds": 0.01}
+    <- {"task": 3, "ok": false, "cancelled": false, "code": "E0403", "type": "TensorError", "message": "..."}
+
+SIGINT asks the running task to stop (the parent's cancel): at once inside its function,
+at the next store boundary otherwise, and never between two of its output puts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+from ..errors import DTMError
+from ..store import open as open_store
+from .functions import Interrupted, PyFunction, resolve, run_task
+
+
+class _Flags:
+    stop = False  # SIGINT came: stop the running task
+    in_function = False  # the task's own code runs: interrupt it right away
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _Flags.stop = True
+    if _Flags.in_function:
+        raise Interrupted
+
+
+class _Guarded:
+    """A PyFunction whose call the SIGINT handler may interrupt."""
+
+    def __init__(self, fn: PyFunction):
+        self.fn, self.name = fn, fn.name
+
+    def __call__(self, arrays: list) -> list:
+        _Flags.in_function = True
+        try:
+            if _Flags.stop:
+                raise Interrupted
+            return self.fn(arrays)
+        finally:
+            _Flags.in_function = False
+
+
+def _answer(out: Any, reply: dict) -> None:
+    out.write(json.dumps(reply) + "\n")
+    out.flush()
+
+
+def serve(url: str) -> None:
+    out = os.fdopen(os.dup(1), "w")  # the replies; the task's own prints go to stderr
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, _on_sigint)
+    store = open_store(url)
+    functions: dict[tuple[str, bool], _Guarded] = {}
+    _answer(out, {"ready": os.getpid()})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        _Flags.stop = False
+        reply: dict[str, Any] = {"task": msg["task"]}
+        try:
+            key = (msg["fn"], bool(msg["jit"]))
+            if key not in functions:
+                functions[key] = _Guarded(PyFunction(resolve(msg["fn"]), bool(msg["jit"]), msg["fn"]))
+            outcome = run_task(store, functions[key], tuple(msg["inputs"]), tuple(msg["outputs"]),
+                               lambda: _Flags.stop)
+            reply.update(ok=True, read=outcome.read, written=outcome.written, seconds=outcome.seconds)
+        except (Interrupted, KeyboardInterrupt):
+            reply.update(ok=False, cancelled=True)
+        except Exception as e:  # the task's own fault: reported to the parent, never retried
+            reply.update(ok=False, cancelled=False, code=e.code.value if isinstance(e, DTMError) else None,
+                         type=type(e).__name__, message=e.message if isinstance(e, DTMError) else str(e))
+        _answer(out, reply)
+    store.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

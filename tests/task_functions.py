@@ -1,0 +1,45 @@
+"""Task functions for tests/test_tasks*.py that worker processes import by name (a test
+module's own functions would do too; these keep the worker's imports small)."""
+
+import os
+import signal
+import time
+
+import numpy as np
+
+
+def scale(a):
+    """Python-heavy work on a worker process: plain numpy on the Tensor's values."""
+    return np.asarray(a) * 2.0
+
+
+def split(a):
+    x = np.asarray(a)
+    return x[: len(x) // 2].copy(), x[len(x) // 2:].copy()
+
+
+def boom(a):
+    raise ValueError("bad token in the input")
+
+
+def die_once(a):
+    """SIGKILL its own worker the first time (a marker file remembers), then add one."""
+    marker = os.environ["DTM_TEST_MARKER"]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return np.asarray(a) + 1.0
+
+
+def die(a):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang(a):
+    time.sleep(120)
+    return a
+
+
+def slow(a):
+    time.sleep(0.3)
+    return np.asarray(a) + 1.0
