@@ -32,6 +32,8 @@ from .ref.context import bind_process_store  # noqa: E402
 # the store (layer 8) returns Tensors, plain or distributed (a Shards value), without importing them
 store.set_tensor_factory(Tensor.from_numpy, lambda type, value: Tensor(type, buffer=value))
 bind_process_store(store.current)  # programs' store_get / store_put (layer 2) use the process's store
+from . import data  # noqa: E402 - dtm.data.ingest / dtm.data.Loader
+data.set_tensor_factory(Tensor.from_numpy)  # the loader (layer 8) yields Tensors without importing them
 
 # torch's short dtype names
 half, double, long = float16, float64, int64
@@ -39,4 +41,4 @@ bool = bool_  # noqa: A001 - dtm.bool, as torch.bool
 float = float32  # noqa: A001
 int = int32  # noqa: A001
 
-__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]
+__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "data", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]

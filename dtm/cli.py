@@ -186,9 +186,14 @@ def _axes_option(text: str | None):
               help="seconds between SIGTERM and SIGKILL when ranks are ended")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds for every rank to call dtm.init() (with the launcher's own coordinator)")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="DTM_METRICS_PORT",
+              help="serve the coordinator's Prometheus metrics at this port (default: a free one; `dtm top` "
+                   "finds it)")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="DTM_METRICS_HOST",
+              help="address the metrics are served at")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
-               command: tuple[str, ...]) -> None:
+               metrics_port: int | None, metrics_host: str, command: tuple[str, ...]) -> None:
     """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
     ranks; their output is forwarded with a `[rank k]` prefix, and when one rank fails the
     others are ended and dtm launch exits non-zero naming it."""
@@ -200,7 +205,7 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
     logging.basicConfig(level=logging.WARNING, format="dtm launch: %(message)s")
     try:
         status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
-                        join_timeout=join_timeout)
+                        join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0))
     except DTMError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(status)
@@ -213,7 +218,12 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
 @click.option("--axes", default=None, metavar="NAME=SIZE,...", help="mesh axes, e.g. dp=2,tp=2")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds for every rank to join")
-def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, join_timeout: float) -> None:
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, envvar="DTM_METRICS_PORT",
+              help="serve Prometheus metrics at this port (default: a free one; `dtm top` finds it)")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="DTM_METRICS_HOST",
+              help="address the metrics are served at")
+def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, join_timeout: float, metrics_port: int,
+                    metrics_host: str) -> None:
     """Run a coordinator for WORLD_SIZE ranks until the mesh has formed and every rank has
     left (exit 0) or one was lost or the mesh did not form (exit 1). Ranks reach it with
     DTM_COORDINATOR=HOST:PORT and DTM_COORDINATOR_EXTERNAL=1; the cluster token is DTM_TOKEN,
@@ -231,10 +241,12 @@ def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, joi
     try:
         heartbeat_ms, timeout_ms = heartbeat_env()
         coord = Coordinator(world_size, token, host=host, port=port, axes=_axes_option(axes),
-                            heartbeat_ms=heartbeat_ms, timeout_ms=timeout_ms, join_timeout=join_timeout)
+                            heartbeat_ms=heartbeat_ms, timeout_ms=timeout_ms, join_timeout=join_timeout,
+                            metrics=(metrics_host, metrics_port))
     except DTMError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"dtm coordinator listening at {coord.address[0]}:{coord.address[1]} for {world_size} rank(s)")
+    click.echo(f"dtm coordinator listening at {coord.address[0]}:{coord.address[1]} for {world_size} rank(s); "
+               f"metrics at {coord.metrics.url}")
     sys.stdout.flush()
     coord.serve()
     sys.exit(1 if coord.error or coord.lost else 0)
