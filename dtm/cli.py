@@ -9,6 +9,8 @@
     dtm launch -n N script.py   run N local ranks (DTM_* environment, output prefixed by rank)
     dtm coordinator --world-size N   run a coordinator on its own
     dtm store ls|info|get|put|rm|du|verify|export|import   the tensor store (--store PATH/URL)
+    dtm ingest FILES... --fn MOD:FUNC --prefix P   files -> token shards in the store, in parallel
+    dtm top [--coordinator HOST:PORT]   live view of a running job's ranks (its metrics endpoint)
 
 FILE may be `-` for standard input. Every failure exits non-zero with the error on stderr.
 """
@@ -453,6 +455,88 @@ def store_import(file: str, prefix: str) -> None:
         for name, t in tensors.items():
             st.put_array(prefix + name, t.numpy())
     click.echo(f"{len(tensors)} tensor(s) <- {file}")
+
+
+# --- data ingest and the live view --------------------------------------------------------
+
+def _expand(paths: tuple[str, ...]) -> list[str]:
+    """Files as given, and every file under a directory, sorted (a stable shard order)."""
+    out: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            out += sorted(os.path.join(d, f) for d, _, files in os.walk(p) for f in files)
+        else:
+            out.append(p)
+    return out
+
+
+@main.command("ingest")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--fn", "fn_name", default="dtm.data.tokenize:word_tokens", show_default=True, metavar="MODULE:FUNC",
+              help="function from a file's bytes to a 1-D array (imported by name in each worker)")
+@click.option("--prefix", required=True, help="store prefix for the shards and the manifest")
+@click.option("--store", "url", default=None, metavar="PATH|URL", help="the store (default: DTM_STORE, else "
+              "~/.cache/dtm/store)")
+@click.option("-j", "--workers", type=click.IntRange(min=0), default=os.cpu_count() or 1, show_default=True,
+              help="worker processes (0: in this process)")
+@click.option("--retries", type=click.IntRange(min=0), default=1, show_default=True,
+              help="times a file is retried when its worker dies")
+def ingest_cmd(paths: tuple[str, ...], fn_name: str, prefix: str, url: str | None, workers: int,
+               retries: int) -> None:
+    """Turn each file of PATHS (directories: every file under them) into a shard under PREFIX,
+    showing each worker's CPU, memory, files and bytes as it goes."""
+    import time
+
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    from . import data
+    from .cluster.top import Snapshot, human_bytes, table
+    from .data.fnref import resolve
+
+    console = Console(stderr=True)
+    prev: list[Snapshot] = []
+
+    def show(p: data.Progress) -> None:
+        snap = Snapshot(time.monotonic(), {r.name: r for r in p.workers})
+        rate = p.read_bytes / max(p.elapsed_s, 1e-9) / 1e6
+        head = Text(f"ingest {prefix}: {p.files_done}/{p.files_total} files, {human_bytes(p.read_bytes)} read, "
+                    f"{rate:.1f} MB/s, {p.elapsed_s:.0f} s")
+        live.update(Group(head, table(snap, prev[-1] if prev else None, ops_name="files", key_name="worker")), refresh=True)
+        prev[:] = [snap]
+
+    with _store_errors():
+        fn = resolve(fn_name)
+        start = time.monotonic()
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            m = data.ingest(_expand(paths), fn, prefix, workers=workers, store=url, retries=retries, progress=show)
+        took = time.monotonic() - start
+    click.echo(f"{len(m.shards)} shard(s), {m.elements} element(s) from {human_bytes(m.read_bytes)} in {took:.1f} s "
+               f"({m.read_bytes / took / 1e6:.1f} MB/s) -> {prefix}/manifest")
+
+
+@main.command("top")
+@click.option("--coordinator", "address", default=None, metavar="HOST:PORT",
+              help="the coordinator's metrics address (default: the newest job on this machine)")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="seconds between refreshes")
+@click.option("--once", is_flag=True, help="print one frame and exit")
+def top_cmd(address: str | None, interval: float, once: bool) -> None:
+    """A live view of a running job's ranks: CPU, memory, operations and bytes with their
+    rates, state, and when each was last heard. Ends with the job or Ctrl-C."""
+    from .cluster import top
+    from .errors import DTMError
+
+    address = address or top.find_local()
+    if address is None:
+        raise click.ClickException("no running job found on this machine (dtm launch and dtm coordinator announce "
+                                   "theirs); name one with --coordinator HOST:PORT")
+    try:
+        why = top.run(address, interval=interval, iterations=1 if once else None)
+    except DTMError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"dtm top: {why}", err=True)
 
 if __name__ == "__main__":
     main()

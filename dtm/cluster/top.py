@@ -115,13 +115,13 @@ def _rate(cur: float, old: float | None, dt: float) -> float | None:
     return None if old is None or dt <= 0 else max(cur - old, 0) / dt
 
 
-def table(snap: Snapshot, prev: Snapshot | None = None, *, ops_name: str = "ops") -> Table:
+def table(snap: Snapshot, prev: Snapshot | None = None, *, ops_name: str = "ops", key_name: str = "rank") -> Table:
     """The view of `snap`; rates from the deltas to `prev` (none without it)."""
     dt = snap.at - prev.at if prev is not None else 0.0
     t = Table(title=snap.title or None, expand=False)
-    for col in ("rank", "CPU %", "RSS", ops_name, f"{ops_name}/s", "sent", "recv", "MB/s", "state", "heard",
+    for col in (key_name, "CPU %", "RSS", ops_name, f"{ops_name}/s", "sent", "recv", "MB/s", "state", "heard",
                 "last op"):
-        t.add_column(col, justify="left" if col in ("rank", "state", "last op") else "right", no_wrap=True)
+        t.add_column(col, justify="left" if col in (key_name, "state", "last op") else "right", no_wrap=True)
     for key, r in snap.rows.items():
         old = prev.rows.get(key) if prev is not None else None
         ops_rate = _rate(r.ops, old.ops if old else None, dt)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..cluster.activity import activity
 from ..cluster.top import Row
-from ..errors import DTMError, ErrorCode as E
+from ..errors import ErrorCode as E
 from .errors import DataError, IngestError
 from .fnref import name_of
 from .manifest import Manifest, Shard, save, shard_key
