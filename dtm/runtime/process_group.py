@@ -84,7 +84,7 @@ class ProcessGroup:
         a = activity()
         extra = dict(helper_cpu_percent=a.helper_cpu_percent, helper_rss_bytes=a.helper_rss_bytes)
         if self.comm is None:
-            return Figures(ops_done=a.items, last_op=a.state or "connecting to the mesh", **extra)
+            return Figures(a.bytes_written, a.bytes_read, a.items, a.state or "connecting to the mesh", **extra)
         tp = self.comm.transport
         return Figures(tp.bytes_sent + a.bytes_written, tp.bytes_received + a.bytes_read, self.comm.ops_done + a.items,
                        a.state or self.last_op, **extra)
