@@ -34,6 +34,8 @@ from . import tasks  # noqa: E402 - dtm.tasks.Graph, task graphs over the store
 store.set_tensor_factory(Tensor.from_numpy, lambda type, value: Tensor(type, buffer=value))
 tasks.install(jit=jit, tensor=Tensor.from_numpy)  # task functions take Tensors and are jitted, layer 8 below them
 bind_process_store(store.current)  # programs' store_get / store_put (layer 2) use the process's store
+from . import data  # noqa: E402 - dtm.data.ingest / dtm.data.Loader
+data.set_tensor_factory(Tensor.from_numpy)  # the loader (layer 8) yields Tensors without importing them
 
 # torch's short dtype names
 half, double, long = float16, float64, int64
@@ -41,4 +43,4 @@ bool = bool_  # noqa: A001 - dtm.bool, as torch.bool
 float = float32  # noqa: A001
 int = int32  # noqa: A001
 
-__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "tasks", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]
+__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "tasks", "data", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]

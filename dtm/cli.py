@@ -10,6 +10,8 @@
     dtm coordinator --world-size N   run a coordinator on its own
     dtm store ls|info|get|put|rm|du|verify|export|import   the tensor store (--store PATH/URL)
     dtm tasks run FILE --store DIR   run the task declarations of an IR module
+    dtm ingest FILES... --fn MOD:FUNC --prefix P   files -> token shards in the store, in parallel
+    dtm top [--coordinator HOST:PORT]   live view of a running job's ranks (its metrics endpoint)
 
 FILE may be `-` for standard input. Every failure exits non-zero with the error on stderr.
 """
@@ -187,9 +189,14 @@ def _axes_option(text: str | None):
               help="seconds between SIGTERM and SIGKILL when ranks are ended")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds for every rank to call dtm.init() (with the launcher's own coordinator)")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="DTM_METRICS_PORT",
+              help="serve the coordinator's Prometheus metrics at this port (default: a free one; `dtm top` "
+                   "finds it)")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="DTM_METRICS_HOST",
+              help="address the metrics are served at")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
-               command: tuple[str, ...]) -> None:
+               metrics_port: int | None, metrics_host: str, command: tuple[str, ...]) -> None:
     """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
     ranks; their output is forwarded with a `[rank k]` prefix, and when one rank fails the
     others are ended and dtm launch exits non-zero naming it."""
@@ -201,7 +208,7 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
     logging.basicConfig(level=logging.WARNING, format="dtm launch: %(message)s")
     try:
         status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
-                        join_timeout=join_timeout)
+                        join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0))
     except DTMError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(status)
@@ -214,7 +221,12 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
 @click.option("--axes", default=None, metavar="NAME=SIZE,...", help="mesh axes, e.g. dp=2,tp=2")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="seconds for every rank to join")
-def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, join_timeout: float) -> None:
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, envvar="DTM_METRICS_PORT",
+              help="serve Prometheus metrics at this port (default: a free one; `dtm top` finds it)")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="DTM_METRICS_HOST",
+              help="address the metrics are served at")
+def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, join_timeout: float, metrics_port: int,
+                    metrics_host: str) -> None:
     """Run a coordinator for WORLD_SIZE ranks until the mesh has formed and every rank has
     left (exit 0) or one was lost or the mesh did not form (exit 1). Ranks reach it with
     DTM_COORDINATOR=HOST:PORT and DTM_COORDINATOR_EXTERNAL=1; the cluster token is DTM_TOKEN,
@@ -232,10 +244,12 @@ def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, joi
     try:
         heartbeat_ms, timeout_ms = heartbeat_env()
         coord = Coordinator(world_size, token, host=host, port=port, axes=_axes_option(axes),
-                            heartbeat_ms=heartbeat_ms, timeout_ms=timeout_ms, join_timeout=join_timeout)
+                            heartbeat_ms=heartbeat_ms, timeout_ms=timeout_ms, join_timeout=join_timeout,
+                            metrics=(metrics_host, metrics_port))
     except DTMError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"dtm coordinator listening at {coord.address[0]}:{coord.address[1]} for {world_size} rank(s)")
+    click.echo(f"dtm coordinator listening at {coord.address[0]}:{coord.address[1]} for {world_size} rank(s); "
+               f"metrics at {coord.metrics.url}")
     sys.stdout.flush()
     coord.serve()
     sys.exit(1 if coord.error or coord.lost else 0)
@@ -477,6 +491,87 @@ def tasks_run(file: str, url: str | None, workers: int | None, kernels: str | No
                    [(t.name, t.state, t.worker or "-", f"{t.seconds:.4f}", t.bytes_read, t.bytes_written)
                     for t in report.tasks])
 
+
+# --- data ingest and the live view --------------------------------------------------------
+
+def _expand(paths: tuple[str, ...]) -> list[str]:
+    """Files as given, and every file under a directory, sorted (a stable shard order)."""
+    out: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            out += sorted(os.path.join(d, f) for d, _, files in os.walk(p) for f in files)
+        else:
+            out.append(p)
+    return out
+
+
+@main.command("ingest")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--fn", "fn_name", default="dtm.data.tokenize:word_tokens", show_default=True, metavar="MODULE:FUNC",
+              help="function from a file's bytes to a 1-D array (imported by name in each worker)")
+@click.option("--prefix", required=True, help="store prefix for the shards and the manifest")
+@click.option("--store", "url", default=None, metavar="PATH|URL", help="the store (default: DTM_STORE, else "
+              "~/.cache/dtm/store)")
+@click.option("-j", "--workers", type=click.IntRange(min=0), default=os.cpu_count() or 1, show_default=True,
+              help="worker processes (0: in this process)")
+@click.option("--retries", type=click.IntRange(min=0), default=1, show_default=True,
+              help="times a file is retried when its worker dies")
+def ingest_cmd(paths: tuple[str, ...], fn_name: str, prefix: str, url: str | None, workers: int,
+               retries: int) -> None:
+    """Turn each file of PATHS (directories: every file under them) into a shard under PREFIX,
+    showing each worker's CPU, memory, files and bytes as it goes."""
+    import time
+
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    from . import data
+    from .cluster.top import Snapshot, human_bytes, table
+    from .data.fnref import resolve
+
+    console = Console(stderr=True)
+    prev: list[Snapshot] = []
+
+    def show(p: data.Progress) -> None:
+        snap = Snapshot(time.monotonic(), {r.name: r for r in p.workers})
+        rate = p.read_bytes / max(p.elapsed_s, 1e-9) / 1e6
+        head = Text(f"ingest {prefix}: {p.files_done}/{p.files_total} files, {human_bytes(p.read_bytes)} read, "
+                    f"{rate:.1f} MB/s, {p.elapsed_s:.0f} s")
+        live.update(Group(head, table(snap, prev[-1] if prev else None, ops_name="files", key_name="worker")), refresh=True)
+        prev[:] = [snap]
+
+    with _store_errors():
+        fn = resolve(fn_name)
+        start = time.monotonic()
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            m = data.ingest(_expand(paths), fn, prefix, workers=workers, store=url, retries=retries, progress=show)
+        took = time.monotonic() - start
+    click.echo(f"{len(m.shards)} shard(s), {m.elements} element(s) from {human_bytes(m.read_bytes)} in {took:.1f} s "
+               f"({m.read_bytes / took / 1e6:.1f} MB/s) -> {prefix}/manifest")
+
+
+@main.command("top")
+@click.option("--coordinator", "address", default=None, metavar="HOST:PORT",
+              help="the coordinator's metrics address (default: the newest job on this machine)")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="seconds between refreshes")
+@click.option("--once", is_flag=True, help="print one frame and exit")
+def top_cmd(address: str | None, interval: float, once: bool) -> None:
+    """A live view of a running job's ranks: CPU, memory, operations and bytes with their
+    rates, state, and when each was last heard. Ends with the job or Ctrl-C."""
+    from .cluster import top
+    from .errors import DTMError
+
+    address = address or top.find_local()
+    if address is None:
+        raise click.ClickException("no running job found on this machine (dtm launch and dtm coordinator announce "
+                                   "theirs); name one with --coordinator HOST:PORT")
+    try:
+        why = top.run(address, interval=interval, iterations=1 if once else None)
+    except DTMError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"dtm top: {why}", err=True)
 
 if __name__ == "__main__":
     main()

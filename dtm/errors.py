@@ -120,6 +120,14 @@ class ErrorCode(str, enum.Enum):
     WORKER_LOST = "E1202"
     TASK_CANCELLED = "E1203"
     TASK_NOT_IMPORTABLE = "E1204"
+    # E13xx: data ingest and loading
+    INGEST_INPUT_MISSING = "E1301"
+    INGEST_FN_FAILED = "E1302"
+    INGEST_WORKER_LOST = "E1303"
+    INGEST_FN_NOT_IMPORTABLE = "E1304"
+    DATA_MANIFEST_MISSING = "E1305"
+    DATA_MANIFEST_INVALID = "E1306"
+    DATA_TOO_SMALL = "E1307"
 
     def __str__(self) -> str:
         return self.value

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.frame import FLAG_RELAYED
@@ -51,6 +52,15 @@ READ_SIZE = 64 << 10
 # A connection's states, in order: proving the token, then sending JoinMesh, then waiting
 # for the view with the other joined ranks, then a member; left and lost are final.
 HELLO, JOINING, JOINED, MEMBER, LEFT, LOST = "hello", "joining", "joined", "member", "left", "lost"
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    state: str                  # joined, member, left or lost
+    beat: Heartbeat | None      # the last heartbeat; None before the first
+    age_s: float                # since it was last heard (inf before the view)
+    name: str                   # "rank k (pid P at HOST:PORT)"
 
 
 class _Conn:
@@ -81,7 +91,7 @@ class Coordinator:
     def __init__(self, world_size: int, token: bytes | str, *, host: str = "127.0.0.1", port: int = 0,
                  axes: Sequence[tuple[str, int]] = (), heartbeat_ms: int = HEARTBEAT_MS, timeout_ms: int = TIMEOUT_MS,
                  join_timeout: float = JOIN_TIMEOUT_S, host_rank: int = -1, max_pending: int = MAX_PENDING,
-                 hello_timeout: float = HELLO_TIMEOUT_S):
+                 hello_timeout: float = HELLO_TIMEOUT_S, metrics: tuple[str, int] | None = None):
         if world_size < 1:
             raise DTMError(E.INVALID_MESH, f"a mesh needs at least one rank, the world size is {world_size}")
         axes = tuple((str(a), int(n)) for a, n in axes)
@@ -120,6 +130,15 @@ class Coordinator:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._join_deadline = math.inf
+        self.metrics = None  # the MetricsServer, when `metrics` names (host, port) to serve at
+        if metrics is not None:
+            from .metrics import MetricsServer  # prometheus_client only where metrics are served
+
+            try:
+                self.metrics = MetricsServer(self, host=metrics[0], port=metrics[1])
+            except DTMError:
+                self._listener.close()
+                raise
 
     # --- running -----------------------------------------------------------------------------
 
@@ -130,6 +149,13 @@ class Coordinator:
     def last_heartbeats(self) -> dict[int, Heartbeat]:
         """The last Heartbeat of each rank that sent one (left and lost ranks included)."""
         return {r: c.last_beat for r, c in list(self._slots.items()) if c.last_beat is not None}
+
+    def ranks(self) -> list[RankStatus]:
+        """Every rank that joined, by rank: its state, last Heartbeat and how long ago it was
+        heard (what the metrics endpoint serves; read from another thread)."""
+        now = time.monotonic()
+        return [RankStatus(r, c.state, c.last_beat, now - c.last_heard if c.last_heard else math.inf, c.name)
+                for r, c in sorted(list(self._slots.items()))]
 
     def start(self) -> "Coordinator":
         """Serve on a daemon thread."""
@@ -146,6 +172,8 @@ class Coordinator:
             pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self.metrics is not None:
+            self.metrics.stop()
 
     def serve(self) -> None:
         """Serve until the mesh is finished, formation fails, or `stop`."""
@@ -170,6 +198,8 @@ class Coordinator:
             self._wake_r.close()
             self._wake_w.close()
             self.finished.set()
+            if self.metrics is not None:
+                self.metrics.stop()
 
     def _ready(self, c: _Conn, events: int) -> None:
         try:

@@ -12,6 +12,9 @@ any other launcher can start ranks:
     DTM_MESH_AXES                mesh axes, e.g. "dp=2,tp=2" (read where the coordinator runs)
     DTM_HEARTBEAT_MS             heartbeat interval (read where the coordinator runs)
     DTM_HEARTBEAT_TIMEOUT_MS     silence after which a rank is lost (read where the coordinator runs)
+    DTM_METRICS_PORT             serve the coordinator's Prometheus metrics at this port (0: any
+                                 free one); `dtm launch` and `dtm coordinator` serve them anyway
+    DTM_METRICS_HOST             the address the metrics are served at (default 127.0.0.1)
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ def heartbeat_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS, or their defaults."""
     heartbeat_ms = _int(environ, "DTM_HEARTBEAT_MS", HEARTBEAT_MS, 1)
     return heartbeat_ms, _int(environ, "DTM_HEARTBEAT_TIMEOUT_MS", max(TIMEOUT_MS, heartbeat_ms), heartbeat_ms)
+
+
+def metrics_env(environ: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
+    """(host, port) from DTM_METRICS_HOST and DTM_METRICS_PORT; None when the port is unset."""
+    if not environ.get("DTM_METRICS_PORT", "").strip():
+        return None
+    port = _int(environ, "DTM_METRICS_PORT", 0, 0)
+    if port > 65535:
+        raise _bad("DTM_METRICS_PORT", str(port), "a port from 0 to 65535")
+    return environ.get("DTM_METRICS_HOST", "").strip() or "127.0.0.1", port
 
 
 @dataclass(frozen=True)

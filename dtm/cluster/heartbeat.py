@@ -37,6 +37,10 @@ class Figures:
     bytes_received: int = 0
     ops_done: int = 0
     last_op: str = ""
+    # Helper processes this one started that send no heartbeat of their own (ingest workers,
+    # activity.py): their CPU and memory count as this rank's.
+    helper_cpu_percent: float = 0.0
+    helper_rss_bytes: int = 0
 
 
 FiguresFn = Callable[[], Figures]
@@ -67,5 +71,5 @@ class ProcessStats:
 
 
 def heartbeat(rank: int, stats: ProcessStats, figures: Figures) -> Heartbeat:
-    return Heartbeat(rank, stats.cpu_percent(), rss_bytes(), figures.bytes_sent, figures.bytes_received,
-                     figures.ops_done, figures.last_op[:1000])
+    return Heartbeat(rank, stats.cpu_percent() + figures.helper_cpu_percent, rss_bytes() + figures.helper_rss_bytes,
+                     figures.bytes_sent, figures.bytes_received, figures.ops_done, figures.last_op[:1000])

@@ -31,7 +31,8 @@ from typing import IO
 from ..comm.shm import remove_segments
 from ..errors import DTMError, ErrorCode as E
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
-from .env import Axes, heartbeat_env, parse_address
+from .env import Axes, heartbeat_env, metrics_env, parse_address
+from .metrics import DEFAULT_HOST
 
 log = logging.getLogger("dtm.cluster")
 
@@ -71,9 +72,11 @@ class _Forward(threading.Thread):
 
 def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, axes: Axes = (),
            grace: float = GRACE_S, join_timeout: float = JOIN_TIMEOUT_S, stdout: IO[str] | None = None,
-           stderr: IO[str] | None = None) -> int:
+           stderr: IO[str] | None = None, metrics: tuple[str, int] | None = None) -> int:
     """Run `argv` as `nprocs` ranks (see the module doc); returns the exit status. The
-    coordinator's heartbeat settings come from DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS."""
+    coordinator's heartbeat settings come from DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS;
+    its Prometheus metrics are served at `metrics` (host, port), else as DTM_METRICS_PORT and
+    DTM_METRICS_HOST say, else at a free port of 127.0.0.1 (`dtm top` finds it)."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     command = rank_command(argv)
     coord = None
@@ -81,7 +84,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         token = os.environ.get("DTM_TOKEN") or secrets.token_hex(16)
         heartbeat_ms, timeout_ms = heartbeat_env()
         coord = Coordinator(nprocs, token, axes=axes, join_timeout=join_timeout, heartbeat_ms=heartbeat_ms,
-                            timeout_ms=timeout_ms).start()
+                            timeout_ms=timeout_ms, metrics=metrics or metrics_env() or (DEFAULT_HOST, 0)).start()
         host, port = coord.address
     else:
         host, port = parse_address(coordinator, "--coordinator")

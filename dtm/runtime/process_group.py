@@ -29,8 +29,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from ..cluster.activity import activity
 from ..cluster.coordinator import Coordinator
-from ..cluster.env import Axes, rank_env
+from ..cluster.env import Axes, metrics_env, rank_env
 from ..cluster.heartbeat import Figures
 from ..cluster.membership import Membership, join
 from ..comm.calls import call_site
@@ -78,11 +79,15 @@ class ProcessGroup:
             self.membership.on_lost = self._on_lost
 
     def figures(self) -> Figures:
-        """What this rank's heartbeats report (read on the heartbeat thread)."""
+        """What this rank's heartbeats report (read on the heartbeat thread): its collectives
+        and the L2 services' activity (ingest, loading) added together."""
+        a = activity()
+        extra = dict(helper_cpu_percent=a.helper_cpu_percent, helper_rss_bytes=a.helper_rss_bytes)
         if self.comm is None:
-            return Figures(last_op="connecting to the mesh")
+            return Figures(a.bytes_written, a.bytes_read, a.items, a.state or "connecting to the mesh", **extra)
         tp = self.comm.transport
-        return Figures(tp.bytes_sent, tp.bytes_received, self.comm.ops_done, self.last_op)
+        return Figures(tp.bytes_sent + a.bytes_written, tp.bytes_received + a.bytes_read, self.comm.ops_done + a.items,
+                       a.state or self.last_op, **extra)
 
     def _on_lost(self, rank: int, message: str) -> None:
         # On the heartbeat thread: end whatever waits for `rank` now, not at the timeout.
@@ -260,7 +265,7 @@ def _join(env, timeout: float, op_timeout: float) -> ProcessGroup:
         host, port = env.coordinator
         coordinator = Coordinator(env.world_size, env.token, host=host, port=port, axes=env.axes,
                                   heartbeat_ms=env.heartbeat_ms, timeout_ms=env.timeout_ms, join_timeout=timeout,
-                                  host_rank=0).start()
+                                  host_rank=0, metrics=metrics_env()).start()
     membership = listener = None
     try:
         membership, listener = join(env.coordinator, env.token, rank=env.rank, world_size=env.world_size,
