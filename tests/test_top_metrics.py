@@ -153,8 +153,8 @@ def test_dtm_top_live_in_tmux(mesh, tmp_path):
     host, port = mesh.metrics.address
     session = f"dtm-top-{os.getpid()}"
     env = os.pathsep.join(sys.path)
-    cmd = f"PYTHONPATH={env} {sys.executable} -m dtm.cli top --coordinator {host}:{port} --interval 0.2"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "20", cmd], check=True, timeout=10)
+    cmd = f"COLUMNS=250 PYTHONPATH={env} {sys.executable} -m dtm.cli top --coordinator {host}:{port} --interval 0.2"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "250", "-y", "20", cmd], check=True, timeout=10)
     try:
         screen = ""
         deadline = time.monotonic() + 20
