@@ -10,6 +10,12 @@ itself in a network namespace of its own (`unshare -n`) when it may, else gloo i
 `lo` with GLOO_SOCKET_IFNAME. Every backend reduces in place (gloo's semantics; DTM with
 `out=x`).
 
+`tcp-q8_0` and `tcp-bf16` are DTM over TCP with `compress=` (issue 19, spec 9.5.1): the
+ring's chunks travel as q8_0 blocks (34 bytes per 32 values) or bf16; the result is
+approximate (the spec's bound). Not in the default set: name them, e.g.
+
+    python benchmarks/collectives.py --sizes 16M 64M --ranks 2 4 --backends gloo tcp tcp-q8_0 tcp-bf16
+
 Goals (issue 6): TCP >= 1.0x gloo busbw from 1 MiB up; shared memory >= 2x gloo; 8-byte
 latency no worse than gloo.
 
@@ -46,7 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-BACKENDS = ("gloo", "tcp", "shm", "floor", "floor-crc")
+BACKENDS = ("gloo", "tcp", "shm", "floor", "floor-crc", "tcp-q8_0", "tcp-bf16")
+COMPRESSED = {"tcp-q8_0": "q8_0", "tcp-bf16": "bf16"}  # DTM over TCP with compress= (spec 9.5.1), not in the default set
 FLOOR_SOURCE = Path(__file__).with_name("tcp_floor.c")
 DEFAULT_SIZES = ["8", "4K", "64K", "1M", "16M", "64M", "256M"]
 
@@ -90,6 +97,8 @@ def dtm_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     assert (check == n * (n + 1) / 2).all(), "all_reduce gave a wrong sum"
     if opts["op"] == "sendrecv":
         op = ping_pong(rank, comm.send, lambda x, peer: comm.recv(peer, out=x))
+    elif kind in COMPRESSED:
+        op = lambda x: comm.all_reduce(x, out=x, compress=COMPRESSED[kind])  # noqa: E731
     else:
         op = lambda x: comm.all_reduce(x, out=x)  # noqa: E731
     serve(rank, q_cmd, q_out, op, comm.barrier, np.zeros)
@@ -268,7 +277,8 @@ def main() -> None:
     if args.op == "sendrecv" and any(n % 2 for n in args.ranks):
         ap.error("--op sendrecv pairs ranks 2k and 2k+1: give even rank counts")
     if args.backends is None:
-        args.backends = [b for b in BACKENDS if not b.startswith("floor") or args.op == "all_reduce"]
+        args.backends = [b for b in BACKENDS if b not in COMPRESSED and (not b.startswith("floor")
+                                                                          or args.op == "all_reduce")]
     elif any(b.startswith("floor") for b in args.backends) and args.op != "all_reduce":
         ap.error("the floor backends measure all_reduce only")
     in_own_netns()

@@ -76,20 +76,34 @@ def _array(x: Any) -> np.ndarray:
     return x.numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
-def all_reduce(x: Any, op: str = "sum", axis: Axis = None) -> Any:
+def all_reduce(x: Any, op: str = "sum", axis: Axis = None, compress: str | None = None) -> Any:
     """Every rank of the group gets the elementwise `op` (sum, prod, max, min, avg) of all
-    ranks' `x`."""
-    return _collective("all_reduce", x, axis, op=op)
+    ranks' `x`. Between processes, `compress="q8_0"` or `"bf16"` sends the chunks
+    compressed (sum and avg of floats; every member must announce CAP_QUANT, else E1006),
+    `"auto"` compresses (q8_0) when every member can and sends uncompressed otherwise;
+    the error bound is spec 9.5.1's."""
+    return _collective("all_reduce", x, axis, op=op, **_compress_kw(compress))
 
 
-def all_gather(x: Any, dim: int = 0, axis: Axis = None) -> Any:
-    """Every rank gets the group's `x` joined along `dim`, in group order."""
-    return _collective("all_gather", x, axis, dim=dim)
+def all_gather(x: Any, dim: int = 0, axis: Axis = None, compress: str | None = None) -> Any:
+    """Every rank gets the group's `x` joined along `dim`, in group order (`compress`: as
+    for all_reduce, each block rounded once)."""
+    return _collective("all_gather", x, axis, dim=dim, **_compress_kw(compress))
 
 
-def reduce_scatter(x: Any, op: str = "sum", dim: int = 0, axis: Axis = None) -> Any:
-    """The reduction of the group's `x`, split along `dim`: group member i gets block i."""
-    return _collective("reduce_scatter", x, axis, op=op, dim=dim)
+def reduce_scatter(x: Any, op: str = "sum", dim: int = 0, axis: Axis = None, compress: str | None = None) -> Any:
+    """The reduction of the group's `x`, split along `dim`: group member i gets block i
+    (`compress`: as for all_reduce)."""
+    return _collective("reduce_scatter", x, axis, op=op, dim=dim, **_compress_kw(compress))
+
+
+def _compress_kw(compress: str | None) -> dict:
+    if compress is None:
+        return {}
+    if _traced_mesh() is not None:
+        raise error(E.ATTRIBUTE_VALUE, "compress= applies to collectives between processes (after dtm.init()), "
+                    "not to those recorded inside dtm.shard_map")
+    return {"compress": compress}
 
 
 def broadcast(x: Any, src: int = 0, axis: Axis = None) -> Any:

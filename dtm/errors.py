@@ -108,6 +108,7 @@ class ErrorCode(str, enum.Enum):
     RECEIVE_BUFFER_FULL = "E1003"
     JOIN_REFUSED = "E1004"
     NOT_INITIALIZED = "E1005"
+    MISSING_CAPABILITY = "E1006"
     # E11xx: the tensor store
     INVALID_STORE_KEY = "E1101"
     STORE_CHUNK_CORRUPT = "E1102"

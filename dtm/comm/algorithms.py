@@ -30,7 +30,7 @@ class Link(Protocol):
     n: int
     me: int
 
-    def send(self, to: int, buf: np.ndarray) -> Handle: ...
+    def send(self, to: int, buf: np.ndarray, flags: int = 0) -> Handle: ...
     def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None) -> Handle: ...
     def wait(self, handles: list[Handle]) -> None: ...
 
@@ -161,6 +161,76 @@ def ring(link: Link, bounds: list[tuple[int, int]], step: int, *, work: np.ndarr
     handles += [link.send(right, src[a:b]) for a, b in first]
     post()
     link.wait(handles)  # the callbacks append the later sends and receives to `handles`
+
+
+def compressed_ring(link: Link, bounds: list[tuple[int, int]], step: int, codec, *, work: np.ndarray, own: int,
+                    mode: str, recv_arena: np.ndarray, send_arena: np.ndarray, flags: int, who: str) -> None:
+    """The ring of a compressed collective (spec 9.5.1): `ring`'s schedule, but every chunk
+    travels as a compressed chunk of `codec` (Data frames with `flags`) and `work` (f32)
+    holds the values.
+
+    Reduce-scatter: a rank sends its chunk encoded; the receiver decodes it, adds it to its
+    own (f32) and, unless the chunk is finished, encodes the sum again and forwards it, so
+    a block is rounded once per hop. In mode "all_reduce" the finished block is encoded once
+    more, its owner keeps the decoded values (what every other rank will get) and the
+    all-gather passes the encoded bytes on unchanged, each rank decoding them into `work`.
+    In mode "reduce_scatter" the owner keeps its finished block exact (f32). In mode
+    "all_gather" each rank's own block is encoded once (and decoded in place, so that
+    every rank holds the same values). Receives land in `recv_arena`, encodings in
+    `send_arena` (bytes, large enough: `compressed_arenas`); `who` names the left
+    neighbour in errors."""
+    n, i = link.n, link.me
+    right, left = (i + 1) % n, (i - 1) % n
+    first, plan = ring_schedule(n, i, bounds, step, own, mode)
+    size = codec.chunk_bytes
+    handles: list[Handle] = []
+    spos = 0
+
+    def arena(count: int) -> np.ndarray:
+        nonlocal spos
+        buf = send_arena[spos:spos + size(count)]
+        spos += size(count)
+        return buf
+
+    def landed(r: RingReceive, buf: np.ndarray) -> None:
+        a, b = r.a, r.b
+        codec.check(buf, b - a, who)
+        if not r.reduce:
+            codec.decode(buf, work[a:b])
+            if r.forward:
+                handles.append(link.send(right, buf, flags))
+        elif r.finish and mode == "reduce_scatter":
+            codec.decode_add(buf, work[a:b])
+        else:
+            enc = arena(b - a)
+            codec.add_encode(buf, work[a:b], enc)
+            if r.finish:
+                codec.decode(enc, work[a:b])
+            if r.forward:
+                handles.append(link.send(right, enc, flags))
+
+    for a, b in first:
+        enc = arena(b - a)
+        codec.encode(work[a:b], enc)
+        if mode == "all_gather":
+            codec.decode(enc, work[a:b])
+        handles.append(link.send(right, enc, flags))
+    rpos = 0
+    for r in plan:
+        buf = recv_arena[rpos:rpos + size(r.b - r.a)]
+        rpos += buf.size
+        handles.append(link.recv(left, buf, on_done=lambda r=r, buf=buf: landed(r, buf)))
+    link.wait(handles)  # the callbacks append the later sends to `handles`
+
+
+def compressed_arenas(n: int, i: int, bounds: list[tuple[int, int]], step: int, own: int, mode: str,
+                      chunk_bytes) -> tuple[int, int]:
+    """Bytes `compressed_ring` receives and encodes on ring rank i."""
+    first, plan = ring_schedule(n, i, bounds, step, own, mode)
+    received = sum(chunk_bytes(r.b - r.a) for r in plan)
+    encoded = sum(chunk_bytes(b - a) for a, b in first) + sum(
+        chunk_bytes(r.b - r.a) for r in plan if r.reduce and not (r.finish and mode == "reduce_scatter"))
+    return received, encoded
 
 
 # --- latency algorithms ----------------------------------------------------------------------

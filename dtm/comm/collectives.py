@@ -35,11 +35,13 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import DTYPES, from_numpy, numpy_dtype
+from ..protocol.caps import Cap
 from ..protocol.errors import ProtocolError
-from ..protocol.frame import MsgType
+from ..protocol.frame import FLAG_COMPRESSED, MsgType
 from ..protocol.messages import Cancel, CollectiveStart, Error, P2PSend
 from ..ref import reduction
 from . import algorithms as alg
+from .compress import check_compress, codec_for
 from .calls import call_site, encode_start, group_stream, mismatch_message, same_call, seq_of
 from .transport import P2P_STREAM, CollectiveAborted, CollectiveMismatch, Handle, PeerLost, Transport
 
@@ -72,7 +74,7 @@ class _Link:
         self._sent = [0] * self.n
         self._received = [0] * self.n
 
-    def send(self, to: int, buf: np.ndarray) -> Handle:
+    def send(self, to: int, buf: np.ndarray, flags: int = 0) -> Handle:
         peer = self.ranks[to]
         try:
             if not self._started[to]:
@@ -80,7 +82,7 @@ class _Link:
                 self._started[to] = True
             chunk = self._sent[to]
             self._sent[to] = chunk + 1
-            return self.tp.send_data(peer, self.stream, buf, seq=self.seq, chunk=chunk)
+            return self.tp.send_data(peer, self.stream, buf, seq=self.seq, chunk=chunk, flags=flags)
         except PeerLost as e:
             # A peer that left after an error has usually said why (Error, Cancel): that word,
             # if it already arrived, is the better answer. Else PeerLost, naming the collective.
@@ -267,13 +269,17 @@ class Communicator:
     # --- the collectives ------------------------------------------------------------------------
 
     def all_reduce(self, x: np.ndarray, op: str = "sum", group: Sequence[int] | None = None, *,
-                   out: np.ndarray | None = None) -> np.ndarray:
+                   out: np.ndarray | None = None, compress: str | None = None) -> np.ndarray:
         """Every member gets the elementwise reduction of all members' `x`, in a new array
-        or in `out` (which may be `x` itself: in place)."""
+        or in `out` (which may be `x` itself: in place). `compress` ("q8_0", "bf16",
+        "auto"): chunks travel compressed (spec 9.5.1; see `_compression`)."""
         x = np.asarray(x, order="C")  # not ascontiguousarray: that makes a 0-d x 1-d
         reduction.check_reducible(x.dtype, op, "all_reduce")
         g = self._group(group, "all_reduce")
         out = self._out(out, x, "all_reduce")
+        compress = self._compression(g, compress, x.dtype, op, "all_reduce")
+        if compress is not None:
+            return self._compressed_all_reduce(g, x, op, out, compress)
         flat, n = out.reshape(-1), len(g.ranks)
         work = self._work(x, flat)
 
@@ -290,6 +296,56 @@ class Communicator:
         self._run(g, "all_reduce", x, body, reduce_op=op)
         if n == 1:
             reduction.finish(op, work, 1, flat)
+        return out
+
+    # --- compressed collectives (spec 9.5.1) -----------------------------------------------------
+
+    def _compression(self, g: _Group, compress: str | None, dtype: np.dtype, op: str | None,
+                     what: str) -> str | None:
+        """The encoding a collective's chunks travel in, or None. A compressed collective
+        needs every member of the group to have announced CAP_QUANT (this rank included):
+        else E1006 naming those that did not, unless `compress` is "auto", which then
+        sends uncompressed (every member decides alike: each knows every member's Hello).
+        "auto" among members that all announced it is q8_0."""
+        compress = check_compress(compress, dtype, op, what)
+        if compress is None or len(g.ranks) == 1:
+            return None if compress is None else ("q8_0" if compress == "auto" else compress)
+        tp = self.transport
+        lacking = [r for r in g.ranks if r != self.rank and (c := tp.peer_caps(r)) is not None and not c & Cap.QUANT]
+        own = tp.own_caps()
+        if own is not None and not own & Cap.QUANT:
+            lacking.insert(0, self.rank)
+        if not lacking:
+            return "q8_0" if compress == "auto" else compress
+        if compress == "auto":
+            return None
+        names = ", ".join("this rank (rank %d)" % r if r == self.rank else tp.peer_name(r) for r in lacking)
+        raise DTMError(E.MISSING_CAPABILITY, f"{what} with compress={compress!r} over group {list(g.ranks)}: "
+                       f"{names} did not announce CAP_QUANT in its Hello, so it cannot take compressed chunks; "
+                       "pass compress='auto' to send uncompressed to such groups, or compress=None")
+
+    def _compressed_ring(self, link: _Link, bounds: list[tuple[int, int]], work: np.ndarray, own: int, mode: str,
+                         compress: str) -> None:
+        codec = codec_for(compress)
+        n = link.n
+        step = max(32, self._chunk(work.dtype, work.nbytes, n) // 32 * 32)
+        received, encoded = alg.compressed_arenas(n, link.me, bounds, step, own, mode, codec.chunk_bytes)
+        alg.compressed_ring(link, bounds, step, codec, work=work, own=own, mode=mode,
+                            recv_arena=self._scratch(6, np.uint8, received),
+                            send_arena=self._scratch(7, np.uint8, encoded), flags=FLAG_COMPRESSED,
+                            who=f"compressed {mode} from {self.transport.peer_name(link.ranks[(link.me - 1) % n])}")
+
+    def _compressed_all_reduce(self, g: _Group, x: np.ndarray, op: str, out: np.ndarray, compress: str) -> np.ndarray:
+        """Ring reduce-scatter with a rounding per hop, then an all-gather of the encoded
+        finished blocks; blocks of the ring start at multiples of 32 elements."""
+        n, size = len(g.ranks), x.size
+        work = self._scratch(1, np.dtype(np.float32), size)
+        np.copyto(work, x.reshape(-1), casting="unsafe")
+        blocks = -(-size // 32)
+        bounds = [(min(32 * a, size), min(32 * b, size)) for a, b in alg.split(blocks, n)]
+        self._run(g, "all_reduce", x, lambda link: self._compressed_ring(link, bounds, work, 1, "all_reduce", compress),
+                  reduce_op=op, args=f"compress={compress}")
+        reduction.finish(op, work, n, out.reshape(-1))
         return out
 
     def reduce(self, x: np.ndarray, dst: int = 0, op: str = "sum",
@@ -377,13 +433,24 @@ class Communicator:
         tmp = [self._scratch(2 + i, work.dtype, step) for i in range(2)] if work is not None else []
         alg.ring(link, bounds, step, work=work, op=op, out=out, own=own, mode=mode, tmp=tmp)
 
-    def all_gather(self, x: np.ndarray, dim: int = 0, group: Sequence[int] | None = None) -> np.ndarray:
-        """Every member gets all members' `x` joined along `dim`, in group order."""
+    def all_gather(self, x: np.ndarray, dim: int = 0, group: Sequence[int] | None = None, *,
+                   compress: str | None = None) -> np.ndarray:
+        """Every member gets all members' `x` joined along `dim`, in group order;
+        `compress`: each member's block travels encoded once (spec 9.5.1)."""
         x = np.asarray(x, order="C")
         dim = self._dim(dim, x.ndim, "all_gather")
         g = self._group(group, "all_gather")
         n = len(g.ranks)
         count = x.size
+        compress = self._compression(g, compress, x.dtype, None, "all_gather")
+        if compress is not None and n > 1:
+            work = self._scratch(1, np.dtype(np.float32), n * count)
+            np.copyto(work[g.me * count:(g.me + 1) * count], x.reshape(-1), casting="unsafe")
+            bounds = [(j * count, (j + 1) * count) for j in range(n)]
+            self._run(g, "all_gather", x,
+                      lambda link: self._compressed_ring(link, bounds, work, 0, "all_gather", compress),
+                      args=f"dim={dim}, compress={compress}")
+            return _join(work.astype(x.dtype).reshape((n,) + x.shape), dim)
         gathered = np.empty((n,) + x.shape, x.dtype)
         flat = gathered.reshape(-1)
         flat[g.me * count:(g.me + 1) * count] = x.reshape(-1)
@@ -402,9 +469,10 @@ class Communicator:
         return _join(gathered, dim)
 
     def reduce_scatter(self, x: np.ndarray, op: str = "sum", dim: int = 0,
-                       group: Sequence[int] | None = None) -> np.ndarray:
+                       group: Sequence[int] | None = None, *, compress: str | None = None) -> np.ndarray:
         """The reduction of all members' `x`, split along `dim` into n blocks; group rank
-        i gets block i."""
+        i gets block i. `compress`: partial sums travel encoded, rounded once per hop;
+        the owner keeps its block's last sum exact (spec 9.5.1)."""
         x = np.asarray(x, order="C")
         reduction.check_reducible(x.dtype, op, "reduce_scatter")
         dim = self._dim(dim, x.ndim, "reduce_scatter")
@@ -412,6 +480,18 @@ class Communicator:
         n = len(g.ranks)
         blocks = _blocks(x, dim, n, "reduce_scatter")  # (n, block...) contiguous
         block_shape = blocks.shape[1:]
+        compress = self._compression(g, compress, x.dtype, op, "reduce_scatter")
+        if compress is not None and n > 1:
+            work = self._scratch(1, np.dtype(np.float32), blocks.size)
+            np.copyto(work, blocks.reshape(-1), casting="unsafe")
+            count = blocks.size // n
+            bounds = [(j * count, (j + 1) * count) for j in range(n)]
+            self._run(g, "reduce_scatter", x,
+                      lambda link: self._compressed_ring(link, bounds, work, 0, "reduce_scatter", compress),
+                      reduce_op=op, args=f"dim={dim}, compress={compress}")
+            out = np.empty(block_shape, x.dtype)
+            reduction.finish(op, work[g.me * count:(g.me + 1) * count], n, out.reshape(-1))
+            return out
         work = self._work(blocks, None)
         count = work.size // n
         out = np.empty(block_shape, x.dtype)

@@ -34,7 +34,7 @@ class InprocTransport(Transport):
         super().__init__(rank, hub.world_size, timeout=timeout)
         self.hub = hub
 
-    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer]) -> Handle:
+    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer], flags: int = 0) -> Handle:
         """Copies the payload, so the handle is done at once (never, when the peer is gone:
         the wait for it reports PeerLost, after what the peer sent before it went)."""
         h = Handle(peer, stream, "send")

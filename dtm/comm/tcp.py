@@ -40,9 +40,10 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
-from ..protocol.caps import level_caps
+from ..protocol.caps import Cap, level_caps
+from ..protocol.compressed import check_chunk
 from ..protocol.errors import ProtocolError, StaleEpochError
-from ..protocol.frame import HEADER_SIZE, MAX_PAYLOAD, FrameHeader, MsgType, decode_header, encode_header, \
+from ..protocol.frame import FLAG_COMPRESSED, HEADER_SIZE, MAX_PAYLOAD, FrameHeader, MsgType, decode_header, encode_header, \
     verify_payload
 from ..protocol.handshake import Handshake
 from ..protocol.messages import MIN_MAX_PAYLOAD, Leave, decode_message
@@ -59,6 +60,16 @@ READ_AHEAD = 16 << 10      # the most read into it at once
 MAX_IOV = 64               # buffers per sendmsg call
 FLUSH_BYTES = 4 << 20      # bytes offered per sendmsg call, about what a loopback socket takes at once
 LEVEL = 1                  # conformance level announced in Hello (membership, wire collectives, P2P)
+NO_QUANT_ENV = "DTM_NO_CAP_QUANT"  # a test hook: "1" and this side does not announce CAP_QUANT
+
+
+def announced_caps() -> int:
+    """The capability bits a mesh connection's Hello announces: those of LEVEL, and
+    CAP_QUANT (compressed collectives, spec 9.5.1) unless DTM_NO_CAP_QUANT=1."""
+    caps = level_caps(LEVEL)
+    if os.environ.get(NO_QUANT_ENV, "") != "1":
+        caps |= Cap.QUANT
+    return int(caps)
 
 
 def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 128) -> socket.socket:
@@ -94,8 +105,9 @@ class Connection:
     """One established connection and its reading and writing state."""
 
     def __init__(self, peer: int, sock: socket.socket, version: tuple[int, int], peer_max_payload: int,
-                 name: str, seq_out: int, seq_in: int):
+                 name: str, seq_out: int, seq_in: int, caps: int | None = None):
         self.peer, self.sock, self.version, self.name = peer, sock, version, name
+        self.caps = caps                       # what the peer's Hello announced
         self.fd = sock.fileno()
         self.max_send = peer_max_payload
         self.out: collections.deque[_Out] = collections.deque()
@@ -136,11 +148,13 @@ class TcpTransport(Transport):
         self.pump_runs = 0  # ring passes run by ring_pump.c
         self.pump_handoffs = 0  # frames it gave back to Python (a neighbour's CollectiveStart, about one a pass)
         self._pump_tmp = np.empty(0, np.uint8)  # the pump's receive buffer for chunks it reduces
+        self._own_caps: int | None = announced_caps()
         for peer, (sock, hs) in conns.items():
             _tune(sock)
             # The handshake numbered the control stream's first frames: the connecting side sent 2 Hellos.
             c = Connection(peer, sock, hs.version, hs.peer.max_payload, self._names[peer], hs.next_seq,
-                           1 if hs.role == "connect" else 2)
+                           1 if hs.role == "connect" else 2, hs.peer.caps)
+            self._own_caps = hs.hello.caps
             self._conns[peer] = c
             self._by_fd[c.fd] = c
             self._poller.register(c.fd, select.POLLIN)
@@ -154,9 +168,16 @@ class TcpTransport(Transport):
     def peer_name(self, peer: int) -> str:
         return self._names[peer]
 
+    def peer_caps(self, peer: int) -> int | None:
+        c = self._conns.get(peer)
+        return None if c is None else c.caps
+
+    def own_caps(self) -> int | None:
+        return self._own_caps
+
     # --- sending ----------------------------------------------------------------------------
 
-    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer]) -> Handle:
+    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer], flags: int = 0) -> Handle:
         c = self._conn_for(peer, stream)
         if c is None:
             raise DTMError(E.INVALID_GROUP, f"rank {self.rank} has no connection to rank {peer}")
@@ -168,7 +189,8 @@ class TcpTransport(Transport):
                            f"at most {c.max_send} bytes")
         seq = c.seq_out[stream]
         c.seq_out[stream] = seq + 1
-        header = encode_header(msg_type, parts, epoch=self.epoch, stream=stream, seq=seq, version=c.version)
+        header = encode_header(msg_type, parts, epoch=self.epoch, stream=stream, seq=seq, version=c.version,
+                               flags=flags)
         h = Handle(peer, stream, "send")
         views = [memoryview(header)] + [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
         c.out.append(_Out([v for v in views if v.nbytes], h, seq))
@@ -427,6 +449,8 @@ class TcpTransport(Transport):
         if h.msg_type is MsgType.DATA:
             seq, chunk, _step, _offset, nbytes = c.chunk_header
             verify_payload(h, [DATA_HEADER.pack(*c.chunk_header), dest])
+            if h.flags & FLAG_COMPRESSED:
+                check_chunk(dest)  # E0910 when its block count disagrees with its length (spec 9.5.1)
             self._deliver_data(c.peer, h.stream, seq, chunk, nbytes, None if c.direct else dest)
         else:
             verify_payload(h, dest)
@@ -784,7 +808,7 @@ class _MeshForming:
                  token: bytes, listener: socket.socket | None, deadline: float, max_payload: int):
         self.rank, self.world_size, self.addresses, self.names = rank, world_size, addresses, names
         self.token, self.listener, self.deadline, self.max_payload = token, listener, deadline, max_payload
-        self.caps = int(level_caps(LEVEL))
+        self.caps = announced_caps()
         self.done: dict[int, tuple[socket.socket, Handshake]] = {}
         self.pending: list[_Pending] = []
         self.retry_at = {r: 0.0 for r in range(rank)}  # lower ranks to connect to, and when to try next

@@ -126,9 +126,9 @@ class Transport(ABC):
     # --- what a concrete transport provides ---------------------------------------------
 
     @abstractmethod
-    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer]) -> Handle:
-        """Queue one frame whose payload is `parts` back to back. The buffers must stay
-        unchanged until the handle is done."""
+    def send(self, peer: int, stream: int, msg_type: MsgType, parts: Sequence[Buffer], flags: int = 0) -> Handle:
+        """Queue one frame whose payload is `parts` back to back (with end-to-end `flags`).
+        The buffers must stay unchanged until the handle is done."""
 
     @abstractmethod
     def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
@@ -144,10 +144,21 @@ class Transport(ABC):
 
     # --- Data frames ----------------------------------------------------------------------
 
-    def send_data(self, peer: int, stream: int, buf, *, seq: int, chunk: int) -> Handle:
-        """Queue `buf` (contiguous, unchanged until the handle is done) as one Data frame."""
+    def send_data(self, peer: int, stream: int, buf, *, seq: int, chunk: int, flags: int = 0) -> Handle:
+        """Queue `buf` (contiguous, unchanged until the handle is done) as one Data frame
+        (`flags`: FLAG_COMPRESSED for a compressed chunk, spec 9.5.1)."""
         view = byte_view(buf)
-        return self.send(peer, stream, MsgType.DATA, [DATA_HEADER.pack(seq, chunk, 0, 0, view.nbytes), view])
+        return self.send(peer, stream, MsgType.DATA, [DATA_HEADER.pack(seq, chunk, 0, 0, view.nbytes), view],
+                         flags)
+
+    def peer_caps(self, peer: int) -> int | None:
+        """The capability bits `peer` announced in its Hello (spec 8.2); None where no
+        Hello was exchanged (threads of one process: every capability of this side)."""
+        return None
+
+    def own_caps(self) -> int | None:
+        """The capability bits this side announced; None where it announced none."""
+        return None
 
     def recv(self, peer: int, stream: int, out, *, seq: int, chunk: int,
              on_done: Callable[[], None] | None = None) -> Handle:

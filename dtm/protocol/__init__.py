@@ -10,7 +10,7 @@
 """
 
 from .errors import ChecksumError, ProtocolError, StaleEpochError
-from .frame import (EPOCH_EXEMPT, FLAG_LAST, FLAG_RELAYED, HEADER_SIZE, MAGIC, MAX_PAYLOAD, PROTOCOL_VERSION,
+from .frame import (EPOCH_EXEMPT, FLAG_COMPRESSED, FLAG_LAST, FLAG_RELAYED, HEADER_SIZE, MAGIC, MAX_PAYLOAD, PROTOCOL_VERSION,
                     FrameDecoder, FrameHeader, MsgType, decode_header, encode_frame, encode_header, verify_payload)
 from .caps import Cap, cap_names, level_caps
 from .messages import (DATA_HEADER_SIZE, MESSAGES, Cancel, CollectiveStart, Data, Error, Heartbeat, Hello, JoinMesh,
@@ -19,7 +19,7 @@ from .handshake import SPOKEN, Handshake, check_answer, hmac_answer, negotiate
 
 __all__ = [
     "ProtocolError", "ChecksumError", "StaleEpochError",
-    "MAGIC", "HEADER_SIZE", "MAX_PAYLOAD", "PROTOCOL_VERSION", "FLAG_LAST", "FLAG_RELAYED", "EPOCH_EXEMPT",
+    "MAGIC", "HEADER_SIZE", "MAX_PAYLOAD", "PROTOCOL_VERSION", "FLAG_LAST", "FLAG_COMPRESSED", "FLAG_RELAYED", "EPOCH_EXEMPT",
     "MsgType", "FrameHeader", "encode_header", "encode_frame", "decode_header", "verify_payload", "FrameDecoder",
     "Cap", "cap_names", "level_caps",
     "Message", "Hello", "JoinMesh", "Member", "MeshView", "Heartbeat", "Leave", "CollectiveStart", "Data", "P2PSend",

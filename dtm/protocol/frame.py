@@ -52,6 +52,7 @@ _COVERED = struct.Struct("<4sBBBBQQI")
 assert _COVERED.size == CRC_OFFSET
 
 FLAG_LAST = 0x01       # end to end: the last frame of a message split over several frames
+FLAG_COMPRESSED = 0x02  # end to end: a Data frame whose data is a compressed chunk (spec 9.5.1, CAP_QUANT)
 FLAG_RELAYED = 0x10    # per hop: a relay forwarded this frame unchanged
 END_TO_END_FLAGS = 0x0F
 HOP_FLAGS = 0xF0

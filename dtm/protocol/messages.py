@@ -29,7 +29,8 @@ from ..ir.registry import COLLECTIVES
 from ..ir.types import REDUCE_OPS
 from .caps import MAX_LEVEL, level_caps
 from .errors import ProtocolError
-from .frame import PROTOCOL_VERSION, Buffer, FrameHeader, MsgType, encode_header
+from .compressed import check_chunk
+from .frame import FLAG_COMPRESSED, PROTOCOL_VERSION, Buffer, FrameHeader, MsgType, encode_header
 from .payload import MAX_STR_BYTES, Reader, Writer
 
 CHALLENGE_SIZE = 32
@@ -680,10 +681,13 @@ def encode_message(msg: Message, *, epoch: int, stream: int, seq: int, flags: in
 def decode_message(header: FrameHeader, payload: Buffer) -> Message:
     """The message of a checked frame (decode_header, verify_payload). A Hello of a newer
     minor version may carry fields this version does not know at its end: they are ignored.
-    A MeshView's epoch must be its frame's."""
+    A MeshView's epoch must be its frame's; a Data frame with FLAG_COMPRESSED holds a
+    well-formed compressed chunk (spec 9.5.1)."""
     cls = MESSAGES[header.msg_type]
     newer = header.version[0] == PROTOCOL_VERSION[0] and header.version[1] > PROTOCOL_VERSION[1]
     msg = cls.decode(payload, allow_trailing=cls is Hello and newer)
+    if isinstance(msg, Data) and header.flags & FLAG_COMPRESSED:
+        check_chunk(msg.data)
     if isinstance(msg, MeshView) and msg.epoch != header.epoch:
         raise ProtocolError(E.BAD_PAYLOAD, f"MeshView payload: epoch {msg.epoch} differs from its frame's "
                                            f"epoch {header.epoch}")

@@ -30,17 +30,25 @@ from .backend import compiled_plan
 from .process_group import ProcessGroup, current
 
 
+MIN_COMPRESS_ELEMENTS = 1024  # smaller all_reduces (a loss, a lone bias) stay exact: latency-bound anyway
+
+
 class ProcessComm:
     """The `Comm` of this process's rank: a plan's collectives and send/recv over the
     process group's Communicator. The IR attributes of a collective other than its group
-    (op, dim, src, split_dim, concat_dim) are the Communicator's parameters of those names."""
+    (op, dim, src, split_dim, concat_dim) are the Communicator's parameters of those names.
+    With `compress` (DDP(compress=...)), every float sum or avg all_reduce of at least
+    MIN_COMPRESS_ELEMENTS elements (the gradient buckets) travels compressed (spec 9.5.1)."""
 
-    def __init__(self, pg: ProcessGroup):
-        self.pg = pg
+    def __init__(self, pg: ProcessGroup, compress: str | None = None):
+        self.pg, self.compress = pg, compress
 
     def collective(self, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...], index: int, rank: int,
                    timeout: float) -> np.ndarray | None:
         params = {k: v for k, v in attrs.items() if k not in ("mesh", "axes")}
+        if (self.compress is not None and name == "all_reduce" and params.get("op") in ("sum", "avg")
+                and np.asarray(x).dtype.kind == "f" and np.size(x) >= MIN_COMPRESS_ELEMENTS):
+            params["compress"] = self.compress
         try:
             return self.pg.collective(name, np.asarray(x, order="C"), group, **params)  # (not ascontiguousarray: 0-d)
         except DTMError as e:
@@ -60,9 +68,12 @@ class L1Executor:
         self.pg = pg
         self.comm = ProcessComm(pg)
 
-    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Run this rank's local-view @func of `module` on `inputs`; its results."""
-        ctx = RefContext(rank=self.pg.rank, meshes=dict(module.meshes), module=module, comm=self.comm,
+    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray],
+            compress: str | None = None) -> list[np.ndarray]:
+        """Run this rank's local-view @func of `module` on `inputs`; its results
+        (`compress`: the gradient all_reduces' compression, see ProcessComm)."""
+        comm = self.comm if compress is None else ProcessComm(self.pg, compress)
+        ctx = RefContext(rank=self.pg.rank, meshes=dict(module.meshes), module=module, comm=comm,
                          timeout=getattr(getattr(self.pg.comm, "transport", None), "timeout", 60.0))
         return compiled_plan(module, func).run(inputs, ctx)
 

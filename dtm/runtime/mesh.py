@@ -62,6 +62,7 @@ class DeviceMesh:
         self.devices: tuple[l0.Device, ...] = tuple(devices)
         self.process = process
         self.bucket_bytes = BUCKET_BYTES
+        self.compress: str | None = None  # DDP(compress=): gradient all_reduces between processes (spec 9.5.1)
         self._ir = IRMesh(IR_NAME, self.axes)
         _BY_IR[id(self._ir)] = self
 
@@ -165,7 +166,7 @@ class DeviceMesh:
         """Run modules[r] on inputs[r] as mesh rank r: every rank at once on the mesh's L0
         devices; on a process mesh this process's rank alone (L1), the others' results None."""
         if self.process is not None:
-            mine = l1.executor().run(modules[self.rank], func, inputs[self.rank])
+            mine = l1.executor().run(modules[self.rank], func, inputs[self.rank], compress=self.compress)
             return [mine if r == self.rank else None for r in range(self.size)]
         return l0.executor().run(modules, func, inputs, devices=[d.index for d in self.devices])
 

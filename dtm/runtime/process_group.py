@@ -169,14 +169,15 @@ class ProcessGroup:
         fn = getattr(self._comm(), name)
         return self.run(self._describe(name, x, group, call_args(params)), lambda: fn(x, **params, group=group))
 
-    def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None) -> np.ndarray:
-        return self.collective("all_reduce", x, self.group(axis), op=op)
+    def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None, compress: str | None = None) -> np.ndarray:
+        return self.collective("all_reduce", x, self.group(axis), op=op, **_compressed(compress))
 
-    def all_gather(self, x: np.ndarray, dim: int = 0, axis: Axis = None) -> np.ndarray:
-        return self.collective("all_gather", x, self.group(axis), dim=dim)
+    def all_gather(self, x: np.ndarray, dim: int = 0, axis: Axis = None, compress: str | None = None) -> np.ndarray:
+        return self.collective("all_gather", x, self.group(axis), dim=dim, **_compressed(compress))
 
-    def reduce_scatter(self, x: np.ndarray, op: str = "sum", dim: int = 0, axis: Axis = None) -> np.ndarray:
-        return self.collective("reduce_scatter", x, self.group(axis), op=op, dim=dim)
+    def reduce_scatter(self, x: np.ndarray, op: str = "sum", dim: int = 0, axis: Axis = None,
+                       compress: str | None = None) -> np.ndarray:
+        return self.collective("reduce_scatter", x, self.group(axis), op=op, dim=dim, **_compressed(compress))
 
     def broadcast(self, x: np.ndarray, src: int = 0, axis: Axis = None) -> np.ndarray:
         return self.collective("broadcast", x, self.group(axis), src=src)
@@ -218,6 +219,11 @@ class ProcessGroup:
             if self.coordinator is not None:
                 self.coordinator.finished.wait(SHUTDOWN_GRACE_S)
                 self.coordinator.stop()
+
+
+def _compressed(compress: str | None) -> dict:
+    """The `compress` parameter of a collective, when one was asked for (spec 9.5.1)."""
+    return {} if compress is None else {"compress": compress}
 
 
 # --- the process's group --------------------------------------------------------------------------

@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]  # conformance/protocol
 sys.path.insert(0, str(ROOT.parents[1]))  # the repository, so `dtm` imports without installing
 
 from dtm.ir.version import SPEC_VERSION  # noqa: E402
-from dtm.protocol import (FLAG_LAST, FLAG_RELAYED, PROTOCOL_VERSION, Cancel, Cap, CollectiveStart, Data,  # noqa: E402
+from dtm.protocol import (FLAG_COMPRESSED, FLAG_LAST, FLAG_RELAYED, PROTOCOL_VERSION, Cancel, Cap, CollectiveStart, Data,  # noqa: E402
                           Error, Handshake, Heartbeat, Hello, JoinMesh, Leave, Member, MeshView, MsgType, P2PSend,
                           encode_frame, encode_message, hmac_answer, level_caps)
 from dtm.protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest, int_to_json  # noqa: E402
@@ -58,6 +58,21 @@ VIEW = MeshView(7, 500, 10000, tuple(Member("127.0.0.1", 29500 + r, "node-a" if 
                                      for r in range(4)), (("dp", 2), ("tp", 2)))
 ALL_REDUCE = CollectiveStart(17, "all_reduce", "sum", "f32", (1024, 768), (0, 1, 2, 3), -1, "train.py:42")
 BF16_BYTES = struct.pack("<4H", 0x3F80, 0xC000, 0x7F80, 0x0000)  # bf16 1.0, -2.0, inf, 0.0
+
+# Compressed chunks (spec 9.5.1): an 8-byte head (encoding, 0, 0, count) then the body.
+# q8_0 of the 40 values 0, 1, ..., 39 (two blocks, the second padded with 24 zeros), as
+# dtm.ref.quant quantizes them: block 0 has amax 31, d = 31/127; block 1 amax 39, d = 39/127.
+def _q8_chunk(values) -> bytes:
+    import numpy as np
+    from dtm.ir.dtypes import DTYPES
+    from dtm.ref.quant import quantize
+    padded = np.zeros(-(-len(values) // 32) * 32, np.float32)
+    padded[:len(values)] = values
+    return struct.pack("<BBHI", 1, 0, 0, len(values)) + quantize(padded, DTYPES["q8_0"]).tobytes()
+
+
+Q8_CHUNK = _q8_chunk(list(range(40)))
+BF16_CHUNK = struct.pack("<BBHI", 2, 0, 0, 4) + BF16_BYTES
 
 
 # The mesh's store (spec 9.2.11): a client's requests and a service's replies on stream 0 of
@@ -150,6 +165,14 @@ VALID = {
                                                                      stream=2, flags=FLAG_LAST)], {}),
     "data_relayed": ("the same chunk as `data`, forwarded by a relay: RELAYED set, another seq, the same crc",
                      [frame(Data(17, 3, 1, 24, BF16_BYTES), epoch=7, stream=2, flags=FLAG_LAST | FLAG_RELAYED)], {}),
+    "data_compressed_q8_0": ("a compressed chunk (spec 9.5.1) of a compressed all_reduce: COMPRESSED and LAST set; "
+                             "head (encoding 1 = q8_0, count 40), then 2 q8_0 blocks of 34 bytes (f16 scale, 32 int8) "
+                             "holding 0, 1, ..., 39 and 24 zeros",
+                             [frame(Data(17, 0, 0, 0, Q8_CHUNK), epoch=7, stream=2, flags=FLAG_LAST | FLAG_COMPRESSED)],
+                             {}),
+    "data_compressed_bf16": ("a compressed chunk (spec 9.5.1): head (encoding 2 = bf16, count 4), then the 4 bf16 "
+                             "values of `data`", [frame(Data(17, 1, 0, 0, BF16_CHUNK), epoch=7, stream=2,
+                                                        flags=FLAG_COMPRESSED)], {}),
     "data_empty": ("a chunk of zero bytes (a tensor with a zero dim)", [frame(Data(0, 0, 0, 0, b""), stream=1,
                                                                               flags=FLAG_LAST)], {}),
     "p2p_send": ("a point-to-point send of i32[3] split over two Data frames on stream 9",
@@ -323,6 +346,18 @@ INVALID = {
                                        raw(MsgType.MESH_VIEW, MEMBERS_PAST_THE_END, epoch=7), {}, "E0910"),
     "mesh_view_epoch_differs": ("a MeshView of epoch 7 in a frame of epoch 6", raw(MsgType.MESH_VIEW, _payload(VIEW),
                                                                                    epoch=6), {}, "E0910"),
+    "data_compressed_blocks_disagree": ("a compressed Data frame whose head says 64 q8_0 values (2 blocks, 68 "
+                                        "bytes) but which holds one block (34 bytes)",
+                                        raw(MsgType.DATA, _payload(Data(1, 0, 0, 0, struct.pack("<BBHI", 1, 0, 0, 64)
+                                                                        + Q8_CHUNK[8:42])), flags=FLAG_COMPRESSED),
+                                        {}, "E0910"),
+    "data_compressed_unknown_encoding": ("a compressed Data frame of encoding 3",
+                                         raw(MsgType.DATA, _payload(Data(1, 0, 0, 0, struct.pack("<BBHI", 3, 0, 0, 4)
+                                                                         + BF16_BYTES)), flags=FLAG_COMPRESSED),
+                                         {}, "E0910"),
+    "data_compressed_short": ("a compressed Data frame of 5 data bytes, shorter than the 8-byte chunk head",
+                              raw(MsgType.DATA, _payload(Data(1, 0, 0, 0, b"\x01\x00\x00\x00\x00")),
+                                  flags=FLAG_COMPRESSED), {}, "E0910"),
     "data_nbytes_mismatch": ("a Data chunk header saying 9 bytes before 8",
                              raw(MsgType.DATA, patch(_payload(Data(1, 0, 0, 0, BF16_BYTES)), 24,
                                                      struct.pack("<Q", 9))), {}, "E0910"),

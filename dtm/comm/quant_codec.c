@@ -1,0 +1,166 @@
+/* The compressed collectives' codecs (spec 9.5.1): f32 chunks to q8_0 blocks or bf16 and back.
+ *
+ * q8_0 is GGML's reference quantizer (quantize_row_q8_0_ref) bit for bit, exactly as
+ * dtm/ref/quant.py computes it: amax = max |x| over 32 elements (NaN if one is NaN),
+ * d = amax / 127, id = 1/d (0 when d = 0), q = roundf(x * id) with the product in f32 and
+ * the rounding half away from zero, clamped to [-128, 127] (NaN -> 0); the block stores
+ * f16(d) (round to nearest even), then the 32 int8 q. A chunk's last block is padded with
+ * zeros. Decoding gives f32(f16 d * q); `add` variants add that to an f32 accumulator
+ * (decoded value + accumulator, in f32: the ring's combine).
+ *
+ * bf16 rounds each f32 to nearest even (a NaN stays a quiet NaN of the same sign).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* f32 -> f16, round to nearest even (F. Giesen's float_to_half_fast3_rtne). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x = bits_of(f);
+    uint32_t sign = x & 0x80000000u;
+    uint16_t o;
+    x ^= sign;
+    if (x >= 0x47800000u) {                       /* Inf or NaN, or too large: Inf */
+        o = x > 0x7f800000u ? (uint16_t)(0x7e00 | ((x >> 13) & 0x3ff)) : 0x7c00;
+    } else if (x < 0x38800000u) {                 /* subnormal or zero in f16 */
+        float g = float_of(x) + float_of(126u << 23);
+        o = (uint16_t)(bits_of(g) - (126u << 23));
+    } else {
+        uint32_t odd = (x >> 13) & 1;
+        x += ((uint32_t)(15 - 127) << 23) + 0xfff;
+        x += odd;
+        o = (uint16_t)(x >> 13);
+    }
+    return (uint16_t)((sign >> 16) | o);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t em = h & 0x7fff;
+    if (em >= 0x7c00) return float_of(sign | 0x7f800000u | ((em & 0x3ff) << 13));
+    if (em < 0x400) {
+        float f = (float)em * 5.9604644775390625e-08f; /* em * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    return float_of(sign | ((em + ((127 - 15) << 10)) << 13));
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* The same block, 8 lanes at a time: exactly the scalar code's arithmetic. */
+static void q8_block(const float *restrict v, uint8_t *restrict out) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 x[4], m = _mm256_setzero_ps(), nanm = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        x[k] = _mm256_loadu_ps(v + 8 * k);
+        m = _mm256_max_ps(m, _mm256_and_ps(x[k], absmask));
+        nanm = _mm256_or_ps(nanm, _mm256_cmp_ps(x[k], x[k], _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    int nan = _mm256_movemask_ps(nanm) != 0;
+    float d = nan ? NAN : amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint16_t h = f32_to_f16(d);
+    out[0] = (uint8_t)(h & 0xff);
+    out[1] = (uint8_t)(h >> 8);
+    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+    int32_t qi[32];
+    for (int k = 0; k < 4; k++) {
+        __m256 p = _mm256_mul_ps(x[k], vid);
+        __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 frac = _mm256_and_ps(_mm256_sub_ps(p, t), absmask);
+        __m256 step = _mm256_or_ps(one, _mm256_and_ps(p, signmask));
+        t = _mm256_add_ps(t, _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step));
+        t = _mm256_and_ps(t, _mm256_cmp_ps(p, p, _CMP_ORD_Q));          /* NaN -> 0 */
+        t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+        _mm256_storeu_si256((__m256i *)(qi + 8 * k), _mm256_cvttps_epi32(t));
+    }
+    int8_t *q = (int8_t *)(out + 2);
+    for (int i = 0; i < 32; i++) q[i] = (int8_t)qi[i];
+}
+#else
+static void q8_block(const float *restrict v, uint8_t *restrict out) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (int i = 0; i < 32; i++) {
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+        nan |= v[i] != v[i];
+    }
+    float d = nan ? NAN : amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint16_t h = f32_to_f16(d);
+    out[0] = (uint8_t)(h & 0xff);
+    out[1] = (uint8_t)(h >> 8);
+    int8_t *q = (int8_t *)(out + 2);
+    for (int i = 0; i < 32; i++) {
+        /* roundf(p): |p - trunc(p)| is exact in f32, so this rounds half away from zero exactly */
+        float p = v[i] * id;
+        float t = truncf(p);
+        t = fabsf(p - t) >= 0.5f ? t + copysignf(1.0f, p) : t;
+        t = t != t ? 0.0f : t;
+        t = t < -128.0f ? -128.0f : t > 127.0f ? 127.0f : t;
+        q[i] = (int8_t)(int)t;
+    }
+}
+#endif
+
+/* n f32 values -> ceil(n/32) blocks of 34 bytes. */
+void dtm_q8_encode(const float *x, int64_t n, uint8_t *out) {
+    int64_t full = n / 32;
+    for (int64_t b = 0; b < full; b++) q8_block(x + 32 * b, out + 34 * b);
+    if (n % 32) {
+        float v[32] = {0};
+        memcpy(v, x + 32 * full, sizeof(float) * (size_t)(n % 32));
+        q8_block(v, out + 34 * full);
+    }
+}
+
+/* acc[i] = (add ? acc[i] : 0) + f32(d * q[i]) for the n values of the blocks at `in`. */
+static void q8_decode(const uint8_t *in, int64_t n, float *acc, int add) {
+    for (int64_t b = 0; b * 32 < n; b++) {
+        const uint8_t *blk = in + 34 * b;
+        float d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
+        const int8_t *q = (const int8_t *)(blk + 2);
+        int64_t k = n - 32 * b < 32 ? n - 32 * b : 32;
+        float *a = acc + 32 * b;
+        if (add) {
+            for (int64_t i = 0; i < k; i++) a[i] = d * (float)q[i] + a[i];
+        } else {
+            for (int64_t i = 0; i < k; i++) a[i] = d * (float)q[i];
+        }
+    }
+}
+
+void dtm_q8_decode(const uint8_t *in, int64_t n, float *out) { q8_decode(in, n, out, 0); }
+void dtm_q8_decode_add(const uint8_t *in, int64_t n, float *acc) { q8_decode(in, n, acc, 1); }
+
+/* acc[i] += f32(d * q[i]), then the n values are encoded again into `out` (one ring hop). */
+void dtm_q8_add_encode(const uint8_t *in, int64_t n, float *acc, uint8_t *out) {
+    q8_decode(in, n, acc, 1);
+    dtm_q8_encode(acc, n, out);
+}
+
+void dtm_bf16_encode(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = bits_of(x[i]);
+        if ((u & 0x7fffffffu) > 0x7f800000u) out[i] = (uint16_t)((u >> 16) | 0x40);
+        else out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+void dtm_bf16_decode(const uint16_t *in, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = float_of((uint32_t)in[i] << 16);
+}
+
+void dtm_bf16_decode_add(const uint16_t *in, int64_t n, float *acc) {
+    for (int64_t i = 0; i < n; i++) acc[i] = float_of((uint32_t)in[i] << 16) + acc[i];
+}
