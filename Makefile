@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,ray]'  # ray: tests/test_tasks_ray.py (the Ray task backend)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -10,6 +10,9 @@ a chain (each task after the one before) and a fan-out (one root, N-1 tasks afte
 * Dask's processes scheduler and Ray (`@ray.remote`) run in other processes, which a
   memory:// store does not reach: they pass the arrays as their own objects instead (their
   best case) and are timed on `--peer-tasks` tasks, as they are far slower per task.
+* `DTM on Ray`: DTM's own Ray backend (`backend="ray"`) on a directory store, timed on
+  `--peer-tasks` tasks: Ray's cost per task plus a store read and write in its worker;
+  beside it DTM's threads on the same kind of store (its fsynced puts dominate a store add).
 
 Ratios are peer time per task / DTM's: above 1.0, DTM is faster. A peer that is not
 installed is skipped with a message (`pip install 'dtm[bench]'`). Run Ray in a
@@ -22,7 +25,9 @@ loopback-only namespace: unshare -n sh -c 'ip link set lo up && exec "$@"' sh py
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -30,7 +35,9 @@ from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # Ray's workers import dtm
 import dtm  # noqa: E402
 
 
@@ -142,6 +149,30 @@ def time_ray(n: int, shape: str, noop: bool, workers: int) -> float:
     return (time.perf_counter() - t) / n
 
 
+def time_dtm_dir(n: int, shape: str, noop: bool, workers: int, backend: str = "local") -> float:
+    """The same graph on a directory store (its puts are fsynced: most of a store add's time
+    there), on DTM's threads or its own Ray backend (graph.run(backend="ray"): each task a
+    Ray task whose worker opens the store and imports the function by name, so from this
+    file as the module `benchmarks.tasks`)."""
+    import benchmarks.tasks as named  # this file under an importable name: Ray workers import it
+
+    if backend == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as d, dtm.store.open(d) as st:
+        st.put("x/0", np.zeros(4, np.float32))
+        named.dtm_graph(st, 2, shape, noop).run(workers=workers, backend=backend).wait(timeout=120)  # warm up
+        g = named.dtm_graph(st, n, shape, noop)
+        t = time.perf_counter()
+        g.run(workers=workers, backend=backend).wait(timeout=600)
+        dt = time.perf_counter() - t
+        if not noop:
+            assert st.get_array(f"x/{n}")[0] == (n if shape == "chain" else 2), "wrong result"
+    return dt / n
+
+
 def peer(name: str, module: str, fn: Callable[..., float], *args) -> float | None:
     try:
         __import__(module)
@@ -168,7 +199,9 @@ def main() -> None:
             print(f"  {'DTM (threads)':<22} {ours * 1e6:8.1f} us  ({1 / ours:9.0f}/s)")
             peers = [("Dask threads", "dask", time_dask_threads, n)]
             peers += [("Dask processes", "dask", time_dask_processes, args.peer_tasks),
-                      ("Ray @ray.remote", "ray", time_ray, args.peer_tasks)]
+                      ("Ray @ray.remote", "ray", time_ray, args.peer_tasks),
+                      ("DTM threads, dir store", "dtm", time_dtm_dir, args.peer_tasks),
+                      ("DTM on Ray, dir store", "ray", lambda *a: time_dtm_dir(*a, backend="ray"), args.peer_tasks)]
             for name, module, fn, count in peers:
                 theirs = peer(name, module, fn, count, shape, noop, w)
                 if theirs is not None:

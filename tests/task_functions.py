@@ -43,3 +43,18 @@ def hang(a):
 def slow(a):
     time.sleep(0.3)
     return np.asarray(a) + 1.0
+
+
+# Compiled tasks (traced with dtm.jit on dtm Tensors; tests/test_tasks_ray.py)
+
+def mix(x, w):
+    h = x @ w
+    return h * h + 1.0, h.sum(dim=1)
+
+
+def plus_one(a):
+    return a + 1.0
+
+
+def mul(a, b):
+    return a * b

@@ -1,5 +1,5 @@
 """Task graphs (spec 9.3): functions whose inputs and outputs are keys in the tensor store,
-ordered by `after`, run by a local scheduler (a Ray backend is planned).
+ordered by `after`, run by a local scheduler or on Ray (`backend="ray"`, rayrun.py).
 
     g = dtm.tasks.Graph(store=st)
     tok = g.task(tokenize, inputs=["raw/0"], outputs=["tok/0"], process=True)  # a worker process

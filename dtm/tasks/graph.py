@@ -137,16 +137,20 @@ class Graph:
 
     def run(self, workers: int | None = None, *, backend: str = "local", progress: bool | None = None) -> Any:
         """Start the graph and return its `Run` handle at once. `workers`: threads (and, when
-        the graph has process tasks, worker processes) (default: the CPU count). `progress`: a progress bar on stderr (default:
-        when stderr is a terminal)."""
+        the graph has process tasks, worker processes) (default: the CPU count); on
+        `backend="ray"`, the most tasks handed to Ray at once (default: the cluster's CPUs),
+        each run by a Ray worker (dtm/tasks/rayrun.py). `progress`: a progress bar on
+        stderr (default: when stderr is a terminal)."""
         deps = self.dependencies()
         topological_order(deps, [t.name for t in self.tasks])
         self.check_inputs()
-        workers = workers or os.cpu_count() or 1
         if backend == "local":
-            return LocalRun(self, deps, workers, progress)
-        raise GraphError(ErrorCode.UNKNOWN_BACKEND, f"unknown task backend {backend!r}; available: local "
-                         "(a Ray backend is planned, issue 18)")
+            return LocalRun(self, deps, workers or os.cpu_count() or 1, progress)
+        if backend == "ray":
+            from .rayrun import RayRun  # imports ray when a Ray run starts: an optional dependency
+
+            return RayRun(self, deps, workers, progress)
+        raise GraphError(ErrorCode.UNKNOWN_BACKEND, f"unknown task backend {backend!r}; available: local, ray")
 
 
 def _check_count(task: str, fn: str, least: int, most: int | None, inputs: tuple[str, ...]) -> None:
