@@ -228,7 +228,9 @@ class GPT2(nn.Module):
             pos, pos_emb = None, self.wpe(arange(T, dtype="i64"))
         else:
             pos = cache.begin(T)
-            if cache.pad is None:
+            if cache.pad is None and nn.is_narrow(self.wpe.weight):  # a narrow table is read by rows
+                pos_emb = self.wpe(F.add(pos, arange(T, dtype="i64")))
+            elif cache.pad is None:
                 pos_emb = F.dynamic_slice(self.wpe.weight, pos, dim=0, size=T)
             else:
                 pos_emb = self.wpe(cache.positions(pos, T))
@@ -238,7 +240,14 @@ class GPT2(nn.Module):
         if cache is not None:
             cache.pos = cache.pos + T
         x = self.ln_f(x)
-        return F.matmul(x, self.wte.weight.transpose(0, 1))  # lm_head shares wte's weights
+        head = self.wte.weight  # lm_head shares wte's weights; a narrow one is read narrow by the product
+        return F.matmul(x, (F.cast(head, x.dtype) if nn.is_narrow(head) else head).transpose(0, 1))
+
+    def quantize_(self, dtype) -> None:
+        """dtm.quant.quantize calls this before its Linear and Embedding modules make their
+        weights narrow: the decoding steps traced with the old weights are dropped."""
+        self.__dict__.pop("_step_jit", None)
+        self.__dict__.pop("_padded_step_jit", None)
 
     @no_grad()
     def generate(self, ids, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,

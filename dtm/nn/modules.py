@@ -10,6 +10,7 @@ from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, Values
 import numpy as np
 
 from .. import functional as F
+from .. import quant
 from ..errors import ErrorCode
 from ..ir.types import TensorType
 from ..tensor import Tensor, as_dtype, bfloat16, error, float16, float32, float64, no_grad, rand, randn, zeros, ones
@@ -205,6 +206,18 @@ class no_init:  # noqa: N801 - a context manager, named like no_grad
         no_init.depth -= 1
 
 
+def _narrow(weight: Tensor, dtype, name: str) -> Parameter:
+    """`weight` as a frozen Parameter of narrow dtype (dtm.quant): its storage, blocks for
+    q8_0 and q4_0, with the logical type the compiled products read."""
+    storage = quant.quantize_weight(weight.numpy(), dtype, name)
+    return Parameter(Tensor(TensorType(dtype, weight.shape), buffer=storage), requires_grad=False)
+
+
+def is_narrow(t: Tensor) -> bool:
+    """Whether `t` is a narrow weight made by dtm.quant (read widened to f32 where used)."""
+    return t.dtype.name in quant.NARROW
+
+
 def _uniform(shape, bound: float) -> Tensor:
     return zeros(*shape) if no_init.depth else rand(*shape) * (2 * bound) - bound
 
@@ -224,7 +237,14 @@ class Linear(Module):
         self.bias = Parameter(_uniform((out_features,), bound)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # a narrow weight is cast where it is read: the product absorbs the cast and reads the
+        # weight narrow (dtm.compiler.schedule.narrow_weight)
+        w = F.cast(self.weight, float32) if is_narrow(self.weight) else self.weight
+        return F.linear(x, w, self.bias)
+
+    def quantize_(self, dtype) -> None:
+        """dtm.quant.quantize: the weight becomes narrow (the bias stays f32)."""
+        self.weight = _narrow(self.weight, dtype, "Linear.weight")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -249,7 +269,13 @@ class Embedding(Module):
         self.weight = Parameter(weight)
 
     def forward(self, ids: Tensor) -> Tensor:
+        if is_narrow(self.weight):  # rows picked narrow, then widened (a frozen table: no padding gradient)
+            return F.cast(F.take(self.weight, F.as_tensor(ids), 0, wrap=False), float32)
         return embedding(ids, self.weight, self.padding_idx)
+
+    def quantize_(self, dtype) -> None:
+        """dtm.quant.quantize: the table becomes narrow."""
+        self.weight = _narrow(self.weight, dtype, "Embedding.weight")
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
