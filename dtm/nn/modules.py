@@ -169,6 +169,8 @@ class Module:
             if k not in state:
                 continue
             v = state[k]
+            if v is t:  # already this tensor (a loader that set it, e.g. a narrow weight)
+                continue
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
                 raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t._type} here, {arr.shape} in the state")
@@ -206,11 +208,15 @@ class no_init:  # noqa: N801 - a context manager, named like no_grad
         no_init.depth -= 1
 
 
+def narrow_parameter(storage: np.ndarray, dtype, shape: tuple[int, ...]) -> Parameter:
+    """A frozen Parameter of narrow dtype (dtm.quant) over its storage (uint8 blocks for
+    q8_0 and q4_0, bfloat16 values), with the logical type the compiled products read."""
+    quant.check_storage("weight", storage, dtype, tuple(shape))
+    return Parameter(Tensor(TensorType(dtype, tuple(shape)), buffer=storage), requires_grad=False)
+
+
 def _narrow(weight: Tensor, dtype, name: str) -> Parameter:
-    """`weight` as a frozen Parameter of narrow dtype (dtm.quant): its storage, blocks for
-    q8_0 and q4_0, with the logical type the compiled products read."""
-    storage = quant.quantize_weight(weight.numpy(), dtype, name)
-    return Parameter(Tensor(TensorType(dtype, weight.shape), buffer=storage), requires_grad=False)
+    return narrow_parameter(quant.quantize_weight(weight.numpy(), dtype, name), dtype, weight.shape)
 
 
 def is_narrow(t: Tensor) -> bool:

@@ -9,11 +9,12 @@ q8_0, q4_0 or bf16, and read narrow by the compiled products (dtm/compiler/c_nar
 their weight by its narrow form, a model drops what it compiled for the old weights).
 
 The arrays: `quantize_weight` is the reference quantizer (dtm.ref.quant, GGML's, bit for
-bit) with the checks a weight needs, and `pack` / `unpack` carry a narrow weight through
+bit) with the checks a weight needs, and `pack` / `unpack` carry narrow weights through
 safetensors, which has no block dtypes: a q8_0 or q4_0 tensor is stored as its uint8
-block bytes, and the file's metadata key `dtm.quant` maps each such name to its dtype and
-logical shape (a JSON object: {"name": {"dtype": "q8_0", "shape": [N, K]}}). bf16 is
-safetensors' own BF16.
+block bytes (a bf16 one as safetensors' BF16), and the file's metadata key `dtm.quant` maps
+each narrow tensor's name to its dtype and logical shape (a JSON object:
+{"name": {"dtype": "q8_0", "shape": [N, K]}}). A narrow weight is stored in the layout the
+model holds it in (blocks run along a row), since blocks cannot be transposed.
 """
 
 from __future__ import annotations
@@ -85,17 +86,18 @@ def storage_shape(shape: tuple[int, ...], dtype: str | DType) -> tuple[int, ...]
 
 def pack(arrays: Mapping[str, tuple[np.ndarray, DType, tuple[int, ...]]]) -> tuple[dict, dict[str, str]]:
     """{name: (storage, dtype, logical shape)} -> (arrays safetensors can hold, metadata):
-    block storage as uint8 under its own name, listed in the metadata (module docstring)."""
+    block storage as uint8 under its own name, every one listed in the metadata (module
+    docstring)."""
     out, listed = {}, {}
     for name, (storage, dt, shape) in arrays.items():
+        check_storage(name, storage, dt, tuple(shape))
         out[name] = storage
-        if dt.is_quant:
-            listed[name] = {"dtype": dt.name, "shape": [int(d) for d in shape]}
+        listed[name] = {"dtype": dt.name, "shape": [int(d) for d in shape]}
     return out, ({METADATA_KEY: json.dumps(listed, sort_keys=True)} if listed else {})
 
 
 def unpack(metadata: Mapping[str, str]) -> dict[str, tuple[DType, tuple[int, ...]]]:
-    """The block tensors a file's metadata lists: {name: (dtype, logical shape)}; E0408 for
+    """The narrow tensors a file's metadata lists: {name: (dtype, logical shape)}; E0408 for
     a listing that is not one (unknown dtype, a shape that is not whole blocks)."""
     text = metadata.get(METADATA_KEY)
     if not text:
@@ -106,7 +108,7 @@ def unpack(metadata: Mapping[str, str]) -> dict[str, tuple[DType, tuple[int, ...
         for name, info in listed.items():
             dt = narrow_dtype(info["dtype"])
             shape = tuple(int(d) for d in info["shape"])
-            if not dt.is_quant or not shape or shape[-1] % dt.block or min(shape) < 0:
+            if not shape or shape[-1] % dt.block or min(shape) < 0:
                 raise ValueError(f"{name}: {info}")
             out[name] = (dt, shape)
         return out
@@ -116,11 +118,13 @@ def unpack(metadata: Mapping[str, str]) -> dict[str, tuple[DType, tuple[int, ...
 
 
 def check_storage(name: str, storage: np.ndarray, dt: DType, shape: tuple[int, ...]) -> None:
-    """E0408 unless `storage` is exactly the uint8 blocks of a `dt` tensor of `shape`."""
+    """E0408 unless `storage` is exactly the storage of a `dt` tensor of `shape` (uint8
+    blocks, or bfloat16 values)."""
     want = storage_shape(shape, dt)
-    if storage.dtype != np.uint8 or tuple(storage.shape) != want:
+    kind = np.dtype(np.uint8) if dt.is_quant else np.dtype(ml_dtypes.bfloat16)
+    if storage.dtype != kind or tuple(storage.shape) != want:
         raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} is {storage.dtype}{list(storage.shape)}, not the "
-                       f"uint8{list(want)} blocks of {dt}{list(shape)}")
+                       f"{kind}{list(want)} storage of {dt}{list(shape)}")
 
 
 def quantize(model: Any, dtype: str) -> Any:
