@@ -67,6 +67,15 @@ def test_product_matches_numpy_dequantize_then_matmul(dtype, m):
     assert (np.abs(got - (x @ wf.T + bias)) <= bound * 1.001 + 1e-4).all()
 
 
+@pytest.mark.parametrize("dtype", NARROW)
+def test_non_finite_activations_give_nan_rows_not_a_crash(dtype):
+    w, _ = _weight(dtype, 8, 64)
+    x = np.ones((3, 64), np.float32)
+    x[0, 5], x[1, 40] = np.nan, np.inf
+    got = _linear(w, np.zeros(8, np.float32))(dtm.tensor(x)).numpy()
+    assert np.isnan(got[0]).all() and not np.isfinite(got[1]).any() and np.isfinite(got[2]).all()
+
+
 def test_weight_casts_are_absorbed_into_the_products():
     """No weight is widened in a decoding step's plan: every product reads it narrow."""
     dtm.manual_seed(0)

@@ -84,8 +84,13 @@ static inline float scale_of(const uint8_t *block) { uint16_t h; memcpy(&h, bloc
 static void quantize_row(const float *a, int64_t cs, int64_t K, int8_t *q, float *d) {
   for (int64_t b = 0; b < K / 32; b++) {
     float v[32], amax = 0.0f;
-    for (int i = 0; i < 32; i++) { v[i] = a[(b * 32 + i) * cs]; amax = fmaxf(amax, fabsf(v[i])); }
-    float s = amax / 127.0f, id = s != 0.0f ? 1.0f / s : 0.0f;
+    int nan = 0;
+    for (int i = 0; i < 32; i++) {
+      v[i] = a[(b * 32 + i) * cs];
+      amax = fmaxf(amax, fabsf(v[i]));  /* fmaxf drops a NaN: flagged instead */
+      nan |= v[i] != v[i];
+    }
+    float s = nan ? NAN : amax / 127.0f, id = s != 0.0f && s == s ? 1.0f / s : 0.0f;  /* NaN, Inf: outputs NaN */
     for (int i = 0; i < 32; i++) {
       float r = roundf(v[i] * id);   /* |r| <= 127; NaN only when the row holds NaN or Inf */
       q[b * 32 + i] = r == r ? (int8_t)r : 0;
