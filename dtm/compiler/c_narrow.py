@@ -27,7 +27,7 @@ once and, when A has several rows, reused from cache for all of them. The epilog
 each finished block, on its thread.
 """
 
-VERSION = 1
+VERSION = 2
 
 NARROW = ("q8_0", "q4_0", "bf16")  # weight dtypes the library multiplies by
 
@@ -99,89 +99,75 @@ static void quantize_row(const float *a, int64_t cs, int64_t K, int8_t *q, float
   }
 }
 
-/* the one float step of every block, shared by all paths so they agree to the bit */
-static inline float block_add(float acc, int32_t isum, float dw, float da) {
-  return acc + (float)isum * (dw * da);
+/* The float steps, shared by all paths so they agree to the bit: a block's 32 products are
+   summed exactly in 8 int32 lanes (lane l: elements 4l .. 4l+3, as vpdpbusd and
+   vpmaddubsw + vpmaddwd both leave them), each lane multiplied by the block's scale
+   d_w * d_x into its own f32 sum (a fused multiply-add), and the 8 sums added at the end of
+   the row in one fixed order. */
+static inline float lanes_total(const float *s) {
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
-/* ---- exact int8 dot products of one block (32 pairs) ---- */
-static inline int32_t dot_q8_portable(const int8_t *w, const int8_t *a) {
-  int32_t s = 0;
-  for (int i = 0; i < 32; i++) s += (int32_t)w[i] * a[i];
-  return s;
+static inline int q4_value(const uint8_t *w, int i) { return (i < 16 ? (w[i] & 15) : (w[i - 16] >> 4)) - 8; }
+
+static float row_portable(int q4, const uint8_t *w, const int8_t *qa, const float *da, int64_t nb) {
+  float acc[8] = {0};
+  int64_t bytes = q4 ? 18 : 34;
+  for (int64_t b = 0; b < nb; b++, w += bytes) {
+    float sc = scale_of(w) * da[b];
+    const int8_t *a = qa + b * 32;
+    for (int l = 0; l < 8; l++) {
+      int32_t s = 0;
+      for (int i = 4 * l; i < 4 * l + 4; i++) s += (q4 ? q4_value(w + 2, i) : ((const int8_t *)(w + 2))[i]) * a[i];
+      acc[l] = fmaf((float)s, sc, acc[l]);
+    }
+  }
+  return lanes_total(acc);
 }
 
-static inline int32_t dot_q4_portable(const uint8_t *w, const int8_t *a) {
-  int32_t s = 0;
-  for (int i = 0; i < 16; i++) s += ((w[i] & 15) - 8) * a[i] + ((w[i] >> 4) - 8) * a[i + 16];
-  return s;
-}
-
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 #define DTM_SIMD 1
-static inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
-/* sum of 32 products w * a, w and a signed bytes. The unsigned operand is |w| (a weight of
-   -128 reads as 128, correctly) and the signed one a * sign(w). */
-static inline int32_t dot_i8_simd(__m256i w, __m256i a) {
+/* the 8 lane sums of 32 products w * a, w and a signed bytes. The unsigned operand is |w|
+   (a weight of -128 reads as 128, correctly) and the signed one a * sign(w). */
+static inline __m256i lanes_i8(__m256i w, __m256i a) {
   __m256i u = _mm256_sign_epi8(w, w), s = _mm256_sign_epi8(a, w);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return hsum_i32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #elif defined(__AVXVNNI__)
-  return hsum_i32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else  /* pairs of |w| * a fit int16: 2 * 128 * 127 */
-  return hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
 
-static inline int32_t dot_q8_simd(const int8_t *w, const int8_t *a) {
-  return dot_i8_simd(_mm256_loadu_si256((const __m256i *)w), _mm256_loadu_si256((const __m256i *)a));
+static inline __m256i q4_bytes(const uint8_t *w) {  /* element j: low nibble of byte j, j + 16: high */
+  __m128i x = _mm_loadu_si128((const __m128i *)w);
+  __m256i n = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+  return _mm256_sub_epi8(_mm256_and_si256(n, _mm256_set1_epi8(15)), _mm256_set1_epi8(8));
 }
 
-static inline int32_t dot_q4_simd(const uint8_t *w, const int8_t *a) {
-  __m128i x = _mm_loadu_si128((const __m128i *)w);   /* element j low nibble of byte j, j + 16 high */
-  __m256i n = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
-  n = _mm256_sub_epi8(_mm256_and_si256(n, _mm256_set1_epi8(15)), _mm256_set1_epi8(8));
-  return dot_i8_simd(n, _mm256_loadu_si256((const __m256i *)a));
+static float row_simd(int q4, const uint8_t *w, const int8_t *qa, const float *da, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t bytes = q4 ? 18 : 34;
+  for (int64_t b = 0; b < nb; b++, w += bytes) {
+    __m256i wv = q4 ? q4_bytes(w + 2) : _mm256_loadu_si256((const __m256i *)(w + 2));
+    __m256i p = lanes_i8(wv, _mm256_loadu_si256((const __m256i *)(qa + b * 32)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale_of(w) * da[b]), acc);
+  }
+  float s[8];
+  _mm256_storeu_ps(s, acc);
+  return lanes_total(s);
 }
 #else
 #define DTM_SIMD 0
 #endif
 
-/* one row of W (nb blocks) against one quantized row of A */
-static float row_q8_0(const uint8_t *w, const int8_t *qa, const float *da, int64_t nb, int simd) {
-  float acc = 0.0f;
+static float row_q(int q4, const uint8_t *w, const int8_t *qa, const float *da, int64_t nb, int simd) {
 #if DTM_SIMD
-  if (simd) {
-    for (int64_t b = 0; b < nb; b++, w += 34)
-      acc = block_add(acc, dot_q8_simd((const int8_t *)(w + 2), qa + b * 32), scale_of(w), da[b]);
-    return acc;
-  }
+  if (simd) return row_simd(q4, w, qa, da, nb);
 #endif
   (void)simd;
-  for (int64_t b = 0; b < nb; b++, w += 34)
-    acc = block_add(acc, dot_q8_portable((const int8_t *)(w + 2), qa + b * 32), scale_of(w), da[b]);
-  return acc;
-}
-
-static float row_q4_0(const uint8_t *w, const int8_t *qa, const float *da, int64_t nb, int simd) {
-  float acc = 0.0f;
-#if DTM_SIMD
-  if (simd) {
-    for (int64_t b = 0; b < nb; b++, w += 18)
-      acc = block_add(acc, dot_q4_simd(w + 2, qa + b * 32), scale_of(w), da[b]);
-    return acc;
-  }
-#endif
-  (void)simd;
-  for (int64_t b = 0; b < nb; b++, w += 18)
-    acc = block_add(acc, dot_q4_portable(w + 2, qa + b * 32), scale_of(w), da[b]);
-  return acc;
+  return row_portable(q4, w, qa, da, nb);
 }
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
@@ -248,9 +234,8 @@ static void product(int kind, int64_t M, int64_t N, int64_t K, const float *A, i
     for (int64_t i = 0; i < M; i++)
       for (int64_t j = j0; j < j1; j++) {
         const uint8_t *w = B + j * row_bytes;
-        float v = kind == Q8_0 ? row_q8_0(w, qa + i * K, da + i * nb, nb, simd)
-                : kind == Q4_0 ? row_q4_0(w, qa + i * K, da + i * nb, nb, simd)
-                : row_bf16((const uint16_t *)w, fa + i * K, K, simd);
+        float v = kind == BF16 ? row_bf16((const uint16_t *)w, fa + i * K, K, simd)
+                : row_q(kind == Q4_0, w, qa + i * K, da + i * nb, nb, simd);
         C[i * ldc + j] = v;
       }
     if (epi) epi(ctx, bt, 0, M, j0, j1);
