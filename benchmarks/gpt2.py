@@ -8,9 +8,14 @@ Batch 1, f32, random weights (nothing is downloaded), the same weights everywher
   does not count against another);
 - first compile: DTM `cpu` in a fresh process with an empty kernel cache, the time of the
   first prefill plus the first generation (tracing, compiling and building every kernel);
-- cached: the same in a second fresh process that finds the kernels on disk.
+- cached: the same in a second fresh process that finds the kernels on disk;
+- narrow weights: DTM with its Linear and Embedding weights quantized by dtm.quant.quantize
+  to q8_0, q4_0 and bf16, against torch's int8 dynamic quantization (quantize_dynamic on
+  nn.Linear; HF's Conv1D projections are made nn.Linear first, so that all are quantized).
+  "same tokens" compares with torch f32; narrow engines may differ after a few tokens on
+  random weights, whose logits are nearly tied (tests/test_quant.py states the accuracy).
 
-    python benchmarks/gpt2.py [--new-tokens 64] [--layers 12] [--runs 3] [--no-ref]
+    python benchmarks/gpt2.py [--new-tokens 64] [--layers 12] [--runs 3] [--no-ref] [--no-quant]
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def random_weights(**config) -> dict[str, np.ndarray]:
 
 
 
-def dtm_engine(backend: str, n_layer: int, weights: dict[str, np.ndarray]):
-    """(prefill, decode) closures on a DTM GPT-2 running on `backend`."""
+def dtm_engine(backend: str, n_layer: int, weights: dict[str, np.ndarray], narrow: str | None = None):
+    """(prefill, decode) closures on a DTM GPT-2 running on `backend` (weights quantized to
+    `narrow` when given)."""
     import dtm
     from dtm.models.gpt2 import GPT2, GPT2Config
 
@@ -59,6 +65,8 @@ def dtm_engine(backend: str, n_layer: int, weights: dict[str, np.ndarray]):
     model = GPT2(GPT2Config(n_layer=n_layer), init=False).eval()
     for name, p in model.named_parameters():
         p._set_value(weights[name])
+    if narrow:
+        dtm.quant.quantize(model, narrow)
     forward = dtm.jit(lambda ids: model(ids)[:, -1])
 
     def prefill(ids):
@@ -70,7 +78,24 @@ def dtm_engine(backend: str, n_layer: int, weights: dict[str, np.ndarray]):
     return prefill, decode
 
 
-def torch_engine(n_layer: int, weights: dict[str, np.ndarray]):
+def _linear_from_conv1d(module) -> None:
+    """Replace HF's Conv1D layers (weight [in, out]) by equal nn.Linear ones, in place."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    for name, child in module.named_children():
+        if isinstance(child, Conv1D):
+            n_in, n_out = child.weight.shape
+            lin = torch.nn.Linear(n_in, n_out)
+            with torch.no_grad():
+                lin.weight.copy_(child.weight.t())
+                lin.bias.copy_(child.bias)
+            setattr(module, name, lin)
+        else:
+            _linear_from_conv1d(child)
+
+
+def torch_engine(n_layer: int, weights: dict[str, np.ndarray], int8: bool = False):
     import torch
     import transformers
 
@@ -84,6 +109,9 @@ def torch_engine(n_layer: int, weights: dict[str, np.ndarray]):
         p._set_value(weights[name])
     hf.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in model.hf_state_dict().items()})
     del model
+    if int8:
+        _linear_from_conv1d(hf)
+        hf = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)
 
     def prefill(ids):
         with torch.no_grad():
@@ -103,8 +131,9 @@ def worker(engine: str, args) -> dict:
     weights = random_weights(n_layer=args.layers)
     ids = np.random.default_rng(1).integers(0, 50257, size=(1, PREFILL_LEN), dtype=np.int64)
     prompt = ids[:, :PROMPT_LEN]
-    prefill, decode = (torch_engine(args.layers, weights) if engine == "torch"
-                       else dtm_engine(engine, args.layers, weights))
+    base, _, narrow = engine.partition(":")  # "cpu:q8_0", "torch:int8"
+    prefill, decode = (torch_engine(args.layers, weights, int8=narrow == "int8") if base == "torch"
+                       else dtm_engine(base, args.layers, weights, narrow or None))
     t0 = time.perf_counter()
     prefill(ids)
     decode(prompt, 2)  # traces and builds both decoding steps (the prompt's and one token's)
@@ -134,6 +163,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow) reference backend")
+    ap.add_argument("--no-quant", action="store_true", help="skip the narrow-weight rows")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -141,14 +171,17 @@ def main() -> None:
         return
 
     with tempfile.TemporaryDirectory() as cache:
-        engines = ["cpu", "cpu", "torch"] + ([] if args.no_ref else ["ref"])
+        narrow = [] if args.no_quant else ["cpu:q8_0", "cpu:q4_0", "cpu:bf16", "torch:int8"]
+        engines = ["cpu", "cpu", "torch"] + narrow + ([] if args.no_ref else ["ref"])
+        labels = {"ref": "DTM ref", "torch": "torch eager", "torch:int8": "torch int8 dynamic",
+                  "cpu:q8_0": "DTM cpu q8_0", "cpu:q4_0": "DTM cpu q4_0", "cpu:bf16": "DTM cpu bf16"}
         results = []
         for i, engine in enumerate(engines):
-            label = {0: "DTM cpu (empty cache)", 1: "DTM cpu (cached)"}.get(i, "DTM ref" if engine == "ref" else "torch eager")
+            label = {0: "DTM cpu (empty cache)", 1: "DTM cpu (cached)"}.get(i, labels[engine])
             print(f"running {label} ...", file=sys.stderr, flush=True)
             results.append((label, run_worker(engine, args, cache)))
     cold, warm, torch_r = results[0][1], results[1][1], results[2][1]
-    print(f"GPT-2 124M shapes, {args.layers} layers, batch 1, f32, random weights; best of {args.runs}; "
+    print(f"GPT-2 124M shapes, {args.layers} layers, batch 1, f32 unless named, random weights; best of {args.runs}; "
           f"{os.cpu_count()} cores")
     print(f"{'':24} {'prefill ms':>11} {'vs torch':>9} {'decode tok/s':>13} {'vs torch':>9} "
           f"{'peak RSS MB':>12} {'first call s':>13} {'same tokens':>12}")

@@ -31,10 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
-from .c_runtime import SOURCES as RUNTIME_SOURCES
+from . import c_narrow
+from .c_runtime import SOURCES as _GEMM_SOURCES
 from .render_c import render_unit, vector_math_decls
 
 log = logging.getLogger("dtm.compiler")
+# the runtime libraries by the name a kernel's CFunction.gemm_dtype gives: f32, f64 and the
+# products with narrow weights (c_narrow.py)
+RUNTIME_SOURCES = {**_GEMM_SOURCES, "narrow": c_narrow.SOURCE}
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
@@ -193,7 +197,7 @@ def load(path: Path, global_symbols: bool = False) -> ctypes.CDLL:
 
 
 def runtime_library(dtype: str = "f32") -> ctypes.CDLL:
-    """The runtime library for products of `dtype` ("f32" or "f64"), built and loaded once per
+    """The runtime library for products of `dtype` ("f32", "f64" or "narrow"), built and loaded once per
     process with its symbols global, so the kernels that call it resolve against it."""
     if dtype not in _runtime:
         _runtime[dtype] = load(_build_runtime(dtype), global_symbols=True)

@@ -329,6 +329,7 @@ class Gemm:
     epilogue: list | None = None
     ivar: str = "i"
     jvar: str = "j"
+    b_dtype: DType | None = None     # B's buffer holds this narrow dtype (c_narrow.py), else dtype
 
 
 Stmt = Union[Loop, Let, Assign, Bind, Store, If, Array, Gemm]

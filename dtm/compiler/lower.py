@@ -580,7 +580,12 @@ class KernelBuilder:
         kept = nb - _rows_of_batch(mm, views)  # the batch dims after `kept` are rows of one product
         bvars = tuple(f"b{k}" for k in range(nb))
         operands = []
+        b_dtype = None
         for x, (base, off, st) in zip(mm.operands, views):
+            cast = self.producer.get(base)
+            if cast is not None and cast.name == "cast":  # absorbed: the weight is read narrow
+                base = cast.operands[0]
+                b_dtype = base.type.dtype
             name = self.param(base)
             xb = x.type.rank - 2
             offset = L.dim_expr(off)
@@ -621,7 +626,8 @@ class KernelBuilder:
             self.floor = 0
         gemm = L.Gemm(t.dtype, tuple(L.dim_expr(d) for d in t.shape[:kept]), bvars[:kept],
                       L.dim_expr(dim_prod(t.shape[kept:-1])), L.dim_expr(t.shape[-1]),
-                      L.dim_expr(mm.operands[0].type.shape[-1]), operands[0], operands[1], c, epilogue)
+                      L.dim_expr(mm.operands[0].type.shape[-1]), operands[0], operands[1], c, epilogue,
+                      b_dtype=b_dtype)
         self.emit(gemm)
         return self.pop_root()
 

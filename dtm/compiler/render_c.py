@@ -29,6 +29,7 @@ import numpy as np
 
 from ..ir.dtypes import DType
 from . import loopir as L
+from .c_narrow import HEADER as NARROW_HEADER
 from .c_runtime import HEADER
 from .loopir import INDEX
 
@@ -36,7 +37,9 @@ PARALLEL_WORK = 1 << 15
 
 CTYPE = {"bool": "uint8_t", "i8": "int8_t", "i16": "int16_t", "i32": "int32_t", "i64": "int64_t",
          "u8": "uint8_t", "u16": "uint16_t", "u32": "uint32_t", "u64": "uint64_t",
-         "f32": "float", "f64": "double"}
+         "f32": "float", "f64": "double",
+         # storage of narrow weights, read only by the runtime's products (c_narrow.py)
+         "bf16": "uint16_t", "q8_0": "uint8_t", "q4_0": "uint8_t"}
 # the unsigned type integer arithmetic wraps in (at least as wide as int: no promotion surprises)
 WRAP = {"i8": "uint32_t", "i16": "uint32_t", "i32": "uint32_t", "i64": "uint64_t",
         "u8": "uint32_t", "u16": "uint32_t", "u32": "uint32_t", "u64": "uint64_t"}
@@ -297,10 +300,11 @@ class _Renderer:
             ctx_t, epi_fn, fields = self.ctx
             out.append(f"{pad}  struct {ctx_t} ctx = {{{', '.join(fields)}}};")
             ctx, epi = "&ctx", epi_fn
-        fn = f"dtm_rt_gemm_{g.dtype.name}"
+        fn = f"dtm_rt_gemm_{g.dtype.name}" + (f"_{g.b_dtype.name}" if g.b_dtype is not None else "")
+        b = f"(const uint8_t *){g.b.buf}" if g.b_dtype is not None else g.b.buf
         out.append(f"{pad}  {fn}(nbatch, offs, {self.expr(g.m)}, {self.expr(g.n)}, {self.expr(g.k)}, "
                    f"{g.a.buf}, {self.expr(g.a.rows)}, {self.expr(g.a.cols)}, "
-                   f"{g.b.buf}, {self.expr(g.b.rows)}, {self.expr(g.b.cols)}, "
+                   f"{b}, {self.expr(g.b.rows)}, {self.expr(g.b.cols)}, "
                    f"{g.c.buf}, {self.expr(g.c.rows)}, {epi}, {ctx});")
         out.append(f"{pad}  if (offs != offs_small) free(offs);")
         out.append(f"{pad}}}")
@@ -342,7 +346,7 @@ class CFunction:
     helpers: dict
     decls: list
     code: str
-    gemm_dtype: str | None  # the element type of the runtime's product it calls, if any
+    gemm_dtype: str | None  # the runtime library it calls, if any: f32, f64 or narrow (build.RUNTIME_SOURCES)
 
 
 def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
@@ -367,7 +371,8 @@ def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
     main.append("  (void)bufs; (void)dims;")
     r.body(k.body, 1, main)
     main.append("}")
-    return CFunction(symbol, r.helpers, pre, "\n".join(main), gemm.dtype.name if gemm is not None else None)
+    library = None if gemm is None else "narrow" if gemm.b_dtype is not None else gemm.dtype.name
+    return CFunction(symbol, r.helpers, pre, "\n".join(main), library)
 
 
 # The C library's math functions the kernels call that glibc's libmvec has vector versions of.
@@ -390,8 +395,10 @@ def render_unit(funcs: list[CFunction], vector_math: bool = False) -> str:
     math functions may be called in their vector versions (glibc's libmvec)."""
     lines = ["/* DTM kernels */", "#include <stdint.h>", "#include <stdlib.h>", "#include <string.h>",
              "#include <math.h>", *(vector_math_decls() if vector_math else []), ""]
-    if any(f.gemm_dtype for f in funcs):
+    if any(f.gemm_dtype in ("f32", "f64") for f in funcs):
         lines += [HEADER, ""]
+    if any(f.gemm_dtype == "narrow" for f in funcs):
+        lines += [NARROW_HEADER, ""]
     helpers: dict = {}
     for f in funcs:
         helpers.update(f.helpers)

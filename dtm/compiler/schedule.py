@@ -26,7 +26,10 @@ Each stored value gets a kernel, one of:
     last dim are one kernel each;
   - matmul: a matrix product, followed by an epilogue: the elementwise ops that read the
     product at its own index and produce one stored value of its type (bias, activation,
-    residual: gelu(x @ w + b) is one kernel);
+    residual: gelu(x @ w + b) is one kernel). A product whose B is a Linear's view of a
+    narrow weight, permute(cast(W, f32)) with W q8_0, q4_0 or bf16 (`narrow_weight`), reads
+    W itself: the cast is absorbed (kind "narrow") and never stored when every reader of it
+    is such a product, so the weight is read narrow, once per product (c_narrow.py);
   - fallback: any other op (gather, scatter, argsort, random, collectives, store, call, ops on
     narrow floats or quantized dtypes) runs the reference implementation.
 Loop kernels over the same shape that are related are then merged when the merged kernel
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from ..ir.module import Func, Op, Value
 from ..ir.registry import REGISTRY, Category
 from ..ir.symbolic import format_dim
-from .views import MOVES, strided_view
+from .views import MOVES, STRIDED_MOVES, strided_view
 
 NATIVE = frozenset(("bool", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "f32", "f64"))
 EW_CATEGORIES = (Category.UNARY, Category.BINARY, Category.COMPARE, Category.TERNARY)
@@ -173,6 +176,8 @@ class _Graph:
                 self.users.setdefault(v, []).append(op)
         self.kind = {op: op_kind(op) for op in func.ops}
         self.params = set(func.params)
+        for cast in _absorbed_casts(self):
+            self.kind[cast] = "narrow"
 
 
 @dataclass
@@ -263,6 +268,8 @@ class _Scheduler:
             elif kind == "move":
                 for x in op.operands:
                     stack.append((x, _move_mode(op, mode, F, R)))
+            elif kind == "narrow":  # the product reads the narrow weight itself
+                stack.append((op.operands[0], OTHER))
             # sources read nothing
         w.passes = sorted(passes, key=lambda op: g.pos[op])
         return w
@@ -383,6 +390,8 @@ class _Scheduler:
             for x in op.operands:
                 view = strided_view(x, g.producer, lambda u: u in g.params or u in self.stored)
                 target = x if view is None else view[0]
+                if g.kind.get(g.producer.get(target)) == "narrow":
+                    continue  # the gemm reads the narrow weight the cast reads
                 if target not in g.params and target not in self.stored:
                     self.stored.add(target)
                     added = True
@@ -589,6 +598,59 @@ class _Scheduler:
 def gemm_dtype(op: Op) -> bool:
     """Whether a matmul runs on the tiled runtime kernel (f32, f64) or as plain loops."""
     return op.results[0].type.dtype.name in ("f32", "f64")
+
+
+NARROW_WEIGHTS = ("q8_0", "q4_0", "bf16")  # the weight dtypes of c_narrow's products
+
+
+def narrow_weight(mm: Op, producer: dict) -> Op | None:
+    """The cast through which matmul `mm` reads a narrow weight as its B operand, when the
+    runtime's product with narrow weights can read the weight itself: the product is f32,
+    and B is the plain transpose of cast(W, f32) (broadcast along batch dims), W a static
+    2-d q8_0, q4_0 or bf16 value [N, K], so that each column of B is a whole row of W (the
+    layout of a Linear's weight, and of a tied embedding used as the output head)."""
+    if mm.results[0].type.dtype.name != "f32":
+        return None
+    view = strided_view(mm.operands[1], producer, lambda u: getattr(producer.get(u), "name", None) == "cast")
+    if view is None:
+        return None
+    base, off, st = view
+    cast = producer.get(base)
+    if cast is None or cast.name != "cast":
+        return None
+    w = cast.operands[0]
+    b_shape = mm.operands[1].type.shape
+    if w.type.dtype.name not in NARROW_WEIGHTS or w.type.rank != 2 or not all(isinstance(d, int) for d in w.type.shape):
+        return None
+    n, k = w.type.shape
+    if off != 0 or b_shape[-2] != k or st[-2] != 1 or st[-1] != k or any(s != 0 for s in st[:-2]):
+        return None
+    return cast
+
+
+def _absorbed_casts(g: "_Graph") -> set[Op]:
+    """The casts of narrow weights that only products on narrow weights read (through
+    strided movement ops): none of them is computed, the products read their operand."""
+    readers: dict[Op, set] = {}
+    for op in g.func.ops:
+        if g.kind[op] == "matmul":
+            cast = narrow_weight(op, g.producer)
+            if cast is not None:
+                readers.setdefault(cast, set()).add(op)
+    returned = set(g.func.returns)
+
+    def only_products(v: Value, products: set) -> bool:
+        if v in returned:
+            return False
+        for u in g.users.get(v, ()):
+            if u.name in STRIDED_MOVES:
+                if not only_products(u.results[0], products):
+                    return False
+            elif not (u in products and u.operands[0] is not v):
+                return False
+        return True
+
+    return {cast for cast, products in readers.items() if only_products(cast.results[0], products)}
 
 
 def fuse(func: Func) -> Schedule:

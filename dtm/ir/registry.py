@@ -172,7 +172,8 @@ _op("pad", C.MOVEMENT, ("x",), R.pad_rule, "add `low` and `high` elements of `va
 _op("concat", C.MOVEMENT, ("*xs",), R.concat_rule, "join operands along `axis`", (A("axis", K.INT),),
     min_operands=1)
 _op("gather", C.MOVEMENT, ("x", "indices"), R.gather_rule,
-    "take slices of x along `axis` at `indices` (numpy.take)", (A("axis", K.INT),))
+    "take slices of x along `axis` at `indices` (numpy.take); a quantized x along a dim other than its last "
+    "(whole rows of blocks: an embedding table's rows)", (A("axis", K.INT),), quant_ok=True)
 _op("scatter_add", C.MOVEMENT, ("x", "indices", "updates"), R.scatter_add_rule,
     "x with `updates` added at `indices` along `axis` (the transpose of gather)", (A("axis", K.INT),))
 _op("flip", C.MOVEMENT, ("x",), R.flip_rule, "reverse the order of elements along `axes`", (A("axes", K.INTS),))

@@ -258,9 +258,13 @@ def _gathered_shape(x: TensorType, idx: TensorType, axis: int) -> tuple[Dim, ...
 
 def gather_rule(op, ins, attrs, declared, ctx):
     x, idx = ins
-    check_class(op, x, "any")
     check_class(op, idx, "int", "index")
     check_axis(op, attrs["axis"], x.rank)
+    if x.dtype.is_quant:  # whole rows of blocks only: a block never splits
+        if attrs["axis"] % x.rank == x.rank - 1:
+            fail(E.QUANTIZED_MISUSE, f"{op} takes a quantized {x} along a dim other than its last (its blocks)")
+    else:
+        check_class(op, x, "any")
     return (TensorType(x.dtype, _gathered_shape(x, idx, attrs["axis"])),)
 
 

@@ -23,9 +23,10 @@ from typing import Sequence
 import numpy as np
 
 from .. import functional as F
-from .. import nn
+from .. import nn, quant
 from ..errors import DTMError, ErrorCode
 from ..nn import functional as NF
+from ..nn.weights import read_safetensors
 from ..tensor import Tensor, arange, jit, manual_seed, no_grad, rand, randn, tensor, zeros
 from .sampling import check_sampling, sample, warp_logits
 
@@ -228,7 +229,9 @@ class GPT2(nn.Module):
             pos, pos_emb = None, self.wpe(arange(T, dtype="i64"))
         else:
             pos = cache.begin(T)
-            if cache.pad is None:
+            if cache.pad is None and nn.is_narrow(self.wpe.weight):  # a narrow table is read by rows
+                pos_emb = self.wpe(F.add(pos, arange(T, dtype="i64")))
+            elif cache.pad is None:
                 pos_emb = F.dynamic_slice(self.wpe.weight, pos, dim=0, size=T)
             else:
                 pos_emb = self.wpe(cache.positions(pos, T))
@@ -238,7 +241,14 @@ class GPT2(nn.Module):
         if cache is not None:
             cache.pos = cache.pos + T
         x = self.ln_f(x)
-        return F.matmul(x, self.wte.weight.transpose(0, 1))  # lm_head shares wte's weights
+        head = self.wte.weight  # lm_head shares wte's weights; a narrow one is read narrow by the product
+        return F.matmul(x, (F.cast(head, x.dtype) if nn.is_narrow(head) else head).transpose(0, 1))
+
+    def quantize_(self, dtype) -> None:
+        """dtm.quant.quantize calls this before its Linear and Embedding modules make their
+        weights narrow: the decoding steps traced with the old weights are dropped."""
+        self.__dict__.pop("_step_jit", None)
+        self.__dict__.pop("_padded_step_jit", None)
 
     @no_grad()
     def generate(self, ids, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
@@ -344,8 +354,16 @@ class GPT2(nn.Module):
                   "attn_pdrop": c.dropout, "activation_function": "gelu_new"}
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        state = {k: v for k, v in self.hf_state_dict().items() if k != "lm_head.weight"}
-        nn.save_safetensors(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        # narrow weights (dtm.quant) keep this model's layout: blocks cannot be transposed
+        state, narrow = {}, {}
+        for name, t in self.state_dict().items():
+            if nn.is_narrow(t):
+                narrow["transformer." + name] = (t.numpy(), t.dtype, t.shape)
+            else:
+                state["transformer." + name] = hf_layout(name, t.numpy(), c.n_head)
+        arrays, listed = quant.pack(narrow)
+        nn.save_safetensors({**state, **arrays}, os.path.join(path, "model.safetensors"),
+                            metadata={"format": "pt", **listed})
 
     @classmethod
     def from_pretrained(cls, path: str) -> "GPT2":
@@ -353,12 +371,23 @@ class GPT2(nn.Module):
         with open(os.path.join(path, "config.json")) as f:
             config = GPT2Config.from_hf(json.load(f))
         model = cls(config, init=False)
-        weights = nn.load_safetensors(os.path.join(path, "model.safetensors"))
+        weights, metadata = read_safetensors(os.path.join(path, "model.safetensors"))
+        narrow = quant.unpack(metadata)  # written by save_pretrained of a dtm.quant model
+        modules = dict(model.named_modules())
         state = {}
         for name, t in weights.items():
+            listed = narrow.get(name)
             name = name.removeprefix("transformer.")
             if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
                 continue  # causal-mask buffers; the head is tied to wte
+            if listed is not None:  # stored in this model's layout
+                owner, _, attr = name.rpartition(".")
+                if owner not in modules or attr != "weight":
+                    raise DTMError(ErrorCode.QUANTIZED_MISUSE, f"GPT2.from_pretrained: {name} is stored "
+                                   f"{listed[0]}, but only Linear and Embedding weights can be")
+                setattr(modules[owner], attr, nn.narrow_parameter(t.numpy(), *listed))
+                state[name] = modules[owner].weight
+                continue
             if name.endswith(_CONV1D + _QKV):
                 t = Tensor.from_numpy(from_hf_layout(name, t.numpy(), config.n_head))
             state[name] = t

@@ -2,9 +2,10 @@
 
 from . import functional, init, utils
 from .modules import (GELU, CrossEntropyLoss, Dropout, Embedding, Flatten, Identity, LayerNorm, Linear, Module,
-                      ModuleDict, ModuleList, MSELoss, Parameter, ReLU, Sequential, SiLU, Softmax, Tanh, no_init)
+                      ModuleDict, ModuleList, MSELoss, Parameter, ReLU, Sequential, SiLU, Softmax, Tanh, is_narrow,
+                      narrow_parameter, no_init)
 from .weights import load_safetensors, save_safetensors
 
 __all__ = ["functional", "init", "utils", "Module", "Parameter", "Linear", "Embedding", "LayerNorm", "Dropout", "GELU",
            "ReLU", "Tanh", "SiLU", "Identity", "Softmax", "Flatten", "Sequential", "ModuleList", "ModuleDict",
-           "CrossEntropyLoss", "MSELoss", "no_init", "save_safetensors", "load_safetensors"]
+           "CrossEntropyLoss", "MSELoss", "is_narrow", "narrow_parameter", "no_init", "save_safetensors", "load_safetensors"]

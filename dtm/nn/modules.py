@@ -10,6 +10,7 @@ from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, Values
 import numpy as np
 
 from .. import functional as F
+from .. import quant
 from ..errors import ErrorCode
 from ..ir.types import TensorType
 from ..tensor import Tensor, as_dtype, bfloat16, error, float16, float32, float64, no_grad, rand, randn, zeros, ones
@@ -168,6 +169,8 @@ class Module:
             if k not in state:
                 continue
             v = state[k]
+            if v is t:  # already this tensor (a loader that set it, e.g. a narrow weight)
+                continue
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
                 raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t._type} here, {arr.shape} in the state")
@@ -205,6 +208,22 @@ class no_init:  # noqa: N801 - a context manager, named like no_grad
         no_init.depth -= 1
 
 
+def narrow_parameter(storage: np.ndarray, dtype, shape: tuple[int, ...]) -> Parameter:
+    """A frozen Parameter of narrow dtype (dtm.quant) over its storage (uint8 blocks for
+    q8_0 and q4_0, bfloat16 values), with the logical type the compiled products read."""
+    quant.check_storage("weight", storage, dtype, tuple(shape))
+    return Parameter(Tensor(TensorType(dtype, tuple(shape)), buffer=storage), requires_grad=False)
+
+
+def _narrow(weight: Tensor, dtype, name: str) -> Parameter:
+    return narrow_parameter(quant.quantize_weight(weight.numpy(), dtype, name), dtype, weight.shape)
+
+
+def is_narrow(t: Tensor) -> bool:
+    """Whether `t` is a narrow weight made by dtm.quant (read widened to f32 where used)."""
+    return t.dtype.name in quant.NARROW
+
+
 def _uniform(shape, bound: float) -> Tensor:
     return zeros(*shape) if no_init.depth else rand(*shape) * (2 * bound) - bound
 
@@ -224,7 +243,14 @@ class Linear(Module):
         self.bias = Parameter(_uniform((out_features,), bound)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # a narrow weight is cast where it is read: the product absorbs the cast and reads the
+        # weight narrow (dtm.compiler.schedule.narrow_weight)
+        w = F.cast(self.weight, float32) if is_narrow(self.weight) else self.weight
+        return F.linear(x, w, self.bias)
+
+    def quantize_(self, dtype) -> None:
+        """dtm.quant.quantize: the weight becomes narrow (the bias stays f32)."""
+        self.weight = _narrow(self.weight, dtype, "Linear.weight")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -249,7 +275,13 @@ class Embedding(Module):
         self.weight = Parameter(weight)
 
     def forward(self, ids: Tensor) -> Tensor:
+        if is_narrow(self.weight):  # rows picked narrow, then widened (a frozen table: no padding gradient)
+            return F.cast(F.take(self.weight, F.as_tensor(ids), 0, wrap=False), float32)
         return embedding(ids, self.weight, self.padding_idx)
+
+    def quantize_(self, dtype) -> None:
+        """dtm.quant.quantize: the table becomes narrow."""
+        self.weight = _narrow(self.weight, dtype, "Embedding.weight")
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""

@@ -1,0 +1,195 @@
+"""Narrow weights (dtm.quant, CAP_QUANT kernel side): the compiled products on q8_0, q4_0
+and bf16 weights against numpy, quantization against the reference, a quantized GPT-2
+against its f32 model, saving and loading, and bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dtm
+from dtm import functional as F
+from dtm.compiler.passes import compile_func
+from dtm.errors import DTMError, ErrorCode
+from dtm.ir.dtypes import DTYPES
+from dtm.ir.types import TensorType
+from dtm.models.gpt2 import GPT2, GPT2Config
+from dtm.ref import quant as refquant
+
+NARROW = ("q8_0", "q4_0", "bf16")
+TINY = GPT2Config(vocab_size=256, n_positions=96, n_embd=64, n_layer=2, n_head=2)
+
+
+def _weight(dtype: str, n: int, k: int, seed: int = 0):
+    """(narrow Tensor, its f32 values) of a random [n, k] weight."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    storage = dtm.quant.quantize_weight(w, dtype)
+    t = dtm.Tensor(TensorType(DTYPES[dtype], (n, k)), buffer=storage)
+    return t, dtm.quant.dequantize_weight(storage, dtype)
+
+
+def _q8_rows(a: np.ndarray) -> np.ndarray:
+    """Rows of `a` as the product quantizes them (c_narrow.py): blocks of 32, f32 scale
+    amax / 127, q = roundf(x / d) half away from zero; the values d * q."""
+    b = a.reshape(a.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(b).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    v = (b * inv).astype(np.float64)
+    q = np.trunc(v + np.copysign(0.5, v))
+    return (q * d).reshape(a.shape)
+
+
+def _linear(w: dtm.Tensor, bias: np.ndarray):
+    return dtm.jit(lambda x: F.linear(x, F.cast(w, dtm.float32), dtm.tensor(bias)))
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("m", [1, 3])
+def test_product_matches_numpy_dequantize_then_matmul(dtype, m):
+    n, k = 40, 96
+    w, wf = _weight(dtype, n, k)
+    bias = np.linspace(-1, 1, n, dtype=np.float32)
+    x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
+    got = _linear(w, bias)(dtm.tensor(x)).numpy()
+    if dtype == "bf16":  # exact weights, f32 sums in another order
+        np.testing.assert_allclose(got, x @ wf.T + bias, rtol=1e-5, atol=1e-4)
+        return
+    # the block types quantize x: exactly what that gives, up to f32 rounding of the sums ...
+    np.testing.assert_allclose(got, _q8_rows(x) @ wf.T + bias, rtol=1e-5, atol=1e-4)
+    # ... and the stated bound against f32 x: |err| <= sum over blocks of d_x / 2 * sum |w|
+    d = np.abs(x.reshape(m, -1, 32)).max(-1) / 127
+    bound = (d[:, None, :] / 2 * np.abs(wf).reshape(n, -1, 32).sum(-1)[None]).sum(-1)
+    assert (np.abs(got - (x @ wf.T + bias)) <= bound * 1.001 + 1e-4).all()
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_non_finite_activations_give_nan_rows_not_a_crash(dtype):
+    w, _ = _weight(dtype, 8, 64)
+    x = np.ones((3, 64), np.float32)
+    x[0, 5], x[1, 40] = np.nan, np.inf
+    got = _linear(w, np.zeros(8, np.float32))(dtm.tensor(x)).numpy()
+    assert np.isnan(got[0]).all() and not np.isfinite(got[1]).any() and np.isfinite(got[2]).all()
+
+
+def test_weight_casts_are_absorbed_into_the_products():
+    """No weight is widened in a decoding step's plan: every product reads it narrow."""
+    dtm.manual_seed(0)
+    model = dtm.quant.quantize(GPT2(TINY).eval(), "q8_0")
+    ids = dtm.tensor(np.zeros((1, 1), np.int64))
+    kv = [dtm.zeros(1, TINY.n_head, 64, TINY.n_embd // TINY.n_head) for _ in range(2 * TINY.n_layer)]
+    prog = compile_func(model._step.ir(ids, dtm.tensor(np.int64(0)), *kv), "main")
+    casts = [s.op for s in prog.fallbacks if s.op.name == "cast"]
+    assert all(op.results[0].type.shape[-2:] in ((1, TINY.n_embd),) for op in casts), casts  # embedding rows only
+    narrow = [s for s in prog.kernels if any(b.type.dtype.name == "q8_0" for b in s.args)]
+    assert len(narrow) == 4 * TINY.n_layer + 1  # c_attn, attn c_proj, c_fc, mlp c_proj per layer; lm_head
+
+
+def test_portable_path_gives_the_same_bits():
+    """DTM_NARROW_PORTABLE=1 forces the portable C; the integer dots are exact, so the SIMD
+    path (where the CPU has one) agrees to the bit."""
+    code = ("import numpy as np, sys; sys.path.insert(0, 'tests'); import test_quant as t\n"
+            "for d in ('q8_0', 'q4_0'):\n"
+            "    w, _ = t._weight(d, 24, 128)\n"
+            "    x = np.random.default_rng(2).standard_normal((2, 128), dtype=np.float32)\n"
+            "    sys.stdout.write(t._linear(w, np.zeros(24, np.float32))(t.dtm.tensor(x)).numpy().tobytes().hex())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outs = [subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, DTM_NARROW_PORTABLE=flag, PYTHONPATH=root)) for flag in ("0", "1")]
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    assert outs[0].stdout == outs[1].stdout
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_quantization_is_the_reference_bit_for_bit(dtype):
+    dtm.manual_seed(0)
+    model = GPT2(TINY).eval()
+    f32 = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    dtm.quant.quantize(model, dtype)
+    for name, t in model.state_dict().items():
+        if t.dtype.name == dtype:
+            ref = dtm.ref.run(_cast_module(f32[name].shape, dtype), "f", [f32[name]])[0]
+            assert np.array_equal(t.numpy(), ref), name
+            assert np.array_equal(t.numpy(), refquant.quantize(f32[name], DTYPES[dtype]))
+
+
+def _cast_module(shape, dtype):
+    from dtm.ir import parse
+    dims = ", ".join(map(str, shape))
+    return parse(f"dtm 1.0\n\nfunc @f(%x: f32[{dims}]) -> ({dtype}[{dims}]) {{\n"
+                 f"  %y = cast %x {{to = {dtype}}} : {dtype}[{dims}]\n  return %y\n}}\n")
+
+
+# Bounds on the tiny random model, teacher-forced on the f32 model's greedy tokens (README,
+# spec 2.2.4): max |logit difference| and the share of positions whose top-1 agrees.
+BOUNDS = {"q8_0": (0.02, 0.95), "q4_0": (0.25, 0.9), "bf16": (0.01, 0.95)}
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_quantized_gpt2_against_f32(dtype):
+    dtm.manual_seed(0)
+    model = GPT2(TINY).eval()
+    prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 8))
+    tokens = model.generate(prompt, max_new_tokens=24).numpy()
+    forward = dtm.jit(lambda ids: model(ids))
+    ref = forward(dtm.tensor(tokens)).numpy()[0, 7:]
+    dtm.quant.quantize(model, dtype)
+    forward = dtm.jit(lambda ids: model(ids))
+    got = forward(dtm.tensor(tokens)).numpy()[0, 7:]
+    diff, agree = np.abs(got - ref).max(), (got.argmax(-1) == ref.argmax(-1)).mean()
+    max_diff, min_agree = BOUNDS[dtype]
+    assert diff <= max_diff and agree >= min_agree, (dtype, diff, agree)
+    out = model.generate(prompt, max_new_tokens=24).numpy()  # the decoding path runs narrow too
+    assert (out[0, 8:] == tokens[0, 8:]).mean() >= min_agree - 0.1
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_save_and_load_quantized(tmp_path, dtype):
+    dtm.manual_seed(0)
+    model = dtm.quant.quantize(GPT2(TINY).eval(), dtype)
+    model.save_pretrained(str(tmp_path))
+    back = GPT2.from_pretrained(str(tmp_path))
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert a.dtype == b.dtype and np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), name
+    prompt = np.arange(6)[None]
+    assert np.array_equal(model.generate(prompt, max_new_tokens=4).numpy(), back.generate(prompt, 4).numpy())
+
+
+def test_bad_input_is_refused_with_e0408():
+    with pytest.raises(DTMError) as e:
+        dtm.quant.quantize_weight(np.ones((4, 40), np.float32), "q4_0")
+    assert e.value.code == ErrorCode.QUANTIZED_MISUSE and "multiple of 32" in str(e.value)
+    with pytest.raises(DTMError) as e:
+        dtm.quant.quantize_weight(np.ones((4, 32), np.int32), "q8_0")
+    assert e.value.code == ErrorCode.QUANTIZED_MISUSE and "int32" in str(e.value)
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones((2, 64), np.float32)
+        x[1, 40] = bad
+        for dtype in NARROW:
+            with pytest.raises(DTMError) as e:
+                dtm.quant.quantize_weight(x, dtype)
+            assert e.value.code == ErrorCode.QUANTIZED_MISUSE and "[1, 40]" in str(e.value)
+    with pytest.raises(DTMError) as e:
+        dtm.quant.quantize(GPT2(TINY, init=False), "q5_1")
+    assert e.value.code == ErrorCode.QUANTIZED_MISUSE
+    w, _ = _weight("q8_0", 4, 32)
+    with pytest.raises(DTMError) as e:  # a block never splits: no gather along the last dim
+        F.take(w, dtm.tensor(np.array([0])), 1)
+    assert e.value.code == ErrorCode.QUANTIZED_MISUSE
+
+
+def test_cast_of_a_block_holding_nan_or_inf_keeps_the_reference_rule():
+    """The cast op itself (not dtm.quant) quantizes non-finite blocks as spec 2.2 says."""
+    x = np.ones((1, 64), np.float32)
+    x[0, 3], x[0, 40] = np.nan, np.inf
+    for dtype in ("q8_0", "q4_0"):
+        blocks = refquant.quantize(x, DTYPES[dtype]).reshape(2, -1)
+        scales = blocks[:, :2].copy().view(np.float16)[:, 0]
+        assert np.isnan(scales[0]) and np.isinf(scales[1])
+        if dtype == "q8_0":
+            assert not blocks[:, 2:].any()
+    assert ml_dtypes.bfloat16  # bf16 weights keep NaN and Inf as values: refused only by dtm.quant
