@@ -76,6 +76,7 @@ def test_import_dtm_reaches_debug_and_collectives_have_one_signature():
         f = getattr(dtm, name)
         assert f is getattr(dtm.distributed, name) is getattr(dtm.parallel, name)
     # torch.distributed's order: the tensor, the reduce op, then the dim
-    assert list(inspect.signature(dtm.reduce_scatter).parameters) == ["x", "op", "dim", "axis"]
+    # (compress, issue 19's quantized collectives, comes last, after the axis)
+    assert list(inspect.signature(dtm.reduce_scatter).parameters) == ["x", "op", "dim", "axis", "compress"]
     params = inspect.signature(dtm.all_to_all).parameters
     assert (params["split_dim"].default, params["concat_dim"].default) == (0, 0)

@@ -43,6 +43,7 @@ ENCODED = {name: ir.encode(ir.verify(ir.parse(t))) for name, t in SEEDS.items()}
 FUZZ = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
 
 I64_MAX = 2**63 - 1
+U64_MAX = 2**64 - 1
 MAX_DIM = 2**62
 _GLOBAL = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -256,7 +257,9 @@ def expressible(m: Module) -> bool:
                 if isinstance(v, str) and REGISTRY[op.name].attr_index[k].kind in (AttrKind.MESH, AttrKind.FUNC) \
                         and not _GLOBAL.match(v):
                     return False
-                if isinstance(v, int) and not isinstance(v, bool) and not -I64_MAX - 1 <= v <= I64_MAX:
+                # spec 4.6: integers in text are i64, but a `scalar` attribute may reach 2^64 - 1 (a u64's)
+                top = U64_MAX if REGISTRY[op.name].attr_index[k].kind is AttrKind.SCALAR else I64_MAX
+                if isinstance(v, int) and not isinstance(v, bool) and not -I64_MAX - 1 <= v <= top:
                     return False
                 if isinstance(v, tuple):
                     for x in v:
