@@ -208,20 +208,28 @@ class no_init:  # noqa: N801 - a context manager, named like no_grad
         no_init.depth -= 1
 
 
-def narrow_parameter(storage: np.ndarray, dtype, shape: tuple[int, ...]) -> Parameter:
-    """A frozen Parameter of narrow dtype (dtm.quant) over its storage (uint8 blocks for
-    q8_0 and q4_0, bfloat16 values), with the logical type the compiled products read."""
+class NarrowParameter(Parameter):
+    """A frozen weight that dtm.quant made narrow: read widened to f32 where it is used, the
+    compiled products reading it narrow. (A model cast with `.bfloat16()` holds ordinary bf16
+    Parameters instead, computed in bf16 as torch does.)"""
+
+    __slots__ = ()
+
+
+def narrow_parameter(storage: np.ndarray, dtype, shape: tuple[int, ...]) -> NarrowParameter:
+    """A NarrowParameter of narrow dtype (dtm.quant) over its storage (uint8 blocks for q8_0
+    and q4_0, bfloat16 values), with the logical type the compiled products read."""
     quant.check_storage("weight", storage, dtype, tuple(shape))
-    return Parameter(Tensor(TensorType(dtype, tuple(shape)), buffer=storage), requires_grad=False)
+    return NarrowParameter(Tensor(TensorType(dtype, tuple(shape)), buffer=storage), requires_grad=False)
 
 
-def _narrow(weight: Tensor, dtype, name: str) -> Parameter:
+def _narrow(weight: Tensor, dtype, name: str) -> NarrowParameter:
     return narrow_parameter(quant.quantize_weight(weight.numpy(), dtype, name), dtype, weight.shape)
 
 
 def is_narrow(t: Tensor) -> bool:
     """Whether `t` is a narrow weight made by dtm.quant (read widened to f32 where used)."""
-    return t.dtype.name in quant.NARROW
+    return isinstance(t, NarrowParameter)
 
 
 def _uniform(shape, bound: float) -> Tensor:
