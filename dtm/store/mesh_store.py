@@ -40,7 +40,7 @@ from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import DType, numpy_dtype
 from ..protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest
 from . import format as fmt
-from .errors import KeyLost, KeyMissing, StoreError, StoreTypeError, remote_error
+from .errors import KeyLost, KeyMissing, StoreError, remote_error
 from .files import LocalFiles
 from .index import Entry, SqliteIndex
 from .keys import check_key

@@ -15,7 +15,6 @@ Layer 8 may not import the user-facing Tensor (DESIGN.md); `dtm/__init__.py` ins
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import threading
 import time
@@ -28,6 +27,7 @@ from ..errors import ErrorCode
 from ..ir.module import Module
 from ..ir.types import TensorType
 from ..runtime import execute
+from . import names
 from .errors import GraphError
 
 _jit: Callable[[Callable], Callable] = lambda fn: fn
@@ -53,37 +53,20 @@ class Outcome:
     seconds: float = 0.0
 
 
+def _not_importable(why: str) -> GraphError:
+    return GraphError(ErrorCode.TASK_NOT_IMPORTABLE, f"a task that runs in another process imports its function by "
+                      f"name: {why}")
+
+
 def reference(fn: Callable) -> str:
     """`module:qualname` of a function a worker process can import, else E1204: lambdas,
-    closures and functions of `__main__` run only on threads."""
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    why = None
-    if not module or not qualname:
-        why = "it has no module and qualified name"
-    elif "<" in qualname:  # <lambda>, <locals>
-        why = "a lambda or a function defined inside another cannot be imported by name"
-    elif module == "__main__":
-        why = "a function of the __main__ script cannot be imported by name; move it into a module"
-    else:
-        try:
-            found = resolve(f"{module}:{qualname}")
-        except (ImportError, AttributeError) as e:
-            found, why = None, f"importing it failed: {e}"
-        if why is None and found is not fn:
-            why = f"{module}:{qualname} names another object"
-    if why:
-        raise GraphError(ErrorCode.TASK_NOT_IMPORTABLE, f"a process task runs a function its worker imports by "
-                         f"name; {getattr(fn, '__qualname__', fn)!r}: {why}")
-    return f"{module}:{qualname}"
+    closures and functions of a plain script run only on threads."""
+    return names.name_of(fn, _not_importable)
 
 
 def resolve(ref: str) -> Callable:
-    """The function named `module:qualname`."""
-    module, _, qualname = ref.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+    """The function named `module:qualname` (E1204 when it does not import)."""
+    return names.resolve(ref, _not_importable)
 
 
 @dataclass(eq=False)

@@ -13,45 +13,30 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DTMError, ErrorCode
-from .errors import Cancelled, GraphError, TaskError, TaskFailed, TaskTimeout, WorkerLost
+from .errors import GraphError, TaskError, TaskFailed, TaskTimeout, WorkerLost
 from .functions import Interrupted, Outcome, run_task
 from .procs import WorkerDied, WorkerProcess
 from .progress import Bar, wanted
-from .report import CANCELLED, DONE, FAILED, QUEUED, RUNNING, STATE_NAMES, Report, TaskRecord
+from .run import RunBase
+from .report import CANCELLED, DONE, FAILED, QUEUED, RUNNING
 
 if TYPE_CHECKING:
     from .graph import Graph
 
-CANCEL_GRACE_S = 5.0  # a worker process interrupted by a cancel gets this long before SIGKILL
+CANCEL_GRACE_S = RunBase.CANCEL_GRACE_S  # a worker process interrupted by a cancel gets this long before SIGKILL
 TICK_S = 0.05  # how often the monitor and the process lanes look at the clock
 
 
-class LocalRun:
+class LocalRun(RunBase):
     """The handle `Graph.run()` returns: wait, status, cancel, report."""
 
     def __init__(self, graph: "Graph", deps: list[list[int]], workers: int, progress: bool | None):
-        tasks = self.tasks = graph.tasks
+        super().__init__(graph, deps)
+        tasks = self.tasks
         self.store = graph.store
         n = len(tasks)
-        self.state = bytearray(n)  # QUEUED ...
-        self.waiting = [len(d) for d in deps]
-        self.dependents: list[list[int]] = [[] for _ in range(n)]
-        for i, d in enumerate(deps):
-            for j in d:
-                self.dependents[j].append(i)
-        self.worker: list[str | None] = [None] * n
-        self.outcome: list[Outcome | None] = [None] * n
-        self.attempts = [0] * n
-        self.errors: dict[int, str] = {}
         self.deadlines: dict[int, float] = {}  # thread tasks with a timeout, while they run
-        self.error: TaskError | None = None
-        self.cancelled = False
-        self.stop = False  # no task starts any more; running ones stop at their next boundary
         self.left, self.running = n, 0
-        self.lock = threading.Lock()
-        self.ended = threading.Event()
-        self.started_at = time.perf_counter()
-        self.ended_at: float | None = None
 
         has_process = any(t.process for t in tasks)
         if has_process and getattr(self.store, "url", "").startswith("memory://"):
@@ -75,33 +60,8 @@ class LocalRun:
 
     # --- the handle -----------------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> Report:
-        """Wait for the run to end and return its report; raise the failing task's error,
-        Cancelled (E1203) after a cancel, E0802 when it has not ended within `timeout` s.
-        Ctrl-C while waiting cancels the run (bounded) and raises KeyboardInterrupt."""
-        try:
-            ended = self.ended.wait(timeout)
-        except KeyboardInterrupt:
-            self.cancel()
-            self.ended.wait(CANCEL_GRACE_S + 1)
-            raise
-        if ended:
-            self.monitor.join(1.0)  # the progress bar's last frame, before the caller prints
-        else:
-            raise DTMError(ErrorCode.TIMEOUT, f"the task graph did not finish within {timeout:g} s: "
-                           f"{self.report().summary()}")
-        if self.error is not None:
-            raise self.error
-        if self.cancelled:
-            raise Cancelled(self.report().summary())
-        return self.report()
-
-    def status(self) -> dict[str, Any]:
-        counts = [0] * 5
-        for s in bytes(self.state):
-            counts[s] += 1
-        return {"state": self._run_state(), "done": counts[DONE], "running": counts[RUNNING],
-                "failed": counts[FAILED], "cancelled": counts[CANCELLED], "queued": counts[QUEUED]}
+    def _joined(self) -> None:
+        self.monitor.join(1.0)  # the progress bar's last frame, before the caller prints
 
     def cancel(self) -> None:
         """Start no task any more; running ones stop at their next boundary (their outputs
@@ -112,20 +72,6 @@ class LocalRun:
             self.cancelled = self.stop = True
             if self.running == 0:
                 self._end()
-
-    def report(self) -> Report:
-        end = self.ended_at if self.ended_at is not None else time.perf_counter()
-        records = []
-        for i, t in enumerate(self.tasks):
-            o = self.outcome[i]
-            records.append(TaskRecord(t.name, STATE_NAMES[self.state[i]], self.worker[i], o.seconds if o else 0.0,
-                                      o.read if o else 0, o.written if o else 0, self.attempts[i], self.errors.get(i)))
-        return Report(self._run_state(), end - self.started_at, records)
-
-    def _run_state(self) -> str:
-        if not self.ended.is_set():
-            return "running"
-        return "failed" if self.error else "cancelled" if self.cancelled else "finished"
 
     # --- bookkeeping (every method below holds self.lock) -----------------------------------
 

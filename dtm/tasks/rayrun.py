@@ -37,15 +37,17 @@ from ..errors import DTMError, ErrorCode
 from ..ir.parser import parse
 from ..ir.printer import format as module_text
 from ..store import open as open_store
-from .errors import Cancelled, GraphError, TaskError, TaskFailed, TaskTimeout, WorkerLost
+from .errors import GraphError, TaskError, TaskFailed, TaskTimeout, WorkerLost
 from .functions import IRFunction, Interrupted, Outcome, PyFunction, reference, resolve, run_task
+from .interrupt import Flags, Guarded, on_signal, stopped
 from .progress import Bar, wanted
-from .report import CANCELLED, DONE, FAILED, QUEUED, RUNNING, STATE_NAMES, Report, TaskRecord
+from .run import RunBase
+from .report import CANCELLED, DONE, FAILED, RUNNING
 
 if TYPE_CHECKING:
     from .graph import Graph
 
-CANCEL_GRACE_S = 5.0  # an interrupted Ray task gets this long before its worker is killed
+CANCEL_GRACE_S = RunBase.CANCEL_GRACE_S  # an interrupted Ray task gets this long before its worker is killed
 START_ALLOWANCE_S = 60.0  # a fresh Ray worker starting and importing dtm, before its own timer runs
 TICK_S = 0.02  # the driver's longest wait on Ray before it looks at cancel, deadlines and the bar
 
@@ -64,37 +66,7 @@ _stores: dict[str, Any] = {}
 _functions: dict[tuple, Any] = {}
 
 
-class _Flags:
-    stop: str | None = None  # "cancel" or "timeout" once a signal came: stop the running task
-    in_function = False  # the task's own code runs: interrupt it right away
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    _Flags.stop = "timeout" if signum == signal.SIGALRM else "cancel"
-    if _Flags.in_function:
-        raise Interrupted
-
-
-class _Guarded:
-    """A task function whose call a cancel or timeout signal may interrupt."""
-
-    def __init__(self, fn: PyFunction | IRFunction):
-        self.fn, self.name = fn, fn.name
-
-    def __getattr__(self, name: str) -> Any:  # param_types of an IR function
-        return getattr(self.fn, name)
-
-    def __call__(self, arrays: list) -> list:
-        _Flags.in_function = True
-        try:
-            if _Flags.stop:
-                raise Interrupted
-            return self.fn(arrays)
-        finally:
-            _Flags.in_function = False
-
-
-def _function(spec: tuple) -> _Guarded:
+def _function(spec: tuple) -> Guarded:
     """("py", "module:qualname", jit) or ("ir", module text, func, backend), imported once per worker."""
     found = _functions.get(spec)
     if found is None:
@@ -102,7 +74,7 @@ def _function(spec: tuple) -> _Guarded:
             fn: PyFunction | IRFunction = PyFunction(resolve(spec[1]), bool(spec[2]), spec[1])
         else:
             fn = IRFunction(parse(spec[1]), spec[2], spec[3])
-        found = _functions[spec] = _Guarded(fn)
+        found = _functions[spec] = Guarded(fn)
     return found
 
 
@@ -127,21 +99,21 @@ def execute(url: str, spec: tuple, inputs: tuple[str, ...], outputs: tuple[str, 
 
     reply: dict[str, Any] = {"worker": _worker_name(ray), "attempt": _attempt(ray)}
     main = threading.current_thread() is threading.main_thread()
-    _Flags.stop, _Flags.in_function = None, False
+    Flags.stop, Flags.in_function = None, False
     saved = {}
     if main:  # Ray's cancel calls _thread.interrupt_main(): SIGINT's handler, in this thread
-        saved[signal.SIGINT] = signal.signal(signal.SIGINT, _on_signal)
+        saved[signal.SIGINT] = signal.signal(signal.SIGINT, on_signal)
         if timeout is not None:
-            saved[signal.SIGALRM] = signal.signal(signal.SIGALRM, _on_signal)
+            saved[signal.SIGALRM] = signal.signal(signal.SIGALRM, on_signal)
             signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         store = _stores.get(url)
         if store is None:
             store = _stores[url] = open_store(url)
-        outcome = run_task(store, _function(spec), inputs, outputs, lambda: _Flags.stop is not None)
+        outcome = run_task(store, _function(spec), inputs, outputs, stopped)
         reply.update(ok=True, read=outcome.read, written=outcome.written, seconds=outcome.seconds)
     except (Interrupted, KeyboardInterrupt):
-        reply.update(ok=False, stopped=_Flags.stop or "cancel")
+        reply.update(ok=False, stopped=Flags.stop or "cancel")
     except Exception as e:  # the task's own fault: reported, never retried
         reply.update(ok=False, code=e.code.value if isinstance(e, DTMError) else None, type=type(e).__name__,
                      message=e.message if isinstance(e, DTMError) else str(e))
@@ -159,13 +131,13 @@ def execute(url: str, spec: tuple, inputs: tuple[str, ...], outputs: tuple[str, 
 _remote: Any = None
 
 
-class RayRun:
+class RayRun(RunBase):
     """The handle `Graph.run(backend="ray")` returns: wait, status, cancel, report, as LocalRun."""
 
     def __init__(self, graph: "Graph", deps: list[list[int]], workers: int | None, progress: bool | None):
         global _remote
         ray = self.ray = _import_ray()
-        self.tasks = tasks = graph.tasks
+        tasks = graph.tasks
         url = getattr(graph.store, "url", "")
         if not url or url.startswith("memory://"):
             raise GraphError(ErrorCode.ATTRIBUTE_VALUE, "Ray tasks need a store their workers can open (a directory "
@@ -186,25 +158,9 @@ class RayRun:
             ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
         if _remote is None:
             _remote = ray.remote(execute)
+        super().__init__(graph, deps)
         n = len(tasks)
         self.cap = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        self.state = bytearray(n)
-        self.waiting = [len(d) for d in deps]
-        self.dependents: list[list[int]] = [[] for _ in range(n)]
-        for i, d in enumerate(deps):
-            for j in d:
-                self.dependents[j].append(i)
-        self.worker: list[str | None] = [None] * n
-        self.outcome: list[Outcome | None] = [None] * n
-        self.attempts = [0] * n
-        self.errors: dict[int, str] = {}
-        self.error: TaskError | None = None
-        self.cancelled = False
-        self.stop = False
-        self.lock = threading.Lock()
-        self.ended = threading.Event()
-        self.started_at = time.perf_counter()
-        self.ended_at: float | None = None
         self.ready = deque(i for i in range(n) if self.waiting[i] == 0)
         self.bar = Bar(n) if wanted(progress) and n else None
         self.driver = threading.Thread(target=self._drive, name="dtm-task-ray", daemon=True)
@@ -212,51 +168,14 @@ class RayRun:
 
     # --- the handle -----------------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> Report:
-        """As LocalRun.wait: the report, or the failing task's error, Cancelled (E1203), or
-        E0802 when the run has not ended within `timeout` s; Ctrl-C cancels (bounded)."""
-        try:
-            ended = self.ended.wait(timeout)
-        except KeyboardInterrupt:
-            self.cancel()
-            self.ended.wait(CANCEL_GRACE_S + 5)
-            raise
-        if not ended:
-            raise DTMError(ErrorCode.TIMEOUT, f"the task graph did not finish within {timeout:g} s: "
-                           f"{self.report().summary()}")
+    def _joined(self) -> None:
         self.driver.join(1.0)
-        if self.error is not None:
-            raise self.error
-        if self.cancelled:
-            raise Cancelled(self.report().summary())
-        return self.report()
-
-    def status(self) -> dict[str, Any]:
-        counts = [0] * 5
-        for s in bytes(self.state):
-            counts[s] += 1
-        return {"state": self._run_state(), "done": counts[DONE], "running": counts[RUNNING],
-                "failed": counts[FAILED], "cancelled": counts[CANCELLED], "queued": counts[QUEUED]}
 
     def cancel(self) -> None:
         """Hand no task to Ray any more and `ray.cancel` the running ones; returns at once."""
         with self.lock:
             if not self.ended.is_set():
                 self.cancelled = self.stop = True
-
-    def report(self) -> Report:
-        end = self.ended_at if self.ended_at is not None else time.perf_counter()
-        records = []
-        for i, t in enumerate(self.tasks):
-            o = self.outcome[i]
-            records.append(TaskRecord(t.name, STATE_NAMES[self.state[i]], self.worker[i], o.seconds if o else 0.0,
-                                      o.read if o else 0, o.written if o else 0, self.attempts[i], self.errors.get(i)))
-        return Report(self._run_state(), end - self.started_at, records)
-
-    def _run_state(self) -> str:
-        if not self.ended.is_set():
-            return "running"
-        return "failed" if self.error else "cancelled" if self.cancelled else "finished"
 
     # --- the driver thread ------------------------------------------------------------------
 

@@ -22,33 +22,7 @@ from typing import Any
 from ..errors import DTMError
 from ..store import open as open_store
 from .functions import Interrupted, PyFunction, resolve, run_task
-
-
-class _Flags:
-    stop = False  # SIGINT came: stop the running task
-    in_function = False  # the task's own code runs: interrupt it right away
-
-
-def _on_sigint(signum: int, frame: Any) -> None:
-    _Flags.stop = True
-    if _Flags.in_function:
-        raise Interrupted
-
-
-class _Guarded:
-    """A PyFunction whose call the SIGINT handler may interrupt."""
-
-    def __init__(self, fn: PyFunction):
-        self.fn, self.name = fn, fn.name
-
-    def __call__(self, arrays: list) -> list:
-        _Flags.in_function = True
-        try:
-            if _Flags.stop:
-                raise Interrupted
-            return self.fn(arrays)
-        finally:
-            _Flags.in_function = False
+from .interrupt import Flags, Guarded, on_signal, stopped
 
 
 def _answer(out: Any, reply: dict) -> None:
@@ -59,20 +33,20 @@ def _answer(out: Any, reply: dict) -> None:
 def serve(url: str) -> None:
     out = os.fdopen(os.dup(1), "w")  # the replies; the task's own prints go to stderr
     os.dup2(2, 1)
-    signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGINT, on_signal)
     store = open_store(url)
-    functions: dict[tuple[str, bool], _Guarded] = {}
+    functions: dict[tuple[str, bool], Guarded] = {}
     _answer(out, {"ready": os.getpid()})
     for line in sys.stdin:
         msg = json.loads(line)
-        _Flags.stop = False
+        Flags.stop = None
         reply: dict[str, Any] = {"task": msg["task"]}
         try:
             key = (msg["fn"], bool(msg["jit"]))
             if key not in functions:
-                functions[key] = _Guarded(PyFunction(resolve(msg["fn"]), bool(msg["jit"]), msg["fn"]))
+                functions[key] = Guarded(PyFunction(resolve(msg["fn"]), bool(msg["jit"]), msg["fn"]))
             outcome = run_task(store, functions[key], tuple(msg["inputs"]), tuple(msg["outputs"]),
-                               lambda: _Flags.stop)
+                               stopped)
             reply.update(ok=True, read=outcome.read, written=outcome.written, seconds=outcome.seconds)
         except (Interrupted, KeyboardInterrupt):
             reply.update(ok=False, cancelled=True)
