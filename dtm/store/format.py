@@ -23,6 +23,7 @@ from crc32c import crc32c
 from ..ir.dtypes import DTYPES, DType, numpy_dtype
 from ..ir.types import TensorType
 from ..ref.quant import storage_shape as _quant_storage_shape
+from .crc import checksum
 
 FORMAT_VERSION = 1
 CRC_BYTES = 4
@@ -186,7 +187,7 @@ def encode_chunk(layout: Layout, block: np.ndarray) -> tuple[list[memoryview | b
         whole = np.zeros(layout.chunk_shape, layout.storage_dtype)
         whole[tuple(slice(0, n) for n in block.shape)] = block
         body, pad = memoryview(whole.reshape(-1).view(np.uint8)), b""
-    crc = crc32c(pad, crc32c(body))
+    crc = crc32c(pad, checksum(body))
     return [body, pad, crc.to_bytes(CRC_BYTES, "little")], crc
 
 

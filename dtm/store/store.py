@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-from crc32c import crc32c
 
 from ..errors import ErrorCode
 from ..ir.dtypes import DTYPES, DType, from_numpy, numpy_dtype
@@ -25,6 +24,7 @@ from .files import FsspecFiles, LocalFiles
 from .index import Entry, SqliteIndex
 from .refindex import RefIndex
 from .keys import check_key, version_dir
+from .crc import checksum as crc_of
 
 # What `get` wraps its array in, and its pieces with a mesh: (type, Shards) -> a distributed
 # tensor. The store sits below the user-facing API (DESIGN.md, layer 8), so `dtm/__init__.py`
@@ -132,7 +132,7 @@ class Store:
                 crc = self._write_chunk(rel, layout, i, data[_slices(layout.chunk_box(i))])
             # one unpadded chunk: its CRC is the tensor's; else one more pass over the bytes
             whole = layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes
-            checksum = crc if whole else crc32c(data.reshape(-1).view(np.uint8) if data.size else b"")
+            checksum = crc if whole else crc_of(data.reshape(-1).view(np.uint8) if data.size else b"")
         return self._commit(key, rel, layout, f"{checksum:08x}")
 
     def _write_chunk(self, rel: str, layout: fmt.Layout, i: tuple[int, ...], block: np.ndarray) -> int:
@@ -296,7 +296,7 @@ class Store:
             raise ChecksumError(entry.key, name, f"{raw.size} bytes, expected {want} (truncated or padded)")
         body = raw[:-fmt.CRC_BYTES]
         stored = int.from_bytes(raw[-fmt.CRC_BYTES:].tobytes(), "little")
-        got = crc32c(body)
+        got = crc_of(body)
         if got != stored:
             raise ChecksumError(entry.key, name, f"CRC32C {got:08x}, the chunk says {stored:08x}")
         return body
