@@ -177,7 +177,7 @@ def main() -> None:
                   "cpu:q8_0": "DTM cpu q8_0", "cpu:q4_0": "DTM cpu q4_0", "cpu:bf16": "DTM cpu bf16"}
         results = []
         for i, engine in enumerate(engines):
-            label = {0: "DTM cpu (empty cache)", 1: "DTM cpu (cached)"}.get(i, labels[engine])
+            label = {0: "DTM cpu (empty cache)", 1: "DTM cpu (cached)"}.get(i) or labels[engine]
             print(f"running {label} ...", file=sys.stderr, flush=True)
             results.append((label, run_worker(engine, args, cache)))
     cold, warm, torch_r = results[0][1], results[1][1], results[2][1]

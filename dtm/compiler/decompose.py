@@ -8,6 +8,10 @@ reference): composites on narrow floats (f16, bf16, f8: the spec computes those 
 rounds once, which the decomposition in the operand's dtype would not), a layer_norm whose
 last dim is symbolic and an attention without `scale` whose head dim is symbolic (the
 decomposition writes N or 1/sqrt(D) as a constant).
+
+A `cast` between a block type (q8_0, q4_0) and a float dtype other than f32 becomes two
+casts through f32, which the compiler quantizes and dequantizes in C (exact: the reference
+computes it so).
 """
 
 from __future__ import annotations
@@ -138,8 +142,26 @@ RULES = {
 }
 
 
+def _block_cast(e: Emitter, op: Op) -> None:
+    """cast between a block type (q8_0, q4_0) and a float dtype other than f32, through f32:
+    the reference quantizes the operand's values as f32 and dequantizes to f32 values, then
+    rounds them to the result dtype (dtm.ref.quant), so the two casts are the same bits."""
+    (x,), y = op.operands, op.results[0]
+    mid = e("cast", x, type=TensorType(DTYPES["f32"], x.type.shape), to=DTYPES["f32"])
+    e("cast", mid, result=y, type=y.type, to=y.type.dtype)
+
+
+def _is_block_cast(op: Op) -> bool:
+    if op.name != "cast":
+        return False
+    a, b = op.operands[0].type.dtype, op.results[0].type.dtype
+    return (a.is_quant or b.is_quant) and "f32" not in (a.name, b.name)
+
+
 def decomposable(op: Op) -> bool:
     """Whether `decompose` replaces this op (see the module docstring for what it leaves)."""
+    if _is_block_cast(op):
+        return True
     if op.name not in RULES or op.operands[0].type.dtype.name not in NATIVE_FLOATS:
         return False
     x = op.operands[0]
@@ -160,7 +182,7 @@ def decompose(func: Func) -> Func:
     changed = False
     for op in func.ops:
         if decomposable(op):
-            RULES[op.name](e, op)
+            (_block_cast if op.name == "cast" else RULES[op.name])(e, op)
             changed = True
         else:
             ops.append(op)

@@ -19,6 +19,7 @@ Statements:
     Store(buf, index, expr) If(cond, body)
     Array(name, dtype, size)  declare a small local buffer (accumulators for a block of columns)
     Gemm(...)               a call of the runtime's matrix product, with an epilogue body
+    Quant(...)              quantize or dequantize whole blocks (q8_0, q4_0) of one buffer
 
 Buffers are flat and contiguous (row-major); index expressions compute the flat offset.
 """
@@ -332,7 +333,20 @@ class Gemm:
     b_dtype: DType | None = None     # B's buffer holds this narrow dtype (c_narrow.py), else dtype
 
 
-Stmt = Union[Loop, Let, Assign, Bind, Store, If, Array, Gemm]
+@dataclass
+class Quant:
+    """Quantize (f32 -> `dtype`, a block type) or dequantize (`dtype` -> f32) `blocks` blocks
+    of 32 elements, buffer `src` into buffer `dst`, both contiguous (dtm.ref.quant's rules,
+    bit for bit: the runtime's C in render_c.QUANT_C)."""
+
+    quantize: bool
+    dtype: DType
+    blocks: Expr
+    src: str
+    dst: str
+
+
+Stmt = Union[Loop, Let, Assign, Bind, Store, If, Array, Gemm, Quant]
 
 
 @dataclass
@@ -404,5 +418,8 @@ def _fmt_body(body: list, depth: int, lines: list) -> None:
             if s.epilogue:
                 lines.append(f"{pad}  epilogue over ({s.ivar}, {s.jvar}):")
                 _fmt_body(s.epilogue, depth + 2, lines)
+        elif isinstance(s, Quant):
+            what = f"quantize f32 -> {s.dtype}" if s.quantize else f"dequantize {s.dtype} -> f32"
+            lines.append(f"{pad}{s.dst} = {what} {s.src} ({s.blocks} blocks of 32)")
         else:  # pragma: no cover
             lines.append(f"{pad}{s!r}")

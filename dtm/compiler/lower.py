@@ -367,6 +367,8 @@ class KernelBuilder:
         g = self.group
         if g.kind == "matmul" and gemm_dtype(g.matmul):
             body = self.build_gemm()
+        elif g.kind == "convert":
+            body = self.build_convert()
         else:
             body = self.build_loops()
         dims = sorted(_free_dims(body) - {p.name for p in self.params})
@@ -564,6 +566,18 @@ class KernelBuilder:
         assert len(self.scopes) == 1
         return self.scopes[0].body
 
+    def build_convert(self) -> list:
+        """A cast between f32 and a block type: one call quantizing or dequantizing the
+        operand's blocks (both buffers contiguous, K a multiple of 32)."""
+        op = self.group.op
+        x, y = op.operands[0], op.results[0]
+        src = self.param(x)
+        dst = self.param(y, output=True)
+        quantize = y.type.dtype.is_quant
+        blocks = L.idiv(L.dim_expr(dim_prod(x.type.shape)), 32)
+        self.emit(L.Quant(quantize, (y if quantize else x).type.dtype, blocks, src, dst))
+        return self.pop_root()
+
     def build_gemm(self) -> list:
         g = self.group
         mm = g.matmul
@@ -744,6 +758,8 @@ def _free_dims(body: list) -> set:
                 for st in (s.a, s.b, s.c):
                     expr(st.offset), expr(st.rows), expr(st.cols)
                 walk(s.epilogue or [])
+            elif isinstance(s, L.Quant):
+                expr(s.blocks)
     walk(body)
     return used - bound
 

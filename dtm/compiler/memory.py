@@ -40,7 +40,7 @@ def _accesses(body: list, loads: dict, stores: dict) -> bool:
             loads.setdefault(ld.buf, set()).add(ld.index)
 
     for s in body:
-        if isinstance(s, L.Gemm):
+        if isinstance(s, (L.Gemm, L.Quant)):
             return False
         if isinstance(s, L.Loop):
             expr(s.start), expr(s.stop)

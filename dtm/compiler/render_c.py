@@ -29,6 +29,7 @@ import numpy as np
 
 from ..ir.dtypes import DType
 from . import loopir as L
+from . import c_convert
 from .c_narrow import HEADER as NARROW_HEADER
 from .c_runtime import HEADER
 from .loopir import INDEX
@@ -38,8 +39,10 @@ PARALLEL_WORK = 1 << 15
 CTYPE = {"bool": "uint8_t", "i8": "int8_t", "i16": "int16_t", "i32": "int32_t", "i64": "int64_t",
          "u8": "uint8_t", "u16": "uint16_t", "u32": "uint32_t", "u64": "uint64_t",
          "f32": "float", "f64": "double",
-         # storage of narrow weights, read only by the runtime's products (c_narrow.py)
-         "bf16": "uint16_t", "q8_0": "uint8_t", "q4_0": "uint8_t"}
+         # narrow floats as their bits, read and written only by casts (c_convert.py), and
+         # quantized blocks as bytes (casts, and the runtime's products in c_narrow.py)
+         "f16": "uint16_t", "bf16": "uint16_t", "f8e4m3": "uint8_t", "f8e5m2": "uint8_t",
+         "q8_0": "uint8_t", "q4_0": "uint8_t"}
 # the unsigned type integer arithmetic wraps in (at least as wide as int: no promotion surprises)
 WRAP = {"i8": "uint32_t", "i16": "uint32_t", "i32": "uint32_t", "i64": "uint64_t",
         "u8": "uint32_t", "u16": "uint32_t", "u32": "uint32_t", "u64": "uint64_t"}
@@ -230,6 +233,10 @@ class _Renderer:
 
     def cast(self, x: str, src, dst) -> str:
         t = ctype(dst)
+        if _name(src) in c_convert.NARROW_FLOATS or _name(dst) in c_convert.NARROW_FLOATS:
+            self.helper("dtm_narrow_floats", c_convert.narrow_float_helpers())
+            return c_convert.cast_expr(x, _name(src) if src is not INDEX else "index", _name(dst),
+                                       lambda _: self.f2i(dst))
         if dst is not INDEX and dst.name == "bool":
             return f"(uint8_t)({x} != 0)"
         if _is_float(src) and not _is_float(dst):
@@ -269,6 +276,11 @@ class _Renderer:
                 out.append(f"{pad}{ctype(s.dtype)} {s.name}[{s.size}];")
             elif isinstance(s, L.Gemm):
                 self.gemm(s, depth, out)
+            elif isinstance(s, L.Quant):
+                self.helper("dtm_narrow_floats", c_convert.narrow_float_helpers())
+                self.helper("dtm_quant_blocks", c_convert.QUANT_C)
+                fn = f"dtm_{'quantize' if s.quantize else 'dequantize'}_{s.dtype.name}"
+                out.append(f"{pad}{fn}({self.expr(s.blocks)}, {s.src}, {s.dst});")
             else:  # pragma: no cover
                 raise AssertionError(s)
 

@@ -30,8 +30,13 @@ Each stored value gets a kernel, one of:
     narrow weight, permute(cast(W, f32)) with W q8_0, q4_0 or bf16 (`narrow_weight`), reads
     W itself: the cast is absorbed (kind "narrow") and never stored when every reader of it
     is such a product, so the weight is read narrow, once per product (c_narrow.py);
-  - fallback: any other op (gather, scatter, argsort, random, collectives, store, call, ops on
-    narrow floats or quantized dtypes) runs the reference implementation.
+  - convert: a `cast` between f32 and a block type (q8_0, q4_0): quantize or dequantize,
+    block by block, in C (its operand stored, contiguous). A cast between a block type and
+    another float dtype goes through f32 (`decompose` splits it: exact, as the reference
+    computes it). Casts to and from the narrow floats (f16, bf16, f8e4m3, f8e5m2) are
+    elementwise: their values are held as their bits, which only a cast reads;
+  - fallback: any other op (gather, scatter, argsort, random, collectives, store, call, other
+    ops on narrow floats or quantized dtypes) runs the reference implementation.
 Loop kernels over the same shape that are related are then merged when the merged kernel
 can compute everything in place (see `merge`). Kernels are ordered by their data
 dependencies, effects in program order, and an `assign` after every kernel that reads its
@@ -49,6 +54,8 @@ from ..ir.symbolic import format_dim
 from .views import MOVES, STRIDED_MOVES, strided_view
 
 NATIVE = frozenset(("bool", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "f32", "f64"))
+NARROW_FLOATS = frozenset(("f16", "bf16", "f8e4m3", "f8e5m2"))  # held as their bits; only `cast` reads them
+BLOCK_TYPES = frozenset(("q8_0", "q4_0"))
 EW_CATEGORIES = (Category.UNARY, Category.BINARY, Category.COMPARE, Category.TERNARY)
 REDUCES = ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin")
 SOURCES = ("full", "iota")
@@ -62,6 +69,12 @@ READS_LIMIT = 4  # arrays of its size a value read by several ops may read inlin
 def op_kind(op: Op) -> str:
     """How the compiler handles an op: ew, move, source, const, reduce, matmul or fallback."""
     types = [v.type for v in op.operands] + [r.type for r in op.results]
+    if op.name == "cast":
+        src, dst = types[0].dtype.name, types[1].dtype.name
+        if (src in BLOCK_TYPES and dst == "f32") or (dst in BLOCK_TYPES and src == "f32"):
+            return "convert"
+        if src in NATIVE | NARROW_FLOATS and dst in NATIVE | NARROW_FLOATS:
+            return "ew"
     if any(t.dtype.name not in NATIVE for t in types):
         return "fallback"
     cat = REGISTRY[op.name].category
@@ -101,7 +114,7 @@ def row_shapes(F: tuple, R: tuple) -> tuple[tuple, tuple]:
 class Group:
     """One kernel. `stores` are the values it writes; `loads` those it reads from memory."""
 
-    kind: str                                   # elementwise | reduce | matmul | fallback
+    kind: str                                   # elementwise | reduce | matmul | convert | fallback
     stores: list[Value]
     domain: tuple = ()                          # F: the shape the loops run over
     axes: tuple = ()                            # R: reduced axes of F (reduce kernels)
@@ -135,7 +148,7 @@ class Schedule:
         for i, g in enumerate(self.groups):
             dom = "[" + ", ".join(format_dim(d) for d in g.domain) + "]"
             head = f"k{i} {g.kind}"
-            if g.kind == "fallback":
+            if g.kind in ("fallback", "convert"):
                 head += f" {g.op.name}"
             else:
                 head += f" over {dom}" + (f" reducing axes {list(g.axes)}" if g.axes else "")
@@ -245,7 +258,7 @@ class _Scheduler:
                 continue
             op = g.producer[u]
             kind = g.kind[op]
-            if kind == "fallback" or kind == "const":  # stored by its own kernel, or a constant buffer
+            if kind in ("fallback", "convert", "const"):  # stored by its own kernel, or a constant buffer
                 if u not in loads_seen:
                     loads_seen.add(u)
                     w.loads.append(u)
@@ -285,7 +298,7 @@ class _Scheduler:
             if u != v and self.is_boundary(u, set()):
                 continue
             op = g.producer.get(u)
-            if op is None or g.kind[op] in ("fallback", "const"):
+            if op is None or g.kind[op] in ("fallback", "convert", "const"):
                 continue
             if g.kind[op] == "reduce":
                 out.append(op)
@@ -320,7 +333,7 @@ class _Scheduler:
         self.stored.update(self.read_across_assigns())
         for op in g.func.ops:
             kind = g.kind[op]
-            if kind == "fallback":
+            if kind in ("fallback", "convert"):
                 self.stored.update(op.results)
                 self.stored.update(v for v in op.operands if v not in g.params)
             elif kind == "const":
@@ -403,7 +416,7 @@ class _Scheduler:
         reach: dict[Op, list] = {}
         for v in sorted(self.stored, key=self._order):
             op = g.producer.get(v)
-            if op is None or g.kind[op] in ("fallback", "const"):
+            if op is None or g.kind[op] in ("fallback", "convert", "const"):
                 continue
             F, R = self.domain(v)
             w = self.walk([v], F, R, {v})
@@ -447,8 +460,8 @@ class _Scheduler:
                 break
             self.stored |= need
         for op in g.func.ops:
-            if g.kind[op] == "fallback":
-                groups.append(Group("fallback", list(op.results), op=op, ops=[op], loads=list(op.operands)))
+            if g.kind[op] in ("fallback", "convert"):
+                groups.append(Group(g.kind[op], list(op.results), op=op, ops=[op], loads=list(op.operands)))
         for grp in groups:
             grp.first = min(g.pos[op] for op in grp.ops) if grp.ops else 0
         groups.sort(key=lambda grp: grp.first)

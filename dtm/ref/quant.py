@@ -17,7 +17,8 @@ bit for bit, so files written by llama.cpp and by DTM agree. It computes in f32:
         d = 0), q = min(15, trunc(f32(x * id + 8.5))).
 
 The scale is stored as f16(d) (round to nearest even), while q is computed with the f32 d,
-as GGML does. A NaN in a block gives a NaN scale and q = 0 (the cast rule for NaN).
+as GGML does. A NaN in a block gives a NaN scale and q = 0 (the cast rule for NaN); for q8_0
+that scale is the quiet NaN (f16 0x7e00), for q4_0 the first NaN's bits through d = m / -8.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def quantize(x: np.ndarray, dtype: DType) -> np.ndarray:
     b = _blocks(x)
     with np.errstate(all="ignore"):
         if dtype.name == "q8_0":
-            d = (np.max(np.abs(b), axis=-1) / np.float32(127)).astype(np.float32)
+            # a block holding NaN: the quiet NaN (numpy's max keeps a payload or not, by position)
+            amax = np.where(np.isnan(b).any(-1), np.float32(np.nan), np.max(np.abs(b), axis=-1))
+            d = (amax / np.float32(127)).astype(np.float32)
             inv, scale = _scales(d)
             v = (b * inv[..., None]).astype(np.float64)     # f32 product, widened exactly
             q = _to_int(np.trunc(v + np.copysign(0.5, v)), -128, 127).astype(np.int8)

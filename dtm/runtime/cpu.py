@@ -241,7 +241,7 @@ class Plan:
     def allocate(self, b: Buffer, bindings: dict, slots: list | None) -> np.ndarray:
         t = resolve_type(b.type, bindings) if bindings else b.type
         dtype = _np_dtype(t)
-        shape = tuple(int(d) for d in t.shape)
+        shape = tuple(int(d) for d in quant.storage_shape(t))
         n = math.prod(shape)
         if b.slot is not None and slots is not None:
             return slots[b.slot][: n * dtype.itemsize].view(dtype).reshape(shape)
