@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import mmap
 import os
 import queue
 import shutil
@@ -15,8 +14,6 @@ import time
 from typing import Any, Iterable, Iterator
 
 import numpy as np
-
-POPULATE_BYTES = 1 << 20  # files this large are mapped with their pages at once
 
 
 class LocalFiles:
@@ -54,16 +51,11 @@ class LocalFiles:
             return f.read()
 
     def map(self, rel: str) -> np.ndarray:
-        """The file's bytes as a read-only uint8 array, memory-mapped (no copy). A large file's
-        pages are mapped in one go (MAP_POPULATE, where the system has it): its reader reads
-        every byte for the CRC anyway, and one call beats a page fault per few pages."""
-        with open(self.path(rel), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:  # mmap refuses empty files
-                return np.empty(0, np.uint8)
-            populate = getattr(mmap, "MAP_POPULATE", 0) if size >= POPULATE_BYTES else 0
-            m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
-        return np.frombuffer(m, np.uint8)
+        """The file's bytes as a read-only uint8 array, memory-mapped (no copy)."""
+        path = self.path(rel)
+        if os.path.getsize(path) == 0:  # mmap refuses empty files
+            return np.empty(0, np.uint8)
+        return np.memmap(path, np.uint8, mode="r")
 
     def walk(self, rel: str) -> Iterator[tuple[str, float]]:
         """(path relative to the root, modification time) of every file and directory below
