@@ -94,3 +94,60 @@ def test_cancel_interrupts_the_running_process_task(st):
     assert r.cancelled == ["t2"] and r.finished == ["t0", "t1"] and r.never_started == [f"t{i}" for i in range(3, 10)]
     assert sorted(st.keys("x/")) == ["x/0", "x/1", "x/2"]
     assert st.verify().ok
+
+
+CTRL_C_SCRIPT = r'''
+import json, sys
+import numpy as np
+import dtm
+import task_functions as tf
+from dtm.tasks import Graph
+
+st = dtm.store.open(sys.argv[1])
+st.put("k0", np.zeros(4, np.float32))
+g = Graph(st)
+prev = None
+for i in range(6):  # a chain of slow process tasks: Ctrl-C lands while one of them runs
+    prev = g.task(tf.slow, [f"k{i}"], [f"k{i + 1}"], process=True, after=[prev] if prev else [])
+run = g.run(workers=1)
+print("running", flush=True)
+try:
+    run.wait(timeout=60)
+    print(json.dumps({"interrupted": False}))
+except KeyboardInterrupt:
+    r = run.report()
+    print(json.dumps({"interrupted": True, "state": r.state,
+                      "states": [t.state for t in r.tasks], "keys": st.keys()}))
+'''
+
+
+def test_ctrl_c_while_waiting_cancels_the_run_and_leaves_no_half_written_key(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "running", p.stderr.read()
+        deadline = time.monotonic() + 30
+        with dtm.store.open(tmp_path / "store") as st:  # the first task finished: the chain is under way
+            while "k1" not in st and time.monotonic() < deadline:
+                time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    d = json.loads(out.strip().splitlines()[-1])
+    assert d["interrupted"] and d["state"] == "cancelled", (d, err[-2000:])
+    done = [s == "finished" for s in d["states"]]
+    assert done == sorted(done, reverse=True) and done[0] and not all(done), d  # a prefix of the chain finished
+    assert "never started" in d["states"] or "cancelled" in d["states"], d
+    # exactly the finished tasks' outputs are in the store: none half-written, none from a cancelled task
+    assert d["keys"] == sorted(["k0"] + [f"k{i + 1}" for i, ok in enumerate(done) if ok]), d
