@@ -503,3 +503,23 @@ def test_a_closed_store_says_so(tmp_path):
             use()
         assert e.value.code is ErrorCode.STORE_IO_ERROR and "closed" in str(e.value)
     assert _same_bits(dtm.store.open(tmp_path / "s").get_array("k"), np.arange(3))
+
+
+def test_replacing_a_key_behind_a_url_removes_its_old_objects_by_name_without_listing(monkeypatch):
+    """A replaced version's objects go by the names its metadata gives: listing a prefix on
+    fsspec's memory file system scans every object (a put into a store of 10,000 keys took
+    43 ms that way)."""
+    s = dtm.store.open("memory://replace-by-name")
+    for i in range(50):
+        s.put(f"other/{i}", np.zeros(2, np.float32))
+    s.put("k", np.zeros((4, 3), np.float32))
+    fs = s._files.fs
+    before = set(fs.store)
+    monkeypatch.setattr(fs, "find", lambda *a, **k: pytest.fail("a put listed the store"))
+    monkeypatch.setattr(fs, "ls", lambda *a, **k: pytest.fail("a put listed the store"))
+    s.put("k", np.ones((4, 3), np.float32))
+    s.delete("other/7")
+    after = set(fs.store)
+    assert len(after) == len(before) - 3  # k: one version's two objects for another's; other/7: all three gone
+    np.testing.assert_array_equal(s.get_array("k"), np.ones((4, 3), np.float32))
+    assert not [p for p in after if "/other/7/" in p]

@@ -149,8 +149,15 @@ class Store:
             self._files.sync_tree(rel)
             entry, old = self._index.commit(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
         if old is not None:
-            self._files.remove_later(old)
+            self._drop(old)
         return entry
+
+    def _drop(self, rel: str) -> None:
+        """Remove version `rel`, which no key names any more: its zarr.json and its chunks."""
+        def names() -> list[str]:
+            layout, _ = fmt.parse_metadata(self._files.read_bytes(f"{rel}/zarr.json"))
+            return [layout.chunk_key(i) for i in layout.chunks()] + ["zarr.json"]
+        self._files.remove_version(rel, names)
 
     @contextlib.contextmanager
     def _writing(self, key: str, rel: str) -> Iterator[None]:
@@ -172,7 +179,7 @@ class Store:
         entry = self._index.delete(key)
         if entry is None:
             raise KeyMissing(key)
-        self._files.remove_tree(entry.dir)
+        self._drop(entry.dir)
 
     def set_quota(self, nbytes: int | None, prefix: str = "") -> None:
         """Limit the bytes stored under `prefix` (every key for ""); None lifts the limit."""
