@@ -523,3 +523,16 @@ def test_replacing_a_key_behind_a_url_removes_its_old_objects_by_name_without_li
     assert len(after) == len(before) - 3  # k: one version's two objects for another's; other/7: all three gone
     np.testing.assert_array_equal(s.get_array("k"), np.ones((4, 3), np.float32))
     assert not [p for p in after if "/other/7/" in p]
+
+
+def test_a_large_checksum_over_several_threads_is_the_crc32c_of_the_bytes():
+    from crc32c import crc32c
+
+    from dtm.store.crc import PARALLEL_BYTES, checksum, combine
+
+    rng = np.random.default_rng(5)
+    for n in (0, 7, PARALLEL_BYTES - 1, PARALLEL_BYTES + 12345, 3 * PARALLEL_BYTES + 1):
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        assert checksum(a) == crc32c(a), n
+    x, y = rng.bytes(1000), rng.bytes(333)
+    assert combine(crc32c(x), crc32c(y), len(y)) == crc32c(x + y)

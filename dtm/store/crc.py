@@ -73,6 +73,7 @@ def combine(first: int, second: int, second_bytes: int) -> int:
 
 
 PARALLEL_BYTES = 32 << 20  # below this a checksum is one call: threads would cost more than they save
+_CORES = min(os.cpu_count() or 1, 8)  # asked once: os.cpu_count() takes microseconds
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -82,11 +83,13 @@ def checksum(buf: memoryview | np.ndarray) -> int:
     after the bytes are in memory."""
     global _pool
     view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
-    k = min(os.cpu_count() or 1, 8, len(view) // (PARALLEL_BYTES // 2))
-    if k < 2:
+    if len(view) < PARALLEL_BYTES:
         return crc32c(view)
     if _pool is None:
-        _pool = ThreadPoolExecutor(min(os.cpu_count() or 1, 8), thread_name_prefix="dtm-crc")
+        _pool = ThreadPoolExecutor(_CORES, thread_name_prefix="dtm-crc")
+    k = min(_CORES, len(view) // (PARALLEL_BYTES // 2))
+    if k < 2:
+        return crc32c(view)
     step = -(-len(view) // k)
     parts = [view[i:i + step] for i in range(0, len(view), step)]
     crcs = list(_pool.map(crc32c, parts))
