@@ -345,13 +345,17 @@ class Communicator:
         """Ring reduce-scatter with a rounding per hop, then an all-gather of the encoded
         finished blocks; blocks of the ring start at multiples of 32 elements."""
         n, size = len(g.ranks), x.size
-        work = self._scratch(1, np.dtype(np.float32), size)
-        np.copyto(work, x.reshape(-1), casting="unsafe")
+        flat = out.reshape(-1)
+        if x.dtype == np.float32:  # the values stay in `out` itself (no copy at all when in place)
+            work = self._work(x, flat)
+        else:
+            work = self._scratch(1, np.dtype(np.float32), size)
+            np.copyto(work, x.reshape(-1), casting="unsafe")
         blocks = -(-size // 32)
         bounds = [(min(32 * a, size), min(32 * b, size)) for a, b in alg.split(blocks, n)]
         self._run(g, "all_reduce", x, lambda link: self._compressed_ring(link, bounds, work, 1, "all_reduce", compress),
                   reduce_op=op, args=f"compress={compress}")
-        reduction.finish(op, work, n, out.reshape(-1))
+        reduction.finish(op, work, n, flat)
         return out
 
     def reduce(self, x: np.ndarray, dst: int = 0, op: str = "sum",
