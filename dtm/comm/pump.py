@@ -13,6 +13,8 @@ says whether it can be used here:
 
 `RingPassState` turns a ring plan (`algorithms.ring_schedule`) into the pump's state and
 keeps the arrays that state points into alive; `TcpTransport.ring_pass` drives it.
+`CompressedPassState` does the same for a compressed pass (spec 9.5.1), which runs in the
+pump built together with the codec (`compressed_ring_pump`); `compressed_ring_pass` drives it.
 """
 
 from __future__ import annotations

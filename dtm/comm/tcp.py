@@ -19,6 +19,7 @@ is bounded before a buffer is allocated, and a peer whose connection ends withou
 frame is reported as `PeerLost` at once.
 
 The ring passes of all_gather, and of f32 or f64 all_reduce and reduce_scatter (sum, avg),
+and the compressed ones (spec 9.5.1, `compressed_ring_pass`, the codec inside the loop),
 run in C (`ring_pass`, `ring_pump.c`): the same frames, read and written without Python's
 per-frame work, which on a small machine is what decides whether DTM keeps up with gloo.
 Python hands the pump the two connections at a frame boundary and takes them back the
