@@ -12,7 +12,7 @@ import numpy as np
 from .compiler.autodiff import grad as grad_ir
 from .errors import ErrorCode, user_error as error
 from .tensor import Tensor, enable_grad, inference_mode, is_grad_enabled, no_grad  # noqa: F401 - torch.autograd's names
-from .tensor.core import STATE, _free, _frontier, _recomputed, capture, realize, record_func
+from .tensor.core import STATE, _free, _frontier, _recomputed, capture, module_mesh, realize, record_func
 
 __all__ = ["grad", "no_grad", "enable_grad", "inference_mode", "is_grad_enabled"]
 
@@ -84,7 +84,7 @@ def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
     name = grad_ir(module, "main", wrt, seed="ones")
     # Recorded, not run: eagerly the gradients compute when read; inside dtm.jit they join
     # the traced program.
-    results = record_func(module.funcs[name], params, history=create_graph)[1:]
+    results = record_func(module.funcs[name], params, history=create_graph, mesh=module_mesh(module))[1:]
     if not (create_graph if retain_graph is None else retain_graph):
         _free(inner)
     return tuple(r if u else None for r, u in zip(results, used))

@@ -120,7 +120,51 @@ def bad_frame(comm, rank, n):
     return {}
 
 
-SCENARIOS = {"accuracy": accuracy, "no_quant_peer": no_quant_peer, "bad_frame": bad_frame}
+def python_ring(comm) -> None:
+    """This rank runs compressed rings in Python (algorithms.compressed_ring), not in the pump."""
+    comm.transport.compressed_ring_pass = lambda *args, **kw: False
+
+
+def pump_vs_python(comm, rank, n):
+    """The same compressed collectives with the C ring pump, with Python's ring, and with
+    rank 0 on Python's ring and the others on the pump: every result the same bits."""
+    out = {}
+    shapes = {"ar": (SIZE,), "rs": (n * 64, 33), "ag": (7, 50)}
+    for how in ("pump", "python", "mixed"):
+        if how == "python" or (how == "mixed" and rank == 0):
+            python_ring(comm)
+        elif "compressed_ring_pass" in vars(comm.transport):
+            del comm.transport.compressed_ring_pass
+        for c in ("q8_0", "bf16"):
+            out[f"{how}_ar_{c}"] = comm.all_reduce(operand(rank, shapes["ar"]), compress=c)
+            out[f"{how}_avg_{c}"] = comm.all_reduce(operand(rank, shapes["ar"]), op="avg", compress=c)
+            x = operand(rank, shapes["ar"])
+            comm.all_reduce(x, out=x, compress=c)  # in place
+            out[f"{how}_inplace_{c}"] = x
+            out[f"{how}_rs_{c}"] = comm.reduce_scatter(operand(rank, shapes["rs"]), compress=c)
+            out[f"{how}_ag_{c}"] = comm.all_gather(operand(rank, shapes["ag"]), dim=1, compress=c)
+            out[f"{how}_tiny_{c}"] = comm.all_reduce(operand(rank, (n + 1,)), compress=c)  # empty blocks
+        out[f"{how}_pump_runs"] = comm.transport.pump_runs
+    return out
+
+
+def unflagged(comm, rank, n, receiver_pump=True):
+    """Rank 0 sends its compressed chunks without the COMPRESSED flag (Python's ring, flags
+    dropped); the next rank, which expects compressed chunks, must refuse them (E0910)."""
+    if rank == 0:
+        python_ring(comm)
+        send_data = comm.transport.send_data
+        comm.transport.send_data = lambda peer, stream, buf, *, seq, chunk, flags=0: send_data(
+            peer, stream, buf, seq=seq, chunk=chunk)
+    elif not receiver_pump:
+        python_ring(comm)
+    comm.all_reduce(operand(rank, (SIZE,)), compress="q8_0")
+    return {}
+
+
+SCENARIOS = {"accuracy": accuracy, "no_quant_peer": no_quant_peer, "bad_frame": bad_frame,
+             "pump_vs_python": pump_vs_python, "unflagged_pump": unflagged,
+             "unflagged_python": lambda comm, rank, n: unflagged(comm, rank, n, receiver_pump=False)}
 
 
 def rank_main(scenario, rank, n, q_port, q_addrs, q_out, env):
@@ -256,3 +300,30 @@ def test_a_compressed_frame_whose_block_count_disagrees_with_its_length_is_refus
     assert status == "err", value
     name, code, message = value
     assert code == "E0910" and "64 q8_0 elements need 68 bytes" in message and "rank 0" in message, value
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_c_ring_pump_gives_the_python_rings_bits(n):
+    outcomes = run_mesh(n, "pump_vs_python")
+    assert sorted(outcomes) == list(range(n)), outcomes
+    errors = {r: o[1] for r, o in outcomes.items() if o[0] != "ok"}
+    assert not errors, errors
+    for r in range(n):
+        res = outcomes[r][1]
+        runs = res["pump_pump_runs"]
+        assert runs >= 12, runs  # the pump ran every compressed pass (2 codecs x 6 collectives)
+        assert res["python_pump_runs"] == runs  # and none of Python's
+        for key in (k for k in res if k.startswith("pump_") and not k.endswith("runs")):
+            want = res[key].tobytes()
+            for how in ("python", "mixed"):
+                assert res[how + key[4:]].tobytes() == want, (r, how, key)
+            assert outcomes[0][1][key].tobytes() == want or key.startswith("pump_rs"), (r, key)
+
+
+@pytest.mark.parametrize("receiver", ["pump", "python"])
+def test_a_data_frame_without_the_compressed_flag_where_a_compressed_one_is_due_is_refused(receiver):
+    outcomes = run_mesh(2, f"unflagged_{receiver}")
+    status, value = outcomes[1]
+    assert status == "err", value
+    name, code, message = value
+    assert code == "E0910" and "without the COMPRESSED flag" in message and "rank 0" in message, value

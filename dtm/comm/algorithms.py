@@ -31,7 +31,8 @@ class Link(Protocol):
     me: int
 
     def send(self, to: int, buf: np.ndarray, flags: int = 0) -> Handle: ...
-    def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None) -> Handle: ...
+    def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None,
+             flags: int = 0) -> Handle: ...
     def wait(self, handles: list[Handle]) -> None: ...
 
 
@@ -219,7 +220,7 @@ def compressed_ring(link: Link, bounds: list[tuple[int, int]], step: int, codec,
     for r in plan:
         buf = recv_arena[rpos:rpos + size(r.b - r.a)]
         rpos += buf.size
-        handles.append(link.recv(left, buf, on_done=lambda r=r, buf=buf: landed(r, buf)))
+        handles.append(link.recv(left, buf, on_done=lambda r=r, buf=buf: landed(r, buf), flags=flags))
     link.wait(handles)  # the callbacks append the later sends to `handles`
 
 

@@ -89,10 +89,11 @@ class _Link:
             self.tp.poll(self.what)
             raise PeerLost(e.peer, self.what, e.detail) from None
 
-    def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None) -> Handle:
+    def recv(self, frm: int, buf: np.ndarray, on_done: Callable[[], None] | None = None, flags: int = 0) -> Handle:
         chunk = self._received[frm]
         self._received[frm] = chunk + 1
-        return self.tp.recv(self.ranks[frm], self.stream, buf, seq=self.seq, chunk=chunk, on_done=on_done)
+        return self.tp.recv(self.ranks[frm], self.stream, buf, seq=self.seq, chunk=chunk, on_done=on_done,
+                            flags=flags)
 
     def wait(self, handles: list[Handle]) -> None:
         self.tp.wait(handles, self.what)
@@ -330,22 +331,31 @@ class Communicator:
         n = link.n
         step = max(32, self._chunk(work.dtype, work.nbytes, n) // 32 * 32)
         received, encoded = alg.compressed_arenas(n, link.me, bounds, step, own, mode, codec.chunk_bytes)
-        alg.compressed_ring(link, bounds, step, codec, work=work, own=own, mode=mode,
-                            recv_arena=self._scratch(6, np.uint8, received),
-                            send_arena=self._scratch(7, np.uint8, encoded), flags=FLAG_COMPRESSED,
-                            who=f"compressed {mode} from {self.transport.peer_name(link.ranks[(link.me - 1) % n])}")
+        recv_arena, send_arena = self._scratch(6, np.uint8, received), self._scratch(7, np.uint8, encoded)
+        left, right = link.ranks[(link.me - 1) % n], link.ranks[(link.me + 1) % n]
+        first, plan = alg.ring_schedule(n, link.me, bounds, step, own, mode)
+        if self.transport.compressed_ring_pass(left, right, link.stream, link.seq, link.start, work, first, plan,
+                                               codec, mode, link.what, recv_arena, send_arena):
+            return  # the same frames and bits, in C (TCP's ring pump with the codec inside)
+        alg.compressed_ring(link, bounds, step, codec, work=work, own=own, mode=mode, recv_arena=recv_arena,
+                            send_arena=send_arena, flags=FLAG_COMPRESSED,
+                            who=f"compressed {mode} from {self.transport.peer_name(left)}")
 
     def _compressed_all_reduce(self, g: _Group, x: np.ndarray, op: str, out: np.ndarray, compress: str) -> np.ndarray:
         """Ring reduce-scatter with a rounding per hop, then an all-gather of the encoded
         finished blocks; blocks of the ring start at multiples of 32 elements."""
         n, size = len(g.ranks), x.size
-        work = self._scratch(1, np.dtype(np.float32), size)
-        np.copyto(work, x.reshape(-1), casting="unsafe")
+        flat = out.reshape(-1)
+        if x.dtype == np.float32:  # the values stay in `out` itself (no copy at all when in place)
+            work = self._work(x, flat)
+        else:
+            work = self._scratch(1, np.dtype(np.float32), size)
+            np.copyto(work, x.reshape(-1), casting="unsafe")
         blocks = -(-size // 32)
         bounds = [(min(32 * a, size), min(32 * b, size)) for a, b in alg.split(blocks, n)]
         self._run(g, "all_reduce", x, lambda link: self._compressed_ring(link, bounds, work, 1, "all_reduce", compress),
                   reduce_op=op, args=f"compress={compress}")
-        reduction.finish(op, work, n, out.reshape(-1))
+        reduction.finish(op, work, n, flat)
         return out
 
     def reduce(self, x: np.ndarray, dst: int = 0, op: str = "sum",

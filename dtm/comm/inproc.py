@@ -42,7 +42,7 @@ class InprocTransport(Transport):
         with self.hub.cond:
             if peer in self.hub.closed:
                 return h
-            self.hub.inbox[peer].append((self.rank, msg_type, stream, payload))
+            self.hub.inbox[peer].append((self.rank, msg_type, stream, payload, flags))
             self.hub.cond.notify_all()
         self.bytes_sent += len(payload)
         h.done = True
@@ -61,10 +61,10 @@ class InprocTransport(Transport):
                 self.hub.cond.wait(left)
             frames = list(inbox)
             inbox.clear()
-        for src, msg_type, stream, payload in frames:
+        for src, msg_type, stream, payload, flags in frames:
             if msg_type is MsgType.DATA:
                 seq, chunk, _step, _offset, nbytes = DATA_HEADER.unpack_from(payload)
-                self._deliver_data(src, stream, seq, chunk, nbytes, memoryview(payload)[DATA_HEADER.size:])
+                self._deliver_data(src, stream, seq, chunk, nbytes, memoryview(payload)[DATA_HEADER.size:], flags)
             else:
                 self._deliver_control(src, msg_type, stream, payload)
 

@@ -13,6 +13,8 @@ says whether it can be used here:
 
 `RingPassState` turns a ring plan (`algorithms.ring_schedule`) into the pump's state and
 keeps the arrays that state points into alive; `TcpTransport.ring_pass` drives it.
+`CompressedPassState` does the same for a compressed pass (spec 9.5.1), which runs in the
+pump built together with the codec (`compressed_ring_pump`); `compressed_ring_pass` drives it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import numpy as np
 
 from ..compiler.build import build, load
 from ..errors import DTMError
-from ..protocol.frame import HEADER_SIZE
+from ..protocol.compressed import ENCODINGS
+from ..protocol.frame import FLAG_COMPRESSED, HEADER_SIZE
 from ..protocol.messages import DATA_HEADER_SIZE
 from .algorithms import RingReceive
 from .transport import byte_view
@@ -42,9 +45,9 @@ SLICE_MS = 50  # the longest one call runs before Python looks at deadlines and 
 FRAMING = HEADER_SIZE + DATA_HEADER_SIZE  # frame header and chunk header of a Data frame (72, as in the C)
 
 # Return values of dtm_ring_pump
-DONE, YIELD, HANDOFF, LEFT_CLOSED, LEFT_ERROR, RIGHT_ERROR, BAD_CRC = range(7)
+DONE, YIELD, HANDOFF, LEFT_CLOSED, LEFT_ERROR, RIGHT_ERROR, BAD_CRC, BAD_CHUNK = range(8)
 # recv_flags bits
-RECV_REDUCE, RECV_FORWARD, RECV_FINISH = 1, 2, 4
+RECV_REDUCE, RECV_FORWARD, RECV_FINISH, RECV_KEEP = 1, 2, 4, 8
 
 I64P = ctypes.POINTER(ctypes.c_int64)
 
@@ -74,6 +77,10 @@ class PumpState(ctypes.Structure):
         ("shdr", ctypes.c_uint8 * FRAMING), ("rhdr", ctypes.c_uint8 * FRAMING),
         ("bytes_out", ctypes.c_int64), ("bytes_in", ctypes.c_int64),
         ("err", ctypes.c_int32),
+        ("codec", ctypes.c_int32), ("data_flags", ctypes.c_int32),
+        ("recv_elem", I64P), ("recv_count", I64P), ("recv_enc", I64P),
+        ("first_elem", I64P), ("first_count", I64P),
+        ("nfirst", ctypes.c_int64), ("decode_first", ctypes.c_int32),
     ]
 
 
@@ -115,6 +122,29 @@ def ring_pump() -> tuple[ctypes._CFuncPtr, int] | None:
     return fn, crc
 
 
+@cache
+def compressed_ring_pump() -> tuple[ctypes._CFuncPtr, int] | None:
+    """(dtm_ring_pump with the codec inside, the CRC routine's address) for compressed
+    passes, or None where it cannot run (as `ring_pump`; DTM_QUANT_CODEC=numpy also turns
+    it off). One object of ring_pump.c and quant_codec.c, built with the codec's flags
+    (-ffp-contract=off: the codec's arithmetic is the reference's, bit for bit)."""
+    if os.environ.get("DTM_RING_PUMP", "1") == "0" or os.environ.get("DTM_QUANT_CODEC", "") == "numpy":
+        return None
+    crc = crc32c_routine()
+    if crc is None:
+        return None
+    from .compress import FLAGS as CODEC_FLAGS, SOURCE as CODEC_SOURCE
+    try:
+        fn = load(build(CODEC_SOURCE.read_text() + "\n" + SOURCE.read_text(), "ring_pump_quant",
+                        CODEC_FLAGS)).dtm_ring_pump
+    except DTMError as e:
+        log.info("the compressed ring pump is off: %s", e)
+        return None
+    fn.argtypes = [ctypes.POINTER(PumpState)]
+    fn.restype = ctypes.c_int
+    return fn, crc
+
+
 def can_run(op: str, dtype: np.dtype, reduces: bool, finished_dtype: np.dtype | None = None) -> bool:
     """Whether ring_pump.c can compute a ring pass over elements of `dtype`: one that only
     moves chunks always; one that reduces only with sum or avg on f32 or f64 (`land` adds
@@ -143,7 +173,7 @@ class RingPassState:
                                     for r in plan], np.int64)
         self.send_off = np.zeros(len(first) + len(plan), np.int64)
         self.send_len = np.zeros_like(self.send_off)
-        self.send_off[:len(first)] = [a * item for a, _ in first]
+        self.send_off[:len(first)] = [work.ctypes.data + a * item for a, _ in first]  # addresses
         self.send_len[:len(first)] = [(b - a) * item for a, b in first]
         self.nfirst = len(first)
         self.pre = np.zeros(len(plan), np.int64)
@@ -203,6 +233,10 @@ class RingPassState:
         s = self.state
         return s.prefix_sent < s.prefix_len or s.sh < s.nsend or bool((self.recv_flags[s.rh:] & RECV_FORWARD).any())
 
+    def receive_view(self, j: int) -> memoryview:
+        """Where receive j's payload goes (its size is the frame's)."""
+        return byte_view(self.work)[self.recv_off[j]:self.recv_off[j] + self.recv_len[j]]
+
     def landing(self) -> memoryview:
         """Where the payload of the current receive lands: the scratch, when the chunk is
         reduced, else its place in `work`."""
@@ -215,4 +249,70 @@ class RingPassState:
     def sending_payload(self) -> memoryview:
         """The payload of the Data frame being sent (send number `state.sh`)."""
         s = self.state
-        return byte_view(self.work)[s.send_off[s.sh]:s.send_off[s.sh] + s.send_len[s.sh]]
+        return _at(s.send_off[s.sh], s.send_len[s.sh])
+
+
+def _at(address: int, nbytes: int) -> memoryview:
+    """The `nbytes` bytes at `address` (of a buffer this pass keeps alive), without a copy."""
+    return memoryview((ctypes.c_char * int(nbytes)).from_address(int(address))).cast("B")
+
+
+class CompressedPassState(RingPassState):
+    """A compressed ring pass (spec 9.5.1) as ring_pump.c runs it with the codec inside
+    its loop: `algorithms.compressed_ring`'s chunks, frames and arithmetic, bit for bit.
+    `work` holds the f32 values; each receive lands in its own room of `recv_arena` and
+    each re-encoded chunk in its own of `send_arena`, laid out as compressed_ring lays
+    them out (`compressed_arenas` says how large), so that both stay valid until sent."""
+
+    def __init__(self, work: np.ndarray, first: Sequence[tuple[int, int]], plan: Sequence[RingReceive], codec,
+                 mode: str, recv_arena: np.ndarray, send_arena: np.ndarray):
+        size = codec.chunk_bytes
+        self.work, self.reduces, self.codec, self.mode = work, any(r.reduce for r in plan), codec, mode
+        self.arenas = (recv_arena, send_arena)
+        keep = mode == "reduce_scatter"
+        self.recv_elem = np.array([r.a for r in plan], np.int64)
+        self.recv_count = np.array([r.b - r.a for r in plan], np.int64)
+        self.recv_len = np.array([size(r.b - r.a) for r in plan], np.int64)
+        self.recv_off = recv_arena.ctypes.data + np.concatenate([[0], np.cumsum(self.recv_len)[:-1]]).astype(np.int64) \
+            if len(plan) else np.zeros(0, np.int64)
+        self.recv_flags = np.array([RECV_REDUCE * r.reduce + RECV_FORWARD * r.forward + RECV_FINISH * r.finish
+                                    + RECV_KEEP * (r.reduce and r.finish and keep) for r in plan], np.int64)
+        # The send arena in compressed_ring's order: the first block's chunks, then each re-encoding.
+        first_len = [size(b - a) for a, b in first]
+        enc_len = [size(r.b - r.a) if r.reduce and not (r.finish and keep) else 0 for r in plan]
+        at = send_arena.ctypes.data + np.concatenate([[0], np.cumsum(first_len + enc_len)]).astype(np.int64)
+        self.recv_enc = np.where(np.array(enc_len, np.int64) > 0, at[len(first):len(first) + len(plan)], 0) \
+            .astype(np.int64) if len(plan) else np.zeros(0, np.int64)
+        self.first_elem = np.array([a for a, _ in first], np.int64)
+        self.first_count = np.array([b - a for a, b in first], np.int64)
+        self.send_off = np.zeros(len(first) + len(plan), np.int64)
+        self.send_len = np.zeros_like(self.send_off)
+        self.send_off[:len(first)] = at[:len(first)]
+        self.send_len[:len(first)] = first_len
+        self.nfirst = len(first)
+        self.pre = np.zeros(len(plan), np.int64)
+        self.early: list[np.ndarray] = []
+        self.watch_fds = np.zeros(0, np.int32)
+        self.prefix, self.tmp, self.finished = b"", np.empty(0, np.uint8), None
+        self.state = PumpState()
+
+    def largest_receive(self) -> int:
+        return 0  # (receives land in the arena, not in the scratch)
+
+    def begin(self, **kw) -> None:
+        super().begin(**kw)
+        s, i64 = self.state, (lambda a: a.ctypes.data_as(I64P))  # noqa: E731
+        s.divide_by = 0  # avg divides after the pass, in Python, as compressed_ring's caller does
+        s.codec = ENCODINGS[self.codec.name]
+        s.data_flags = FLAG_COMPRESSED
+        s.recv_elem, s.recv_count, s.recv_enc = i64(self.recv_elem), i64(self.recv_count), i64(self.recv_enc)
+        s.first_elem, s.first_count = i64(self.first_elem), i64(self.first_count)
+        s.nfirst = self.nfirst
+        s.decode_first = self.mode == "all_gather"
+
+    def receive_view(self, j: int) -> memoryview:
+        return _at(self.recv_off[j], self.recv_len[j])
+
+    def landing(self) -> memoryview:
+        s = self.state
+        return _at(s.recv_off[s.rh], s.recv_len[s.rh])

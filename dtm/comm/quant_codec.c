@@ -59,10 +59,12 @@ static void q8_block(const float *restrict v, uint8_t *restrict out) {
         m = _mm256_max_ps(m, _mm256_and_ps(x[k], absmask));
         nanm = _mm256_or_ps(nanm, _mm256_cmp_ps(x[k], x[k], _CMP_UNORD_Q));
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    float amax = 0.0f;
-    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    /* the largest lane (max is exact, so any order gives the scalar loop's value; a NaN
+     * lane does not matter, d is NaN then) */
+    __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
+    h4 = _mm_max_ss(h4, _mm_movehdup_ps(h4));
+    float amax = _mm_cvtss_f32(h4);
     int nan = _mm256_movemask_ps(nanm) != 0;
     float d = nan ? NAN : amax / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -72,7 +74,7 @@ static void q8_block(const float *restrict v, uint8_t *restrict out) {
     const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
     const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
-    int32_t qi[32];
+    __m256i qi[4];
     for (int k = 0; k < 4; k++) {
         __m256 p = _mm256_mul_ps(x[k], vid);
         __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
@@ -81,10 +83,14 @@ static void q8_block(const float *restrict v, uint8_t *restrict out) {
         t = _mm256_add_ps(t, _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step));
         t = _mm256_and_ps(t, _mm256_cmp_ps(p, p, _CMP_ORD_Q));          /* NaN -> 0 */
         t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
-        _mm256_storeu_si256((__m256i *)(qi + 8 * k), _mm256_cvttps_epi32(t));
+        qi[k] = _mm256_cvttps_epi32(t);
     }
-    int8_t *q = (int8_t *)(out + 2);
-    for (int i = 0; i < 32; i++) q[i] = (int8_t)qi[i];
+    /* to int8 in order: the values are in [-128, 127] already, so the saturating packs
+     * only narrow; they interleave 128-bit lanes, which the permute undoes */
+    __m256i q16 = _mm256_packs_epi32(qi[0], qi[1]), r16 = _mm256_packs_epi32(qi[2], qi[3]);
+    __m256i q8 = _mm256_packs_epi16(q16, r16);
+    q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(out + 2), q8);
 }
 #else
 static void q8_block(const float *restrict v, uint8_t *restrict out) {
@@ -126,7 +132,21 @@ void dtm_q8_encode(const float *x, int64_t n, uint8_t *out) {
 
 /* acc[i] = (add ? acc[i] : 0) + f32(d * q[i]) for the n values of the blocks at `in`. */
 static void q8_decode(const uint8_t *in, int64_t n, float *acc, int add) {
-    for (int64_t b = 0; b * 32 < n; b++) {
+    int64_t b = 0;
+#if defined(__AVX2__)
+    for (; 32 * b + 32 <= n; b++) {  /* whole blocks, 8 lanes at a time: the same product and sum */
+        const uint8_t *blk = in + 34 * b;
+        __m256 d = _mm256_set1_ps(f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8))));
+        float *a = acc + 32 * b;
+        for (int k = 0; k < 4; k++) {
+            __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * k));
+            __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+            if (add) v = _mm256_add_ps(v, _mm256_loadu_ps(a + 8 * k));
+            _mm256_storeu_ps(a + 8 * k, v);
+        }
+    }
+#endif
+    for (; b * 32 < n; b++) {
         const uint8_t *blk = in + 34 * b;
         float d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
         const int8_t *q = (const int8_t *)(blk + 2);

@@ -12,7 +12,16 @@
  * One call runs until the ring is done or something needs Python: a frame that is not the
  * next expected Data frame (PUMP_HANDOFF: its header bytes are in rhdr), another socket
  * turning readable, a signal or the end of the time slice (PUMP_YIELD), or an error. The
- * state lives in `pump_t` between calls; pump.py mirrors it field for field. */
+ * state lives in `pump_t` between calls; pump.py mirrors it field for field.
+ *
+ * Compressed passes (spec 9.5.1, `codec` 1 q8_0 or 2 bf16): the same loop, but every Data
+ * frame carries the COMPRESSED flag and a compressed chunk, and the codec of
+ * quant_codec.c (compiled into the same object, pump.py puts the two sources together)
+ * runs inside it, exactly as algorithms.compressed_ring does it in Python: the first
+ * block's chunks are encoded as they are sent; a reduce-scatter chunk is decoded, added to
+ * the f32 work buffer and encoded again (finished: decoded back, so the owner keeps what
+ * the others get; RECV_KEEP, reduce_scatter's own block: decoded and added only); an
+ * all-gather chunk is decoded into the work buffer and passed on unchanged. */
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
@@ -21,8 +30,11 @@
 #include <sys/uio.h>
 #include <time.h>
 
-enum { PUMP_DONE, PUMP_YIELD, PUMP_HANDOFF, PUMP_LEFT_CLOSED, PUMP_LEFT_ERROR, PUMP_RIGHT_ERROR, PUMP_BAD_CRC };
-enum { RECV_REDUCE = 1, RECV_FORWARD = 2, RECV_FINISH = 4 };  /* recv_flags bits */
+enum { PUMP_DONE, PUMP_YIELD, PUMP_HANDOFF, PUMP_LEFT_CLOSED, PUMP_LEFT_ERROR, PUMP_RIGHT_ERROR, PUMP_BAD_CRC,
+       PUMP_BAD_CHUNK };
+enum { RECV_REDUCE = 1, RECV_FORWARD = 2, RECV_FINISH = 4, RECV_KEEP = 8 };  /* recv_flags bits */
+enum { CODEC_NONE, CODEC_Q8_0, CODEC_BF16 };  /* the chunk head's encoding byte (spec 9.5.1) */
+enum { CHUNK_HEAD = 8 };
 enum { HEADER = 40, CHUNK_HEADER = 32, FRAMING = HEADER + CHUNK_HEADER, COVERED = 28, TYPE_DATA = 7 };
 
 /* The crc32c package's routine: the CRC32C register (not inverted) after `len` more bytes. */
@@ -46,7 +58,7 @@ typedef struct {
     int64_t nrecv, nsend;         /* receives planned; sends queued (the first block's, then forwards) */
     const int64_t *recv_off, *recv_len, *recv_flags;
     const int64_t *pre;           /* per receive: the address of a payload Python already took, or 0 */
-    int64_t *send_off, *send_len; /* room for nrecv + the first block's chunks */
+    int64_t *send_off, *send_len; /* room for nrecv + the first block's chunks; send_off: addresses */
     /* Progress, kept between calls. */
     int64_t prefix_sent, sh, soff, rh, rhlen, roff;
     uint64_t seq_out, seq_in;     /* frame seq of this stream on the right and left connections */
@@ -54,12 +66,45 @@ typedef struct {
     /* Reported to Python (which adds them up and zeroes them). */
     int64_t bytes_out, bytes_in;
     int32_t err;
+    /* Compressed passes: codec (CODEC_*; recv_off is then the address of each receive's
+     * room, not an offset in base), the end-to-end flags every Data frame carries. */
+    int32_t codec, data_flags;
+    const int64_t *recv_elem, *recv_count;   /* per receive: its first f32 element in base, its count */
+    const int64_t *recv_enc;                 /* per receive: the address its re-encoded chunk goes to */
+    const int64_t *first_elem, *first_count; /* per first send: the f32 elements it encodes */
+    int64_t nfirst;                          /* the first block's chunks: sends 0 .. nfirst - 1 */
+    int32_t decode_first;                    /* all_gather: each first chunk decoded back into base */
 } pump_t;
+
+/* The codec, from quant_codec.c where it is in the same object (the compressed pump);
+ * weak, so the plain pump, built from this file alone, loads without it (its codec is 0). */
+#define CODEC_FN __attribute__((weak))
+CODEC_FN void dtm_q8_encode(const float *x, int64_t n, uint8_t *out);
+CODEC_FN void dtm_q8_decode(const uint8_t *in, int64_t n, float *out);
+CODEC_FN void dtm_q8_decode_add(const uint8_t *in, int64_t n, float *acc);
+CODEC_FN void dtm_q8_add_encode(const uint8_t *in, int64_t n, float *acc, uint8_t *out);
+CODEC_FN void dtm_bf16_encode(const float *x, int64_t n, uint16_t *out);
+CODEC_FN void dtm_bf16_decode(const uint16_t *in, int64_t n, float *out);
+CODEC_FN void dtm_bf16_decode_add(const uint16_t *in, int64_t n, float *acc);
 
 static void put32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = v >> (8 * i); }
 static void put64(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = v >> (8 * i); }
 static uint32_t get32(const uint8_t *p) { uint32_t v = 0; for (int i = 3; i >= 0; i--) v = v << 8 | p[i]; return v; }
 static uint64_t get64(const uint8_t *p) { uint64_t v = 0; for (int i = 7; i >= 0; i--) v = v << 8 | p[i]; return v; }
+
+/* A compressed chunk's head and body: `n` f32 values of x encoded (head included). */
+static void encode_chunk(const pump_t *s, const float *x, int64_t n, uint8_t *chunk) {
+    chunk[0] = (uint8_t)s->codec; chunk[1] = chunk[2] = chunk[3] = 0; put32(chunk + 4, (uint32_t)n);
+    if (!n) return;
+    if (s->codec == CODEC_Q8_0) dtm_q8_encode(x, n, chunk + CHUNK_HEAD);
+    else dtm_bf16_encode(x, n, (uint16_t *)(chunk + CHUNK_HEAD));
+}
+
+static void decode_body(const pump_t *s, const uint8_t *body, int64_t n, float *out, int add) {
+    if (!n) return;
+    if (s->codec == CODEC_Q8_0) (add ? dtm_q8_decode_add : dtm_q8_decode)(body, n, out);
+    else (add ? dtm_bf16_decode_add : dtm_bf16_decode)((const uint16_t *)body, n, out);
+}
 
 /* CRC32C of a Data frame: header bytes 0-27 (per-hop flag bits cleared), chunk header, payload. */
 static uint32_t frame_crc(const pump_t *s, const uint8_t *framing, const char *payload, int64_t n) {
@@ -76,11 +121,17 @@ static void start_send(pump_t *s) {
     uint8_t *h = s->shdr;
     int64_t n = s->send_len[s->sh];
     memcpy(h, "DTMW", 4);
-    h[4] = s->out_version[0]; h[5] = s->out_version[1]; h[6] = TYPE_DATA; h[7] = 0;
+    h[4] = s->out_version[0]; h[5] = s->out_version[1]; h[6] = TYPE_DATA; h[7] = (uint8_t)s->data_flags;
     put64(h + 8, s->epoch); put64(h + 16, CHUNK_HEADER + n); put32(h + 24, s->stream);
     put64(h + 32, s->seq_out++);
     put64(h + 40, s->coll_seq); put32(h + 48, (uint32_t)s->sh); put32(h + 52, 0); put64(h + 56, 0); put64(h + 64, n);
-    put32(h + 28, frame_crc(s, h, s->base + s->send_off[s->sh], n));
+    char *payload = (char *)(intptr_t)s->send_off[s->sh];
+    if (s->codec && s->sh < s->nfirst) {  /* a chunk of the first block: encoded as it goes */
+        float *x = (float *)s->base + s->first_elem[s->sh];
+        encode_chunk(s, x, s->first_count[s->sh], (uint8_t *)payload);
+        if (s->decode_first) decode_body(s, (uint8_t *)payload + CHUNK_HEAD, s->first_count[s->sh], x, 0);
+    }
+    put32(h + 28, frame_crc(s, h, payload, n));
     s->bytes_out += FRAMING + n;
 }
 
@@ -98,7 +149,7 @@ static int pump_send(pump_t *s) {
         int k = 0;
         if (s->soff < FRAMING) iov[k++] = (struct iovec){s->shdr + s->soff, FRAMING - s->soff};
         int64_t done = s->soff > FRAMING ? s->soff - FRAMING : 0;
-        iov[k++] = (struct iovec){s->base + s->send_off[s->sh] + done, n - done};
+        iov[k++] = (struct iovec){(char *)(intptr_t)s->send_off[s->sh] + done, n - done};
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = k};
         ssize_t sent = sendmsg(s->right, &m, MSG_NOSIGNAL);
         if (sent < 0) return errno == EAGAIN ? 0 : (s->err = errno, -1);
@@ -114,7 +165,7 @@ static int pump_send(pump_t *s) {
 static int expected_header(const pump_t *s) {
     const uint8_t *h = s->rhdr;
     return memcmp(h, "DTMW", 4) == 0 && h[4] == s->in_version[0] && h[5] == s->in_version[1] && h[6] == TYPE_DATA
-        && (h[7] & 0x0F) == 0 && get64(h + 8) == s->epoch && get64(h + 16) == (uint64_t)(CHUNK_HEADER + s->recv_len[s->rh])
+        && (h[7] & 0x0F) == s->data_flags && get64(h + 8) == s->epoch && get64(h + 16) == (uint64_t)(CHUNK_HEADER + s->recv_len[s->rh])
         && get32(h + 24) == s->stream && get64(h + 32) == s->seq_in;
 }
 
@@ -142,20 +193,61 @@ static void land(pump_t *s, const char *got) {
         memcpy(acc, got, n);
     }
     if (flags & RECV_FORWARD) {
-        s->send_off[s->nsend] = off;
+        s->send_off[s->nsend] = (int64_t)(intptr_t)acc;
         s->send_len[s->nsend] = n;
         s->nsend++;
     }
     s->rh++;
 }
 
+/* The same for a compressed chunk (`got`: head and body). 0, or -1 when its head is not the
+ * one expected (encoding, reserved bytes, count: PUMP_BAD_CHUNK, Python says how). */
+static int land_compressed(pump_t *s, const uint8_t *got) {
+    int64_t flags = s->recv_flags[s->rh], n = s->recv_count[s->rh];
+    if (got[0] != s->codec || got[1] || got[2] || got[3] || get32(got + 4) != (uint64_t)n) return -1;
+    float *w = (float *)s->base + s->recv_elem[s->rh];
+    const uint8_t *sent = got;
+    if (!(flags & RECV_REDUCE)) {
+        decode_body(s, got + CHUNK_HEAD, n, w, 0);
+    } else if (flags & RECV_KEEP) {
+        decode_body(s, got + CHUNK_HEAD, n, w, 1);
+    } else {
+        uint8_t *enc = (uint8_t *)(intptr_t)s->recv_enc[s->rh];
+        if (s->codec == CODEC_Q8_0) {  /* one pass: add, then encode (as Codec.add_encode) */
+            enc[0] = CODEC_Q8_0; enc[1] = enc[2] = enc[3] = 0; put32(enc + 4, (uint32_t)n);
+            if (n) dtm_q8_add_encode(got + CHUNK_HEAD, n, w, enc + CHUNK_HEAD);
+        } else {
+            decode_body(s, got + CHUNK_HEAD, n, w, 1);
+            encode_chunk(s, w, n, enc);
+        }
+        if (flags & RECV_FINISH) decode_body(s, enc + CHUNK_HEAD, n, w, 0);
+        sent = enc;
+    }
+    if (flags & RECV_FORWARD) {
+        s->send_off[s->nsend] = (int64_t)(intptr_t)sent;
+        s->send_len[s->nsend] = s->recv_len[s->rh];
+        s->nsend++;
+    }
+    s->rh++;
+    return 0;
+}
+
+static int take(pump_t *s, const char *got) {
+    if (s->codec) return land_compressed(s, (const uint8_t *)got);
+    land(s, got);
+    return 0;
+}
+
 /* Read what the left socket has. 1: a frame needs Python; 0: nothing more now; <0: status. */
 static int pump_recv(pump_t *s) {
     while (s->rh < s->nrecv) {
-        if (s->pre[s->rh]) { land(s, (const char *)(intptr_t)s->pre[s->rh]); continue; }
+        if (s->pre[s->rh]) {
+            if (take(s, (const char *)(intptr_t)s->pre[s->rh]) < 0) return -PUMP_BAD_CHUNK;
+            continue;
+        }
         int64_t n = s->recv_len[s->rh];
         int reduce = s->recv_flags[s->rh] & RECV_REDUCE;
-        char *dst = reduce ? s->tmp : s->base + s->recv_off[s->rh];
+        char *dst = s->codec ? (char *)(intptr_t)s->recv_off[s->rh] : reduce ? s->tmp : s->base + s->recv_off[s->rh];
         ssize_t k;
         if (s->rhlen < FRAMING) {  /* the frame header, then the chunk header */
             int was = s->rhlen;
@@ -182,7 +274,7 @@ static int pump_recv(pump_t *s) {
         }
         if (frame_crc(s, s->rhdr, dst, n) != get32(s->rhdr + 28)) return -PUMP_BAD_CRC;  /* Python says how */
         s->bytes_in += n;
-        land(s, dst);
+        if (take(s, dst) < 0) return -PUMP_BAD_CHUNK;  /* (rhlen, roff kept: Python reads the chunk there) */
         s->rhlen = s->roff = 0;
     }
     return 0;

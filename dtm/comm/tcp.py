@@ -19,6 +19,7 @@ is bounded before a buffer is allocated, and a peer whose connection ends withou
 frame is reported as `PeerLost` at once.
 
 The ring passes of all_gather, and of f32 or f64 all_reduce and reduce_scatter (sum, avg),
+and the compressed ones (spec 9.5.1, `compressed_ring_pass`, the codec inside the loop),
 run in C (`ring_pass`, `ring_pump.c`): the same frames, read and written without Python's
 per-frame work, which on a small machine is what decides whether DTM keeps up with gloo.
 Python hands the pump the two connections at a frame boundary and takes them back the
@@ -451,7 +452,7 @@ class TcpTransport(Transport):
             verify_payload(h, [DATA_HEADER.pack(*c.chunk_header), dest])
             if h.flags & FLAG_COMPRESSED:
                 check_chunk(dest)  # E0910 when its block count disagrees with its length (spec 9.5.1)
-            self._deliver_data(c.peer, h.stream, seq, chunk, nbytes, None if c.direct else dest)
+            self._deliver_data(c.peer, h.stream, seq, chunk, nbytes, None if c.direct else dest, h.flags & 0x0F)
         else:
             verify_payload(h, dest)
             self._control_frame(c, h, bytes(dest))
@@ -514,6 +515,25 @@ class TcpTransport(Transport):
         half-read frames become Python's, so the connections stay in step (`_PumpedPass`)."""
         fits = pump.can_run(op, work.dtype, any(r.reduce for r in plan), None if finished is None else finished.dtype)
         loaded = pump.ring_pump() if fits else None
+        return self._pumped(loaded, left, right, stream, seq, start, what, lambda: pump.RingPassState(work, first, plan),
+                            op, n, finished, finished_base)
+
+    def compressed_ring_pass(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
+                             first: Sequence[tuple[int, int]], plan: Sequence[RingReceive], codec, mode: str,
+                             what: str, recv_arena: np.ndarray, send_arena: np.ndarray) -> bool:
+        """Run one compressed ring pass (spec 9.5.1) in `ring_pump.c` with the codec inside
+        its loop (`pump.CompressedPassState`): `algorithms.compressed_ring`'s frames and
+        bits, taken over and given back as `ring_pass` does."""
+        if codec.lib is None or work.dtype != np.float32:
+            return False
+        return self._pumped(pump.compressed_ring_pump(), left, right, stream, seq, start, what,
+                            lambda: pump.CompressedPassState(work, first, plan, codec, mode, recv_arena, send_arena),
+                            "sum", 0, None, 0, codec=codec)
+
+    def _pumped(self, loaded, left: int, right: int, stream: int, seq: int, start: bytes, what: str, make,
+                op: str, n: int, finished: np.ndarray | None, finished_base: int, codec=None) -> bool:
+        """A ring pass in the pump `loaded` (None: it cannot run) on the connections to `left`
+        and `right`, with the state `make()` builds; False where it cannot run here."""
         cl, cr = self._conns.get(left), self._conns.get(right)
         if (loaded is None or cl is None or cr is None or not (cl.polled and cr.polled) or cr.out
                 or cl.closed is not None or cr.closed is not None):
@@ -521,13 +541,13 @@ class TcpTransport(Transport):
         fn, crc = loaded
         deadline = time.monotonic() + self.timeout
         self._to_boundary(cl, what, deadline)
-        ring = pump.RingPassState(work, first, plan)
+        ring = make()
         tmp = self._pump_scratch(ring.largest_receive())
         prefix = self._pump_prefix(cr, stream, start)
         ring.begin(left=cl.fd, right=cr.fd, crc=crc, op=op, n=n, stream=stream, epoch=self.epoch, seq=seq,
                    out_version=cr.version, in_version=cl.version, prefix=prefix, tmp=tmp, finished=finished,
                    finished_base=finished_base)
-        _PumpedPass(self, ring, cl, cr, stream, what, deadline).run(fn)
+        _PumpedPass(self, ring, cl, cr, stream, what, deadline, codec).run(fn)
         return True
 
     def _pump_scratch(self, nbytes: int) -> np.ndarray:
@@ -593,9 +613,9 @@ class _PumpedPass:
     transport's own methods would."""
 
     def __init__(self, transport: TcpTransport, ring: pump.RingPassState, cl: Connection, cr: Connection,
-                 stream: int, what: str, deadline: float):
+                 stream: int, what: str, deadline: float, codec=None):
         self.transport, self.ring, self.cl, self.cr = transport, ring, cl, cr
-        self.stream, self.what, self.deadline = stream, what, deadline
+        self.stream, self.what, self.deadline, self.codec = stream, what, deadline, codec
         self.watched = -1  # the transport's count of closed connections when the watch list was made
 
     def run(self, fn: ctypes._CFuncPtr) -> None:
@@ -633,15 +653,14 @@ class _PumpedPass:
         """Give the pump the Data frames of this collective that Python has read (and
         checked) already, as the payloads of its next receives."""
         t, ring, s = self.transport, self.ring, self.ring.state
-        work = byte_view(ring.work)
         stash = t._unexpected.get((self.cl.peer, self.stream))
         j = s.rh
         while stash:
-            got_seq, got_chunk, payload = stash.popleft()
+            got_seq, got_chunk, payload, got_flags = stash.popleft()
             t._unexpected_bytes -= len(payload)
-            into = work[s.recv_off[j]:s.recv_off[j] + s.recv_len[j]] if j < len(ring.pre) else work[:0]
-            t._check_chunk(Handle(self.cl.peer, self.stream, "recv", into, s.coll_seq, j), got_seq, got_chunk,
-                           len(payload))
+            into = ring.receive_view(j) if j < len(ring.pre) else memoryview(b"")
+            t._check_chunk(Handle(self.cl.peer, self.stream, "recv", into, s.coll_seq, j, flags=s.data_flags),
+                           got_seq, got_chunk, len(payload), got_flags)
             ring.take(j, np.frombuffer(payload, np.uint8))
             j += 1
 
@@ -667,6 +686,8 @@ class _PumpedPass:
             self._neighbour_gone(self.cl)
         elif status in (pump.LEFT_ERROR, pump.RIGHT_ERROR):
             self._socket_failed(status)
+        elif status == pump.BAD_CHUNK:
+            self._bad_chunk()
         else:
             self._bad_crc(status)
 
@@ -711,6 +732,17 @@ class _PumpedPass:
             t._lost(cl, str(e))
             raise e.at(cl.name, self.what) from None
         raise AssertionError("ring_pump.c and verify_payload disagree on a CRC32C")
+
+    def _bad_chunk(self) -> None:
+        """A compressed chunk whose head is not the one due (its frame was read whole): the
+        codec's own check says how, as in Python's ring (E0910 naming the neighbour)."""
+        s = self.ring.state
+        s.rhlen = s.roff = 0
+        got = self.ring.landing() if not s.pre[s.rh] else next(p for p in self.ring.early
+                                                               if p.ctypes.data == s.pre[s.rh])
+        who = f"compressed {self.ring.mode} from {self.cl.name}"
+        self.codec.check(np.frombuffer(got, np.uint8), int(self.ring.recv_count[s.rh]), who)
+        raise AssertionError("ring_pump.c and Codec.check disagree on a compressed chunk")
 
     def _neighbour_gone(self, c: Connection) -> None:
         """A neighbour the pump needs is gone. The peer that saw why has usually said so

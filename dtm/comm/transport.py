@@ -40,7 +40,7 @@ from typing import Union
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
-from ..protocol.frame import MsgType
+from ..protocol.frame import FLAG_COMPRESSED, MsgType
 from ..protocol.messages import DATA_HEADER_SIZE
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -82,12 +82,13 @@ class Handle:
     """One queued send or posted receive. `done` turns true once the frame has left (a
     send: its buffers may be reused) or has been written into its buffer (a receive)."""
 
-    __slots__ = ("peer", "stream", "kind", "done", "buf", "seq", "chunk", "on_done")
+    __slots__ = ("peer", "stream", "kind", "done", "buf", "seq", "chunk", "on_done", "flags")
 
     def __init__(self, peer: int, stream: int, kind: str, buf: memoryview | None = None, seq: int = 0,
-                 chunk: int = 0, on_done: Callable[[], None] | None = None):
+                 chunk: int = 0, on_done: Callable[[], None] | None = None, flags: int = 0):
         self.peer, self.stream, self.kind = peer, stream, kind
         self.buf, self.seq, self.chunk, self.on_done = buf, seq, chunk, on_done
+        self.flags = flags  # a receive: the end-to-end flags its frame must carry (FLAG_COMPRESSED)
         self.done = False
 
 
@@ -113,7 +114,7 @@ class Transport(ABC):
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self.max_unexpected = max_unexpected
         self._posted: dict[tuple[int, int], collections.deque[Handle]] = collections.defaultdict(collections.deque)
-        self._unexpected: dict[tuple[int, int], collections.deque[tuple[int, int, Buffer]]] = \
+        self._unexpected: dict[tuple[int, int], collections.deque[tuple[int, int, Buffer, int]]] = \
             collections.defaultdict(collections.deque)
         self._unexpected_bytes = 0
         self._completed: collections.deque[Handle] = collections.deque()
@@ -161,16 +162,17 @@ class Transport(ABC):
         return None
 
     def recv(self, peer: int, stream: int, out, *, seq: int, chunk: int,
-             on_done: Callable[[], None] | None = None) -> Handle:
+             on_done: Callable[[], None] | None = None, flags: int = 0) -> Handle:
         """Receive the next Data frame of (peer, stream) into `out` (contiguous, exactly the
-        frame's size); `on_done` runs inside `wait` once it has landed."""
-        h = Handle(peer, stream, "recv", byte_view(out), seq, chunk, on_done)
+        frame's size); `on_done` runs inside `wait` once it has landed. `flags`: the
+        end-to-end flags the frame must carry (FLAG_COMPRESSED: a compressed chunk is due)."""
+        h = Handle(peer, stream, "recv", byte_view(out), seq, chunk, on_done, flags)
         key = (peer, stream)
         stash = self._unexpected.get(key)
         if stash and not self._posted[key]:
-            got_seq, got_chunk, payload = stash.popleft()
+            got_seq, got_chunk, payload, got_flags = stash.popleft()
             self._unexpected_bytes -= len(payload)
-            self._check_chunk(h, got_seq, got_chunk, len(payload))
+            self._check_chunk(h, got_seq, got_chunk, len(payload), got_flags)
             h.buf[:] = payload
             h.done = True
             if on_done is not None:  # run by `wait`, not here: the callback may post the next recv
@@ -184,14 +186,19 @@ class Transport(ABC):
         q = self._posted.get((peer, stream))
         return q[0] if q else None
 
-    def _check_chunk(self, h: Handle, seq: int, chunk: int, nbytes: int) -> None:
+    def _check_chunk(self, h: Handle, seq: int, chunk: int, nbytes: int, flags: int = 0) -> None:
+        if (flags ^ h.flags) & FLAG_COMPRESSED:  # spec 9.5.1: a compressed chunk where one is due, else raw
+            raise DTMError(E.BAD_PAYLOAD, f"{self.peer_name(h.peer)} sent chunk {chunk} of transfer {seq} on stream "
+                           f"{h.stream} {'with' if flags & FLAG_COMPRESSED else 'without'} the COMPRESSED flag; "
+                           f"this rank expected {'a compressed' if h.flags & FLAG_COMPRESSED else 'an uncompressed'} "
+                           "chunk")
         if (seq, chunk, nbytes) != (h.seq, h.chunk, h.buf.nbytes):
             raise DTMError(E.OUT_OF_SEQUENCE, f"{self.peer_name(h.peer)} sent chunk {chunk} of transfer {seq} "
                            f"({nbytes} bytes) on stream {h.stream}; this rank expected chunk {h.chunk} of transfer "
                            f"{h.seq} ({h.buf.nbytes} bytes)")
 
     def _deliver_data(self, peer: int, stream: int, seq: int, chunk: int, nbytes: int,
-                      payload: Buffer | None) -> None:
+                      payload: Buffer | None, flags: int = 0) -> None:
         """A whole, checked Data frame arrived: either already written into the posted
         receive's buffer (payload None) or held in `payload`, a buffer the transport gives
         away (copied to a posted buffer, or kept as it is until one is posted)."""
@@ -199,7 +206,7 @@ class Transport(ABC):
         q = self._posted.get((peer, stream))
         if q:
             h = q.popleft()
-            self._check_chunk(h, seq, chunk, nbytes)
+            self._check_chunk(h, seq, chunk, nbytes, flags)
             if payload is not None:
                 h.buf[:] = payload
             h.done = True
@@ -214,7 +221,7 @@ class Transport(ABC):
             raise DTMError(E.RECEIVE_BUFFER_FULL,
                            f"{self.peer_name(peer)} sent {self._unexpected_bytes} bytes that no receive was posted "
                            f"for yet (stream {stream}); the limit is {self.max_unexpected} bytes")
-        self._unexpected[(peer, stream)].append((seq, chunk, payload))
+        self._unexpected[(peer, stream)].append((seq, chunk, payload, flags))
 
     def _deliver_control(self, peer: int, msg_type: MsgType, stream: int, payload: bytes) -> None:
         if self._control is None:
@@ -274,6 +281,13 @@ class Transport(ABC):
         finished chunk is also copied to `finished` (which holds `work`'s elements from
         `finished_base` on), when given. False: it cannot here, and the caller runs
         `algorithms.ring`."""
+        return False
+
+    def compressed_ring_pass(self, left: int, right: int, stream: int, seq: int, start: bytes, work: np.ndarray,
+                             first: Sequence[tuple[int, int]], plan: Sequence, codec, mode: str, what: str,
+                             recv_arena: np.ndarray, send_arena: np.ndarray) -> bool:
+        """`algorithms.compressed_ring` run natively, if this transport can: the same frames
+        and the same bits (spec 9.5.1). False: it cannot here, and the caller runs it."""
         return False
 
     def discard(self, peer: int, stream: int) -> None:

@@ -701,7 +701,7 @@ def _backward_traced(loss: Tensor, gradient: Tensor | None, retain_graph: bool) 
             raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g._type}, the output is {loss._type}")
         args.append(g)
     name = grad(module, "main", wrt, seed="ones" if gradient is None else "param")
-    results = record_func(module.funcs[name], args)
+    results = record_func(module.funcs[name], args, mesh=module_mesh(module))
     for i, g in zip(wrt, results[1:]):
         leaf = params[i]
         if leaf._mesh is not None:  # brought to its leaf's layout, as in eager mode
@@ -712,11 +712,19 @@ def _backward_traced(loss: Tensor, gradient: Tensor | None, retain_graph: bool) 
         _free(inner)
 
 
-def record_func(f: Func, args: Sequence[Tensor], history: bool = False) -> list[Tensor]:
+def module_mesh(module: Module) -> DeviceMesh | None:
+    """The mesh a captured module names (None: it names none)."""
+    return DeviceMesh.of(next(iter(module.meshes.values()))) if module.meshes else None
+
+
+def record_func(f: Func, args: Sequence[Tensor], history: bool = False,
+                mesh: DeviceMesh | None = None) -> list[Tensor]:
     """Record the ops of IR function f on tensors `args` (one per parameter) as lazy
     tensors, without gradient history unless `history` (then a result requires grad where
     an operand does, in grad mode, as `apply` decides); f's results. (Every op has one
-    result here: a differentiated function has no effects.)"""
+    result here: a differentiated function has no effects.) `mesh`: the mesh of f's
+    module, for layouts pinned on values whose operands are on none (a dtm.jit
+    placeholder that DDP shards by rows)."""
     env: dict[int, Tensor] = {id(v): t for v, t in zip(f.params, args)}
     history = history and STATE.grad_enabled
     for op in f.ops:
@@ -724,6 +732,8 @@ def record_func(f: Func, args: Sequence[Tensor], history: bool = False) -> list[
         ins = tuple(env[id(v)] for v in op.operands)
         requires = history and r.type.dtype.is_float and any(i.requires_grad for i in ins)
         t = Tensor(r.type, op.name, ins, op.attrs, requires_grad=requires)
+        if r.sharding is not None and t._mesh is None and mesh is not None:
+            t._mesh = mesh  # as `distribute` pins a placeholder: else that op of the copy is unplaced
         if r.sharding is not None and t._mesh is not None:  # a layout the user pinned
             t._placements = r.sharding.placements
         env[id(r)] = t
