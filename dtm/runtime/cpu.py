@@ -92,7 +92,7 @@ class _Frame:
     temporary, and per kernel its pointer and dim arrays with the temporaries filled in.
     Runs on one thread reuse it; temporaries never leave a run (results are fresh arrays)."""
 
-    __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill", "launch")
+    __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill", "launch", "run_fill", "held")
 
     def __init__(self, plan: "Plan", bindings: dict, key):
         prog = plan.program
@@ -119,7 +119,13 @@ class _Frame:
             self.fill.append(fill)
             ints = k.int_args(values, bindings)
             self.dims.append((ctypes.c_int64 * max(len(ints), 1))(*ints))
-        # per run of consecutive compiled steps: the arrays dtm_run_steps reads
+        # per run of consecutive compiled steps: the pointers to fill before it, as (pointer
+        # array, position, buffer, is a parameter), and the arrays dtm_run_steps reads.
+        # `held[j]` is the parameter's array entry j was last filled with (its pointer is
+        # still there: the weights, the same arrays at every call, are not looked at again)
+        self.run_fill = [[(self.ptrs[k.index], n, bi, plan.buffers[bi].kind == "param")
+                          for k in run for n, bi in self.fill[k.index]] for run in plan.runs]
+        self.held = [[None] * len(f) for f in self.run_fill]
         self.launch = []
         for run in plan.runs:
             n = len(run)
@@ -199,7 +205,7 @@ class Plan:
         self.params = [(buf_index[id(b)], b.index) for b in self.buffers if b.kind == "param"]
         self.returns = [(buf_index[id(b)], b.kind) for b in program.returns]
         self.symbolic = bool(self.symbols)
-        self.static_types = [(p.type.shape, _np_dtype(p.type)) if p.type.is_static else None
+        self.static_types = [(quant.storage_shape(p.type), _np_dtype(p.type)) if p.type.is_static else None
                              for p in self.func.params]
         self.checks = [op for op in self.func.ops if op.name == "slice"
                        and any(isinstance(d, SymDim) for d in (*op.attrs["start"], *op.attrs["stop"]))]
@@ -264,13 +270,16 @@ class Plan:
         else:
             for what, order in self.schedule:
                 if type(what) is int:  # a run of compiled steps, launched by one call
-                    for k in self.runs[what]:
-                        ptrs = frame.ptrs[k.index]
-                        for n, bi in frame.fill[k.index]:
-                            a = vals[bi]
-                            if a is None:
-                                a = vals[bi] = self.allocate(self.buffers[bi], bindings, None)
-                            ptrs[n] = _ptr(a)
+                    held = frame.held[what]
+                    for j, (ptrs, n, bi, param) in enumerate(frame.run_fill[what]):
+                        a = vals[bi]
+                        if param:
+                            if held[j] is a:
+                                continue
+                            held[j] = a
+                        elif a is None:
+                            a = vals[bi] = self.allocate(self.buffers[bi], bindings, None)
+                        ptrs[n] = _ptr(a)
                     self._launch(*frame.launch[what])
                 else:
                     ctx = self._other(what, vals, originals, bindings, ctx)
@@ -283,15 +292,16 @@ class Plan:
     def _donate(self, inputs: list, donated: frozenset, originals: dict, vals: list) -> None:
         """Results written in place of donated inputs (see run): only an array this run may
         write (writable, its own memory, no other input a view of it)."""
-        counts: dict[int, int] = {}
-        for a in inputs:
-            counts[id(a)] = counts.get(id(a), 0) + 1
-            if a.base is not None:
-                counts[id(a.base)] = counts.get(id(a.base), 0) + 1
+        wanted = {id(originals[xb]): 0 for position, xb, _ in self.donatable if position in donated}
+        for a in inputs:  # how often each is an input, or the base of one
+            if id(a) in wanted:
+                wanted[id(a)] += 1
+            if a.base is not None and id(a.base) in wanted:
+                wanted[id(a.base)] += 1
         for position, xb, ob in self.donatable:
             x = originals[xb]
             if position in donated and vals[xb] is x and x.flags.writeable and x.base is None \
-                    and counts[id(x)] == 1:
+                    and wanted[id(x)] == 1:
                 vals[ob] = x
 
     def _other(self, step, vals: list, originals: dict, bindings: dict, ctx):
