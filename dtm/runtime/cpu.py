@@ -9,10 +9,13 @@ dtm.compiler.build). A plan serves every shape of a symbolic function: the symbo
 from the input shapes at each run and handed to the kernels as arguments.
 
 Each run allocates the temporaries' memory slots and the returned arrays, then runs the
-steps in order: compiled kernels through ctypes (the GIL is released while they run) and
+steps in order: compiled steps (kernels, and the move steps of gather / dynamic_slice /
+dynamic_update_slice) through the runtime's launch loop, each run of consecutive ones from
+one ctypes call (`dtm_run_steps`, c_move.py; the GIL is released while they run), and
 fallback kernels through the reference implementation (dtm.ref.ops.IMPLS) for the ops the
 compiler does not lower. Inputs are used as given (an `assign` writes into the caller's
-array, as with the reference); no returned array shares memory with an input.
+array, as with the reference); no returned array shares memory with an input, except a
+donated one (`run(..., donated=)`: a KV cache updated in place is returned as itself).
 
 DTM_DEBUG=1 prints each kernel's name and time as it runs; DTM_DEBUG=2 also prints the C
 source of each kernel when the plan is built; DTM_DEBUG=passes prints every pass's output.
