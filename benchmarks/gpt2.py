@@ -16,6 +16,14 @@ Batch 1, f32, random weights (nothing is downloaded), the same weights everywher
   random weights, whose logits are nearly tied (tests/test_quant.py states the accuracy).
 
     python benchmarks/gpt2.py [--new-tokens 64] [--layers 12] [--runs 3] [--no-ref] [--no-quant]
+
+--accuracy N (no speed rows): the narrow types' accuracy against f32 on the same weights.
+The f32 model generates N tokens greedily after the 16-token prompt; each of q8_0, q4_0
+and bf16 then reads the same N + 16 tokens (one forward pass), and at each of the N
+positions the f32 model predicted, the max abs difference of the logits and whether the
+top-1 token agrees are taken: printed as max / mean / 99th percentile and the agreement.
+
+    python benchmarks/gpt2.py --accuracy 256
 """
 
 from __future__ import annotations
@@ -126,6 +134,40 @@ def torch_engine(n_layer: int, weights: dict[str, np.ndarray], int8: bool = Fals
     return prefill, decode
 
 
+def accuracy(n_new: int, n_layer: int) -> None:
+    """--accuracy: see the module docstring."""
+    import dtm
+    from dtm.models.gpt2 import GPT2, GPT2Config
+
+    weights = random_weights(n_layer=n_layer)
+    prompt = np.random.default_rng(1).integers(0, 50257, size=(1, PROMPT_LEN), dtype=np.int64)
+
+    def model_of(narrow):
+        model = GPT2(GPT2Config(n_layer=n_layer), init=False).eval()
+        for name, p in model.named_parameters():
+            p._set_value(weights[name])
+        return dtm.quant.quantize(model, narrow) if narrow else model
+
+    f32 = model_of(None)
+    t0 = time.perf_counter()
+    ids = f32.generate(prompt, max_new_tokens=n_new).numpy()
+    print(f"f32 greedy: {n_new} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    seq = ids[:, :-1]  # the positions whose next token f32 predicted: PROMPT_LEN - 1 ... end
+    want = dtm.jit(lambda x: f32(x))(dtm.tensor(seq)).numpy()[0, PROMPT_LEN - 1:]
+    same = (want.argmax(-1) == ids[0, PROMPT_LEN:]).mean()  # one forward pass vs the cached decode, both f32
+    print(f"GPT-2 124M shapes, {n_layer} layers, random weights (benchmarks/gpt2.py random_weights), "
+          f"{n_new} greedy f32 tokens after a {PROMPT_LEN}-token prompt; each type reads the same tokens; "
+          f"f32 logits: std {want.std():.3f}, max |logit| {np.abs(want).max():.3f}; f32's forward pass picks "
+          f"the greedy decode's token at {same * 100:.1f}% of positions")
+    print(f"{'type':6} {'max |dlogit|':>13} {'mean':>8} {'p99':>8} {'top-1 agreement':>16}")
+    for narrow in ("q8_0", "q4_0", "bf16"):
+        got = dtm.jit(lambda x, m=model_of(narrow): m(x))(dtm.tensor(seq)).numpy()[0, PROMPT_LEN - 1:]
+        per_token = np.abs(got - want).max(-1)
+        agree = (got.argmax(-1) == want.argmax(-1)).mean()
+        print(f"{narrow:6} {per_token.max():13.4f} {per_token.mean():8.4f} {np.percentile(per_token, 99):8.4f} "
+              f"{agree * 100:15.1f}%")
+
+
 def worker(engine: str, args) -> dict:
     """Measure one engine in this process; the result as a dict (printed as JSON)."""
     weights = random_weights(n_layer=args.layers)
@@ -164,8 +206,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow) reference backend")
     ap.add_argument("--no-quant", action="store_true", help="skip the narrow-weight rows")
+    ap.add_argument("--accuracy", type=int, metavar="N", help="narrow types vs f32 over N greedy tokens, no speed")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.accuracy:
+        accuracy(args.accuracy, args.layers)
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, args)))
         return

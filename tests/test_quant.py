@@ -84,7 +84,7 @@ def test_weight_casts_are_absorbed_into_the_products():
     kv = [dtm.zeros(1, TINY.n_head, 64, TINY.n_embd // TINY.n_head) for _ in range(2 * TINY.n_layer)]
     prog = compile_func(model._step.ir(ids, dtm.tensor(np.int64(0)), *kv), "main")
     assert not [s for s in prog.fallbacks if s.op.name == "cast"]  # every cast compiled, embedding rows too
-    assert {s.op.name for s in prog.fallbacks} <= {"gather", "dynamic_update_slice"}
+    assert not prog.fallbacks, [s.op.name for s in prog.fallbacks]  # gather and the KV writes compiled too (moves)
     products = [s for s in prog.kernels if any(b.type.dtype.name == "q8_0" for b in s.args) and s.group.kind == "matmul"]
     assert len(products) == 4 * TINY.n_layer + 1  # c_attn, attn c_proj, c_fc, mlp c_proj per layer; lm_head
     rows = [s for s in prog.kernels if s.group.kind == "convert"]

@@ -12,9 +12,11 @@ The cpu lowering (passes.py lists it; dtm/runtime/cpu.py runs its result):
     memory.py      memory slots for temporaries, in-place kernels (`plan_memory`)
     render_c.py    loop IR -> C (`render_kernel`, `render_unit`)
     c_runtime.py   the C runtime library: tiled matrix products
+    c_move.py      gather / dynamic_slice / dynamic_update_slice as row copies, the launch loop
     build.py       the C compiler, the on-disk kernel cache, loading with ctypes
 
-Ops on f16, bf16, f8 and quantized dtypes, and the ops without a loop lowering (gather,
-scatter_add, argsort, dynamic_slice, dynamic_update_slice, random, collectives, p2p, store, call,
-assign) run through the reference implementation as fallback kernels.
+gather, dynamic_slice and dynamic_update_slice (any dtype) are move steps, run by c_move.py.
+Other ops on f16, bf16, f8 and quantized dtypes, and the ops without a loop lowering
+(scatter_add, argsort, random, collectives, p2p, store, call, assign) run through the
+reference implementation as fallback kernels.
 """

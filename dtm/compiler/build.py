@@ -31,14 +31,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
-from . import c_narrow
+from . import c_move, c_narrow
 from .c_runtime import SOURCES as _GEMM_SOURCES
 from .render_c import render_unit, vector_math_decls
 
 log = logging.getLogger("dtm.compiler")
 # the runtime libraries by the name a kernel's CFunction.gemm_dtype gives: f32, f64 and the
-# products with narrow weights (c_narrow.py)
-RUNTIME_SOURCES = {**_GEMM_SOURCES, "narrow": c_narrow.SOURCE}
+# products with narrow weights (c_narrow.py); "move": the movement steps and the plan's
+# launch loop (c_move.py), which the executor calls
+RUNTIME_SOURCES = {**_GEMM_SOURCES, "narrow": c_narrow.SOURCE, "move": c_move.SOURCE}
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")

@@ -1,5 +1,5 @@
-"""The loop lowering: each fused group of a Schedule becomes a loop-IR Kernel (or a fallback
-step), over buffers that hold the function's parameters, constants and stored values.
+"""The loop lowering: each fused group of a Schedule becomes a loop-IR Kernel (or a move step,
+`program.MOVE_OPS`, or a fallback step), over buffers that hold the function's parameters, constants and stored values.
 
 The heart is `KernelBuilder.ev(v, index)`: the scalar expression for element `index` of
 value v. A value stored elsewhere is a Load; an elementwise op applies itself to its
@@ -29,7 +29,7 @@ from ..ir.module import Op, Value
 from ..ir.symbolic import Dim, SymDim, dim_add, dim_mul, dim_prod
 from . import loopir as L
 from .loopir import INDEX, Const, Sym, Var
-from .program import Buffer, FallbackStep, KernelStep, Program, writes_into
+from .program import Buffer, FallbackStep, KernelStep, MoveStep, Program, is_move, writes_into
 from .schedule import Group, Schedule, gemm_dtype
 from .views import contiguous_strides, reshape_groups, strided_view
 
@@ -832,12 +832,16 @@ def lower_loops(sched: Schedule) -> Program:
     for grp in sched.groups:
         for v in grp.stores:
             if v not in buffers:
-                planned = grp.kind != "fallback" or writes_into(grp.op)
+                planned = grp.kind != "fallback" or writes_into(grp.op) or is_move(grp.op)
                 kind = "fallback" if not planned else ("output" if v in returned else "temp")
                 add(v, kind)
     steps = []
     for n, grp in enumerate(sched.groups):
         name = f"k{n}_{grp.name}" if grp.kind != "fallback" else f"f{n}_{grp.op.name}"
+        if grp.kind == "fallback" and is_move(grp.op):
+            steps.append(MoveStep(f"m{n}_{grp.op.name}", grp.op, [buffers[v] for v in grp.op.operands],
+                                  [buffers[v] for v in grp.op.results]))
+            continue
         if grp.kind == "fallback":
             steps.append(FallbackStep(name, grp.op, [buffers[v] for v in grp.op.operands],
                                       [buffers[v] for v in grp.op.results]))

@@ -7,7 +7,9 @@ symbols), else a new slot. A slot is free again after the step that last reads i
 occupant. Returned values and parameters never share: the caller owns them. Fallback
 results are the reference's own arrays and are only dropped after their last use, except
 for ops whose reference works in place (scatter_add, `program.INTO_FALLBACKS`): their
-result takes a slot like a kernel's, x's own when this is x's last read.
+result takes a slot like a kernel's, x's own when this is x's last read. Move steps
+(`program.MoveStep`) take slots like kernels; a dynamic_update_slice takes its operand's
+when this is the operand's last read, and then writes only the window.
 
 In place: a kernel may write output o over input p when both have the same number of
 elements of the same size, the kernel has a single store (to o, the last statement of its
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from ..ir.symbolic import dim_mul, dim_prod
 from . import loopir as L
-from .program import Buffer, FallbackStep, KernelStep, Program, writes_into
+from .program import Buffer, FallbackStep, KernelStep, MoveStep, Program, writes_into
 
 
 def nbytes(b: Buffer):
@@ -200,6 +202,17 @@ def plan_memory(program: Program) -> Program:
                     b.slot, b.alias = src.slot, src
                     s.kernel.aliases[names[id(b)]] = cand
                     continue
+                take_slot(b)
+        elif isinstance(s, MoveStep):
+            # dynamic_update_slice: over its operand x when this is x's last use (the window alone
+            # is written); the other moves read rows of x anywhere, so never over an input
+            b, x = s.outputs[0], s.inputs[0]
+            if b.kind != "temp":
+                pass
+            elif s.op.name == "dynamic_update_slice" and x.kind == "temp" and last.get(x) == i \
+                    and x.slot is not None and x not in s.inputs[1:] and nbytes(x) == nbytes(b):
+                b.slot, b.alias = x.slot, x
+            else:
                 take_slot(b)
         elif writes_into(s.op) and s.outputs[0].kind == "temp":
             # scatter_add: over its operand x when this is x's last use (it only adds to it)

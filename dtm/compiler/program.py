@@ -64,6 +64,26 @@ class FallbackStep:
     outputs: list
 
 
+@dataclass(eq=False)
+class MoveStep:
+    """A movement op whose index is data (`MOVE_OPS`), run by the runtime's C (c_move.py):
+    copies of whole rows of bytes. Its result is planned memory like a kernel's; a
+    dynamic_update_slice's is its operand's own when this is the operand's last use (the
+    window alone is written)."""
+
+    name: str
+    op: Op
+    inputs: list
+    outputs: list
+
+
+MOVE_OPS = ("gather", "dynamic_slice", "dynamic_update_slice")
+
+
+def is_move(op: Op) -> bool:
+    return op.name in MOVE_OPS
+
+
 # Fallback ops whose reference has an in-place form (`ref.ops.scatter_add_into`): their
 # result is planned memory like a kernel's (a slot, or a dead operand's slot), not a fresh
 # array per call, whose pages the OS faults in and zeroes every step (an embedding
@@ -96,8 +116,13 @@ class Program:
     def fallbacks(self) -> list:
         return [s for s in self.steps if isinstance(s, FallbackStep)]
 
+    @property
+    def moves(self) -> list:
+        return [s for s in self.steps if isinstance(s, MoveStep)]
+
     def __str__(self) -> str:
-        lines = [f"program @{self.func.name}: {len(self.kernels)} kernel(s), {len(self.fallbacks)} fallback(s)"]
+        lines = [f"program @{self.func.name}: {len(self.kernels)} kernel(s), {len(self.moves)} move(s), "
+                 f"{len(self.fallbacks)} fallback(s)"]
         for b in self.buffers:
             extra = ""
             if b.slot is not None:
@@ -108,7 +133,7 @@ class Program:
         for i, s in enumerate(self.steps):
             ins = ", ".join(b.name for b in s.inputs)
             outs = ", ".join(b.name for b in s.outputs)
-            kind = "kernel" if isinstance(s, KernelStep) else "fallback"
+            kind = "kernel" if isinstance(s, KernelStep) else "move" if isinstance(s, MoveStep) else "fallback"
             lines.append(f"  step {i} {kind} {s.name}: ({ins}) -> ({outs})")
             if self.frees and self.frees[i]:
                 lines.append(f"    frees {', '.join(b.name for b in self.frees[i])}")

@@ -35,8 +35,10 @@ Each stored value gets a kernel, one of:
     another float dtype goes through f32 (`decompose` splits it: exact, as the reference
     computes it). Casts to and from the narrow floats (f16, bf16, f8e4m3, f8e5m2) are
     elementwise: their values are held as their bits, which only a cast reads;
-  - fallback: any other op (gather, scatter, argsort, random, collectives, store, call, other
-    ops on narrow floats or quantized dtypes) runs the reference implementation.
+  - fallback: any other op (scatter, argsort, random, collectives, store, call, other ops on
+    narrow floats or quantized dtypes) runs the reference implementation; gather,
+    dynamic_slice and dynamic_update_slice are fallback groups too, which the lowering makes
+    move steps (program.MoveStep: row copies in the runtime's C).
 Loop kernels over the same shape that are related are then merged when the merged kernel
 can compute everything in place (see `merge`). Kernels are ordered by their data
 dependencies, effects in program order, and an `assign` after every kernel that reads its

@@ -332,7 +332,8 @@ class GPT2(nn.Module):
                 logits = self(ids, cache)[:, -1, :]
                 return (logits, *cache.k, *cache.v)
 
-            self.__dict__[key] = jit(step)
+            first = 3 if padded else 2  # (ids, pos[, pad], *kv): the caches are donated, updated in place
+            self.__dict__[key] = jit(step, donate=range(first, first + 2 * self.config.n_layer))
         return self.__dict__[key]
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:

@@ -9,10 +9,13 @@ dtm.compiler.build). A plan serves every shape of a symbolic function: the symbo
 from the input shapes at each run and handed to the kernels as arguments.
 
 Each run allocates the temporaries' memory slots and the returned arrays, then runs the
-steps in order: compiled kernels through ctypes (the GIL is released while they run) and
+steps in order: compiled steps (kernels, and the move steps of gather / dynamic_slice /
+dynamic_update_slice) through the runtime's launch loop, each run of consecutive ones from
+one ctypes call (`dtm_run_steps`, c_move.py; the GIL is released while they run), and
 fallback kernels through the reference implementation (dtm.ref.ops.IMPLS) for the ops the
 compiler does not lower. Inputs are used as given (an `assign` writes into the caller's
-array, as with the reference); no returned array shares memory with an input.
+array, as with the reference); no returned array shares memory with an input, except a
+donated one (`run(..., donated=)`: a KV cache updated in place is returned as itself).
 
 DTM_DEBUG=1 prints each kernel's name and time as it runs; DTM_DEBUG=2 also prints the C
 source of each kernel when the plan is built; DTM_DEBUG=passes prints every pass's output.
@@ -32,8 +35,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..compiler import build as B
+from ..compiler.c_move import KIND as _INDEX_KIND
 from ..compiler.passes import compile_func
-from ..compiler.program import Buffer, FallbackStep, KernelStep, Program, writes_into
+from ..compiler.program import Buffer, FallbackStep, KernelStep, MoveStep, Program, writes_into
 from ..errors import DTMError, ErrorCode as E
 from ..ir.module import Module
 from ..ir.symbolic import SymDim
@@ -66,17 +70,24 @@ def _contiguous(x: np.ndarray) -> np.ndarray:
 
 
 class _Kernel:
-    """A loaded kernel step: its function, and where each argument comes from."""
+    """A loaded compiled step (a kernel, or a move step run by the runtime's C): its
+    function, where each argument comes from, and its int64 arguments: a kernel's symbol
+    values (`dims`, positions in the plan's symbols), a move's geometry (`_move_args`)."""
 
-    __slots__ = ("step", "fn", "args", "dims", "name", "index")
+    __slots__ = ("step", "fn", "args", "dims", "name", "index", "move", "address")
 
-    def __init__(self, index: int, step: KernelStep, symbols: list[str], fn, buf_index: dict):
+    def __init__(self, index: int, step: KernelStep | MoveStep, symbols: list[str], fn, buf_index: dict):
         self.index = index
         self.step = step
         self.name = step.name
         self.fn = fn
-        self.args = [buf_index[id(b)] for b in step.args]
-        self.dims = [symbols.index(d) for d in step.kernel.dims]
+        self.move = type(step) is MoveStep
+        bufs = step.outputs + step.inputs if self.move else step.args
+        self.args = [buf_index[id(b)] for b in bufs]
+        self.dims = [] if self.move else [symbols.index(d) for d in step.kernel.dims]
+
+    def int_args(self, values: list, bindings: dict) -> list[int]:
+        return _move_args(self.step, bindings) if self.move else [values[j] for j in self.dims]
 
 
 class _Frame:
@@ -84,7 +95,7 @@ class _Frame:
     temporary, and per kernel its pointer and dim arrays with the temporaries filled in.
     Runs on one thread reuse it; temporaries never leave a run (results are fresh arrays)."""
 
-    __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill")
+    __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill", "launch", "run_fill", "held")
 
     def __init__(self, plan: "Plan", bindings: dict, key):
         prog = plan.program
@@ -109,7 +120,21 @@ class _Frame:
                     fill.append((n, bi))
             self.ptrs.append(ptrs)
             self.fill.append(fill)
-            self.dims.append((ctypes.c_int64 * max(len(k.dims), 1))(*[values[j] for j in k.dims]))
+            ints = k.int_args(values, bindings)
+            self.dims.append((ctypes.c_int64 * max(len(ints), 1))(*ints))
+        # per run of consecutive compiled steps: the pointers to fill before it, as (pointer
+        # array, position, buffer, is a parameter), and the arrays dtm_run_steps reads.
+        # `held[j]` is the parameter's array entry j was last filled with (its pointer is
+        # still there: the weights, the same arrays at every call, are not looked at again)
+        self.run_fill = [[(self.ptrs[k.index], n, bi, plan.buffers[bi].kind == "param")
+                          for k in run for n, bi in self.fill[k.index]] for run in plan.runs]
+        self.held = [[None] * len(f) for f in self.run_fill]
+        self.launch = []
+        for run in plan.runs:
+            n = len(run)
+            self.launch.append((n, (ctypes.c_void_p * n)(*[k.address for k in run]),
+                                (ctypes.c_void_p * n)(*[ctypes.addressof(self.ptrs[k.index]) for k in run]),
+                                (ctypes.c_void_p * n)(*[ctypes.addressof(self.dims[k.index]) for k in run])))
 
 
 class Plan:
@@ -127,9 +152,32 @@ class Plan:
             for step in steps:
                 print(f"--- kernel {step.name}\n{step.kernel}\n{step.source}", file=sys.stderr)
         fns = B.load_functions([s.cfunc for s in steps], [s.name for s in steps])
-        self.kernels = [_Kernel(i, st, self.symbols, fn, buf_index) for i, (st, fn) in enumerate(zip(steps, fns))]
+        compiled = [s for s in program.steps if isinstance(s, (KernelStep, MoveStep))]
+        by_kernel = {id(s): fn for s, fn in zip(steps, fns)}
+        moves = B.runtime_library("move") if program.moves else None
+        self.kernels = [_Kernel(i, st, self.symbols, by_kernel[id(st)] if type(st) is KernelStep
+                                else _move_function(moves, st.op.name), buf_index)
+                        for i, st in enumerate(compiled)]
         by_step = {id(k.step): k for k in self.kernels}
         self.steps = [by_step.get(id(s), s) for s in program.steps]
+        # consecutive compiled steps run from one call of the runtime's loop (dtm_run_steps):
+        # `schedule` holds, in order, a run (its number) or a fallback step
+        self.runs, self.schedule = [], []
+        for i, step in enumerate(self.steps):
+            if type(step) is _Kernel:
+                step.address = ctypes.cast(step.fn, ctypes.c_void_p).value
+                if self.schedule and type(self.schedule[-1][0]) is int:
+                    self.runs[self.schedule[-1][0]].append(step)
+                    self.schedule[-1][1].append(i)
+                else:
+                    self.schedule.append((len(self.runs), [i]))
+                    self.runs.append([step])
+            else:
+                self.schedule.append((step, [i]))
+        self._launch = B.runtime_library("move").dtm_run_steps if self.runs else None
+        if self._launch is not None:
+            self._launch.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            self._launch.restype = None
         self.frees = [[buf_index[id(b)] for b in f] for f in program.frees] if program.frees else \
             [[] for _ in program.steps]
         self.fb_args = {id(s): ([buf_index[id(b)] for b in s.inputs], [buf_index[id(b)] for b in s.outputs])
@@ -143,10 +191,24 @@ class Plan:
         self.in_place = [(buf_index[id(b)], buf_index[id(b.alias)]) for b in self.buffers
                          if b.alias is not None and b.alias.kind == "param"]
         self.done_in_place = program.done_in_place
+        # dynamic_update_slices that may write over their operand when the caller donates it
+        # (run): (input position, operand buffer, result buffer)
+        last_read: dict[int, int] = {}
+        for i, st in enumerate(program.steps):
+            for b in st.inputs:
+                last_read[id(b)] = i
+        returned = {id(b) for b in program.returns}
+        self.donatable = [(x.index, buf_index[id(x)], buf_index[id(out)])
+                          for i, st in enumerate(program.steps)
+                          if isinstance(st, MoveStep) and st.op.name == "dynamic_update_slice"
+                          for x, out in [(st.inputs[0], st.outputs[0])]
+                          if x.kind == "param" and out.kind == "output" and last_read[id(x)] == i
+                          and id(x) not in returned and x not in st.inputs[1:]
+                          and not any(o.alias is x for o in self.buffers)]
         self.params = [(buf_index[id(b)], b.index) for b in self.buffers if b.kind == "param"]
         self.returns = [(buf_index[id(b)], b.kind) for b in program.returns]
         self.symbolic = bool(self.symbols)
-        self.static_types = [(p.type.shape, _np_dtype(p.type)) if p.type.is_static else None
+        self.static_types = [(quant.storage_shape(p.type), _np_dtype(p.type)) if p.type.is_static else None
                              for p in self.func.params]
         self.checks = [op for op in self.func.ops if op.name == "slice"
                        and any(isinstance(d, SymDim) for d in (*op.attrs["start"], *op.attrs["stop"]))]
@@ -184,7 +246,12 @@ class Plan:
         return frame
 
     # -- running --
-    def run(self, inputs: Sequence[np.ndarray], ctx: RefContext | None = None) -> list[np.ndarray]:
+    def run(self, inputs: Sequence[np.ndarray], ctx: RefContext | None = None,
+            donated: frozenset = frozenset()) -> list[np.ndarray]:
+        """The function's results on `inputs`. `donated`: positions of inputs the caller gives
+        up: a dynamic_update_slice whose operand is such an input, read by nothing after it,
+        writes its window into the input's own array, which it returns as its result (a KV
+        cache updated in place); the caller must not use what it donated afterwards."""
         inputs = [x if type(x) is np.ndarray else np.asarray(x) for x in inputs]
         bindings = self._bind(inputs)
         frame = self._frame(bindings)
@@ -199,9 +266,63 @@ class Plan:
                 raise DTMError(E.READ_ONLY_INPUT, f"@{self.func.name}: assign: the input array bound to the target "
                                "is read-only; pass a writable array the caller owns")
             vals[value] = vals[target]
-        debug = _debug_level()
+        if donated and self.donatable:
+            self._donate(inputs, donated, originals, vals)
+        if _debug_level():
+            self._run_steps(frame, vals, originals, bindings, ctx)
+        else:
+            for what, order in self.schedule:
+                if type(what) is int:  # a run of compiled steps, launched by one call
+                    held = frame.held[what]
+                    for j, (ptrs, n, bi, param) in enumerate(frame.run_fill[what]):
+                        a = vals[bi]
+                        if param:
+                            if held[j] is a:
+                                continue
+                            held[j] = a
+                        elif a is None:
+                            a = vals[bi] = self.allocate(self.buffers[bi], bindings, None)
+                        ptrs[n] = _ptr(a)
+                    self._launch(*frame.launch[what])
+                else:
+                    ctx = self._other(what, vals, originals, bindings, ctx)
+                for i in order:
+                    for bi in self.frees[i]:
+                        if self.buffers[bi].kind == "fallback":
+                            vals[bi] = None
+        return self._results(inputs, frame, vals, originals)
+
+    def _donate(self, inputs: list, donated: frozenset, originals: dict, vals: list) -> None:
+        """Results written in place of donated inputs (see run): only an array this run may
+        write (writable, its own memory, no other input a view of it)."""
+        wanted = {id(originals[xb]): 0 for position, xb, _ in self.donatable if position in donated}
+        for a in inputs:  # how often each is an input, or the base of one
+            if id(a) in wanted:
+                wanted[id(a)] += 1
+            if a.base is not None and id(a.base) in wanted:
+                wanted[id(a.base)] += 1
+        for position, xb, ob in self.donatable:
+            x = originals[xb]
+            if position in donated and vals[xb] is x and x.flags.writeable and x.base is None \
+                    and wanted[id(x)] == 1:
+                vals[ob] = x
+
+    def _other(self, step, vals: list, originals: dict, bindings: dict, ctx):
+        """A step that is not compiled: an assign, a scatter_add, a reference fallback."""
+        if id(step) in self.assigns:
+            if id(step) not in self.done_in_place:
+                target, value = self.assigns[id(step)]
+                self._assign(step, originals.get(target, vals[target]), vals[value])
+        elif id(step) in self.into:
+            self._scatter_add(step, vals, bindings)
+        else:
+            ctx = self._fallback(step, vals, originals, bindings, ctx)
+        return ctx
+
+    def _run_steps(self, frame: _Frame, vals: list, originals: dict, bindings: dict, ctx) -> None:
+        """The steps one by one, each timed (DTM_DEBUG)."""
         for i, step in enumerate(self.steps):
-            t0 = time.perf_counter() if debug else 0.0
+            t0 = time.perf_counter()
             if type(step) is _Kernel:
                 ptrs = frame.ptrs[step.index]
                 for n, bi in frame.fill[step.index]:
@@ -210,19 +331,14 @@ class Plan:
                         a = vals[bi] = self.allocate(self.buffers[bi], bindings, None)
                     ptrs[n] = _ptr(a)
                 step.fn(ptrs, frame.dims[step.index])
-            elif id(step) in self.assigns:
-                if id(step) not in self.done_in_place:
-                    target, value = self.assigns[id(step)]
-                    self._assign(step, originals.get(target, vals[target]), vals[value])
-            elif id(step) in self.into:
-                self._scatter_add(step, vals, bindings)
             else:
-                ctx = self._fallback(step, vals, originals, bindings, ctx)
-            if debug:
-                print(f"[dtm cpu] {step.name}: {(time.perf_counter() - t0) * 1e3:.3f} ms", file=sys.stderr)
+                ctx = self._other(step, vals, originals, bindings, ctx)
+            print(f"[dtm cpu] {step.name}: {(time.perf_counter() - t0) * 1e3:.3f} ms", file=sys.stderr)
             for bi in self.frees[i]:
                 if self.buffers[bi].kind == "fallback":
                     vals[bi] = None
+
+    def _results(self, inputs: list, frame: _Frame, vals: list, originals: dict) -> list[np.ndarray]:
         for _, target in self.in_place:  # a parameter passed as a copy (not contiguous) gets its update
             if vals[target] is not originals[target]:
                 np.copyto(originals[target], vals[target])
@@ -306,6 +422,44 @@ class Plan:
                 x = x.copy()  # a view of an operand: the operand's memory may be reused or assigned
             vals[bi] = _contiguous(x)
         return ctx
+
+
+def _move_function(lib, op: str):
+    fn = getattr(lib, f"dtm_move_{op}")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    return fn
+
+
+def _row_bytes(dtype, trailing: tuple) -> int:
+    """Bytes of one element along an axis: the dims after it (a quantized value's rows are
+    whole blocks, spec 2.2)."""
+    if dtype.is_quant:
+        *lead, k = trailing
+        return math.prod(lead) * (k // dtype.block) * dtype.itemsize
+    return math.prod(trailing) * quant.storage_dtype(dtype).itemsize
+
+
+def _move_args(step: MoveStep, bindings: dict) -> list[int]:
+    """A move step's geometry at these symbol values (c_move.py): outer, the axis's size, the
+    indices' count (or the window), the bytes per element along the axis, the index kind."""
+    op = step.op
+    types = [resolve_type(v.type, bindings) if bindings else v.type for v in op.operands]
+    x, axis = types[0], op.attrs["axis"]
+    shape = tuple(int(d) for d in x.shape)
+    outer, d, width = math.prod(shape[:axis]), shape[axis], _row_bytes(x.dtype, shape[axis + 1:])
+    if op.name == "gather":
+        return [outer, d, math.prod(int(n) for n in types[1].shape), width, _INDEX_KIND[types[1].dtype.name]]
+    if op.name == "dynamic_slice":
+        size = int(resolve_attrs(op.attrs, bindings)["size"] if bindings else op.attrs["size"])
+        if size > d:
+            raise DTMError(E.ATTRIBUTE_VALUE, f"dynamic_slice: size {size} does not fit dim {axis} of size {d}")
+        return [outer, d, size, width, _INDEX_KIND[types[1].dtype.name]]
+    u = int(types[1].shape[axis])
+    if u > d:
+        raise DTMError(E.SHAPE_MISMATCH, f"dynamic_update_slice: the update has {u} elements along dim "
+                       f"{axis}, the operand only {d}")
+    return [outer, d, u, width, _INDEX_KIND[types[2].dtype.name]]
 
 
 def _np_dtype(t: TensorType) -> np.dtype:
@@ -392,8 +546,10 @@ class CpuBackend:
         """The compiled plan of `func` (compiled on first use, then cached)."""
         return self.plans.get(module, func)
 
-    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        return self.plans.get(module, func).run(inputs)
+    def run(self, module: Module, func: str, inputs: Sequence[np.ndarray],
+            donated: frozenset = frozenset()) -> list[np.ndarray]:
+        """`donated`: positions of inputs the caller gives up (Plan.run)."""
+        return self.plans.get(module, func).run(inputs, donated=donated)
 
 
 __all__ = ["CpuBackend", "Plan", "PlanCache", "ModuleHashes", "STATS", "TensorType"]

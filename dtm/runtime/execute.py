@@ -22,10 +22,16 @@ from .backend import get_backend
 from .mesh import IR_NAME, DeviceMesh, Shards
 
 
-def run(module: Module, func: str, inputs: Sequence[Any], backend: str | None = None) -> list[Any]:
-    """Run @func of `module` on `inputs` (one per parameter) and return its results."""
+def run(module: Module, func: str, inputs: Sequence[Any], backend: str | None = None,
+        donated: frozenset = frozenset()) -> list[Any]:
+    """Run @func of `module` on `inputs` (one per parameter) and return its results.
+    `donated`: positions of inputs the caller gives up, whose memory a backend that can
+    (the `cpu` backend's plans) may write results into (Plan.run); others ignore it."""
     if not module.meshes:
-        return get_backend(backend).run(module, func, inputs)
+        b = get_backend(backend)
+        if donated and getattr(b, "name", None) == "cpu":
+            return b.run(module, func, inputs, donated=donated)
+        return b.run(module, func, inputs)
     mesh = mesh_of(module, inputs)
     resolve_free(module, func)
     local = mesh.local_modules(module, func)

@@ -70,11 +70,17 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
     """Trace `fn` to an IR module once per input signature and replay it (see the module
     docstring). `jit(fn).ir(*args)` returns the traced module; with distributed tensors
     (dtm.parallel) it is the global view, and `ir(*args, view="local", rank=r)` rank r's
-    partitioned program, with the collectives that run."""
+    partitioned program, with the collectives that run.
 
-    def __init__(self, fn: Callable, backend: str | None = None):
+    `donate`: positions among the tensor arguments whose values the caller gives up at each
+    call (a KV cache replaced by its update): a result computed from one by
+    dynamic_update_slice may then be written into its memory, and come back as the same
+    array. A donated tensor must not be used after the call."""
+
+    def __init__(self, fn: Callable, backend: str | None = None, donate: tuple[int, ...] = ()):
         self.fn = fn
         self.backend = backend
+        self.donate = frozenset(donate)  # positions among the tensor arguments the caller gives up
         self.cache: dict = {}
 
     def _signature(self, args) -> tuple:
@@ -141,7 +147,7 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
                 raise error(code, f"{message}, in the op traced at {line}")
         prepare_in_place(traced.targets)
         values = [t._buffer for t in tensors]
-        results = execute.run(traced.module, "main", values, self.backend)
+        results = execute.run(traced.module, "main", values, self.backend, donated=self.donate)
         types = [t for t, _ in traced.module.funcs["main"].result_types]
         outs = [Tensor(t, buffer=r) if type(r) is Shards else Tensor.from_numpy(r) for t, r in zip(types, results)]
         for leaf, g in zip(traced.graded, outs[traced.n_out:]):
