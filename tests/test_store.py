@@ -541,3 +541,30 @@ def test_a_large_checksum_over_several_threads_is_the_crc32c_of_the_bytes():
         assert checksum(a) == crc32c(a), n
     x, y = rng.bytes(1000), rng.bytes(333)
     assert combine(crc32c(x), crc32c(y), len(y)) == crc32c(x + y)
+
+
+def _open_and_close(path: str, barrier, results) -> None:
+    barrier.wait(30)
+    try:
+        dtm.store.open(path).close()
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(repr(e))
+
+
+def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path):
+    """Switching a new index to WAL takes a lock SQLite refuses at once instead of waiting
+    for: 9 of 120 opens failed with "database is locked" (E1105) before the setup retried."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(10):
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_open_and_close, args=(str(tmp_path / f"s{trial}"), barrier, results))
+                 for _ in range(4)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert got == ["ok"] * 4, (trial, got)

@@ -74,20 +74,36 @@ class SqliteIndex:
     """The key index of a directory store, over one SQLite connection to `path`."""
 
     def __init__(self, path: str):
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
         try:
             self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                        check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
-            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            (schema,), = self._db.execute("SELECT value FROM meta WHERE name = 'schema'")
+            while True:
+                try:
+                    schema = self._set_up()
+                    break
+                except sqlite3.OperationalError as e:
+                    # Processes opening a new store at once: switching it to WAL takes a lock
+                    # SQLite refuses at once ("database is locked") rather than waiting for,
+                    # as waiting could deadlock; the setup is idempotent, so try again.
+                    if "locked" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.005)
         except sqlite3.DatabaseError as e:
             raise StoreCorrupt(f"the store index {path} cannot be opened: {e}") from None
         if schema != str(SCHEMA_VERSION):
             raise StoreCorrupt(f"the store index {path} has schema {schema}, this reader reads {SCHEMA_VERSION}")
         self._lock = threading.Lock()  # one connection, shared by the process's threads
         self._path = path
+
+    def _set_up(self) -> str:
+        """WAL, full syncs, the tables; the schema version the index holds."""
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        (schema,), = self._db.execute("SELECT value FROM meta WHERE name = 'schema'")
+        return schema
 
     def close(self) -> None:
         self._db.close()
