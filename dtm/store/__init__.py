@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 from .errors import (ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreCorrupt, StoreError, StoreIOError,
                      StoreTypeError)
@@ -30,7 +31,7 @@ from ..errors import ErrorCode
 from ..runtime import process_group
 from .errors import KeyLost
 from .keys import MAX_KEY_BYTES, check_key
-from .mesh_store import MeshStore, start_service
+from .mesh_store import MeshStore, part_of, start_service
 from .refindex import RefIndex
 from .store import Info, Store, VerifyReport, set_tensor_factory
 
@@ -40,7 +41,7 @@ __all__ = ["open", "mesh", "use", "current", "Store", "MeshStore", "KeyLost", "I
 
 _current: Store | MeshStore | None = None
 _lock = threading.RLock()  # current() opens the default store while holding it
-_meshes: dict[tuple, MeshStore] = {}
+_meshes: "weakref.WeakKeyDictionary[object, dict[tuple, MeshStore]]" = weakref.WeakKeyDictionary()  # by group
 
 process_group.on_join(start_service)  # every rank of a mesh serves its part of the mesh's store
 
@@ -87,17 +88,16 @@ def mesh(*, replicas: int | None = None, share_memory: bool = True) -> MeshStore
     makes gets from ranks on this machine travel over the wire as from another host's.
     Without a mesh of several processes, E1005."""
     pg = process_group.current() if process_group.is_initialized() else None
-    if pg is None or getattr(pg, "store_part", None) is None:
+    part = part_of(pg) if pg is not None else None
+    if part is None:
         raise StoreError(ErrorCode.NOT_INITIALIZED, "dtm.store.mesh() needs a mesh of several processes: call "
                                                     "dtm.init() under `dtm launch` first (a single process has "
                                                     "dtm.store.open())")
-    key = (id(pg), replicas, share_memory)
     with _lock:
-        if key not in _meshes:
-            local, root = pg.store_part
-            _meshes.clear()  # those of an earlier, closed group
-            _meshes[key] = MeshStore(pg, local, root, replicas=replicas, share_memory=share_memory)
-        return _meshes[key]
+        made = _meshes.setdefault(pg, {})
+        if (replicas, share_memory) not in made:
+            made[replicas, share_memory] = MeshStore(pg, *part, replicas=replicas, share_memory=share_memory)
+        return made[replicas, share_memory]
 
 
 def use(store: Store | MeshStore) -> Store | MeshStore:
@@ -116,7 +116,7 @@ def current() -> Store | MeshStore:
     with _lock:
         if _current is not None:
             return _current
-        if process_group.is_initialized() and getattr(process_group.current(), "store_part", None) is not None:
+        if process_group.is_initialized() and part_of(process_group.current()) is not None:
             return mesh()
         _current = open()
         return _current

@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -107,17 +108,19 @@ class MeshStore:
             gone.update(m.lost)
         return gone
 
-    def homes(self, key: str) -> list[int]:
-        """The live ranks a put of `key` writes to now."""
-        gone = self._gone()
-        return [r for r in placement(check_key(key), self.world_size) if r not in gone][:self.replicas]
-
     def _candidates(self, key: str) -> tuple[list[int], list[int]]:
         """The live ranks that may hold `key`, in its order, and the lost ones among the
         ranks it may have been placed on (its first `replicas` plus one per lost rank)."""
         gone = self._gone()
         order = placement(key, self.world_size)[:self.replicas + len(gone)]
         return [r for r in order if r not in gone], [r for r in order if r in gone]
+
+    def _lost(self, r: int, err: DTMError) -> None:
+        """Rank r failed a request with `err`: gone for this store from now when it was lost
+        (E1001); any other error is the caller's."""
+        if err.code is not E.PEER_LOST:
+            raise err
+        self._unreachable[r] = str(err)
 
     # --- writing -------------------------------------------------------------------------------
 
@@ -143,9 +146,7 @@ class MeshStore:
             try:
                 info = self._put_on(r, key, data, dt, shape)
             except DTMError as err:
-                if err.code is not E.PEER_LOST:
-                    raise
-                self._unreachable[r] = str(err)
+                self._lost(r, err)
                 continue
             first = first or info
             done.append(r)
@@ -219,9 +220,7 @@ class MeshStore:
                 try:
                     items = list(self._request(r, "keys", prefix).keys)
                 except DTMError as err:
-                    if err.code is not E.PEER_LOST:
-                        raise
-                    self._unreachable[r] = str(err)
+                    self._lost(r, err)
                     continue
             found.update(items)
         return found
@@ -240,9 +239,7 @@ class MeshStore:
                 if err.code is E.STORE_CHUNK_CORRUPT:
                     corrupt = corrupt or err
                     continue
-                if err.code is not E.PEER_LOST:
-                    raise
-                self._unreachable[r] = str(err)
+                self._lost(r, err)
                 lost.append(r)
         if corrupt is not None:
             raise corrupt
@@ -251,11 +248,9 @@ class MeshStore:
         raise KeyMissing(key)
 
     def _get_from(self, r: int, key: str, want: DType | None, shape: tuple[int, ...] | None) -> np.ndarray:
-        if r == self.rank:
-            return self.local.get_array(key, want, shape)
-        peer = self._peer_store(r)
-        if peer is not None:
-            return peer.get_array(key, want, shape)
+        part = self._part(r)
+        if part is not None:
+            return part.get_array(key, want, shape)
         flags = FLAG_EXPECT_SHAPE if shape is not None else 0
         with self._locks[r]:
             conn = self._conn(r)
@@ -274,15 +269,14 @@ class MeshStore:
         return out
 
     def _info_from(self, r: int, key: str) -> Info:
-        if r == self.rank:
-            return self.local.info(key)
-        peer = self._peer_store(r)
-        if peer is not None:
-            return peer.info(key)
-        return _entry(key, self._request(r, "info", key))
+        part = self._part(r)
+        return part.info(key) if part is not None else _entry(key, self._request(r, "info", key))
 
-    def _peer_store(self, r: int) -> Store | None:
-        """Rank r's part, opened directly, when it lives on this machine."""
+    def _part(self, r: int) -> Store | None:
+        """Rank r's part to read directly: this rank's own, or one on this machine opened
+        from its directory (no socket); None when r must be asked over the wire."""
+        if r == self.rank:
+            return self.local
         if not self.share_memory or self.pg.nodes[r] != self.pg.nodes[self.rank]:
             return None
         if r not in self._peer_stores:
@@ -368,6 +362,15 @@ def _entry(key: str, reply: StoreReply) -> Entry:
                  reply.version, reply.written)
 
 
+# The part each process group serves (set by its join hook), so `dtm.store.mesh()` finds it.
+_parts: "weakref.WeakKeyDictionary[Any, tuple[Store, str]]" = weakref.WeakKeyDictionary()
+
+
+def part_of(pg: Any) -> tuple[Store, str] | None:
+    """(this rank's part, the mesh's root directory) of a group that serves one, else None."""
+    return _parts.get(pg)
+
+
 def start_service(pg: Any) -> Any:
     """The join hook (process_group.on_join): open this rank's part and serve it."""
     root = root_for(pg.session)
@@ -375,9 +378,10 @@ def start_service(pg: Any) -> Any:
     shutil.rmtree(path, ignore_errors=True)  # a part left by an earlier mesh of the same session
     local = open_local(path)
     server = StoreServer(local, pg.service_listener, pg.token, rank=pg.rank, epoch=pg.epoch)
-    pg.store_part = (local, root)
+    _parts[pg] = (local, root)
 
     def stop() -> None:
+        _parts.pop(pg, None)
         server.close()
         local.close()
         shutil.rmtree(path, ignore_errors=True)

@@ -92,19 +92,9 @@ class LocalRun(RunBase):
         if self.state[i] != RUNNING:
             return
         self.deadlines.pop(i, None)
-        self.state[i] = state
         self.running -= 1
         self.left -= 1
-        self.outcome[i] = outcome
-        if error is not None:
-            self.errors[i] = str(error)
-            if self.error is None:
-                self.error, self.stop = error, True
-        if state == DONE and not self.stop:
-            for j in self.dependents[i]:
-                self.waiting[j] -= 1
-                if self.waiting[j] == 0:
-                    self.queues[self.tasks[j].process].put(j)
+        self._ended(i, state, outcome, error, lambda j: self.queues[self.tasks[j].process].put(j))
         if self.left == 0 or (self.stop and self.running == 0):
             self._end()
 

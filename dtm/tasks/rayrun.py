@@ -294,13 +294,4 @@ class RayRun(RunBase):
                 state = FAILED
                 error = TaskFailed(t.name, t.inputs, reply["worker"], reply["type"], reply["message"], code)
         with self.lock:
-            self.state[i], self.outcome[i] = state, outcome
-            if error is not None:
-                self.errors[i] = str(error)
-                if self.error is None:
-                    self.error, self.stop = error, True
-            if state == DONE and not self.stop:
-                for j in self.dependents[i]:
-                    self.waiting[j] -= 1
-                    if self.waiting[j] == 0:
-                        self.ready.append(j)
+            self._ended(i, state, outcome, error, self.ready.append)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import DTMError, ErrorCode
 from .errors import Cancelled, TaskError
@@ -42,6 +42,21 @@ class RunBase:
         self.ended = threading.Event()
         self.started_at = time.perf_counter()
         self.ended_at: float | None = None
+
+    def _ended(self, i: int, state: int, outcome: Outcome | None, error: TaskError | None,
+               ready: Callable[[int], None]) -> None:
+        """Task i ended in `state` (the caller holds the lock): record it; the first error
+        stops the run; a finished task hands each dependent it was the last wait of to `ready`."""
+        self.state[i], self.outcome[i] = state, outcome
+        if error is not None:
+            self.errors[i] = str(error)
+            if self.error is None:
+                self.error, self.stop = error, True
+        if state == DONE and not self.stop:
+            for j in self.dependents[i]:
+                self.waiting[j] -= 1
+                if self.waiting[j] == 0:
+                    ready(j)
 
     def wait(self, timeout: float | None = None) -> Report:
         """Wait for the run to end and return its report; raise the failing task's error,
