@@ -12,7 +12,8 @@ A is packed into MR-high row slivers (a row-major operand read row by row in mem
 one contiguous along the contracted dim transposed 16 x 16 at a time in registers where
 AVX-512 is available, else element by element); a register-blocked MR x NR microkernel (12 vector
 accumulators, written with GCC vector extensions so that -march=native picks AVX2/FMA,
-AVX-512 or NEON) runs over the slivers. Partial tiles go through a small buffer. Threads
+AVX-512 or NEON) runs over the slivers: each sliver of A against every sliver of the panel of
+B in turn (the A sliver stays in L1; BLIS's order), with the tile of C fetched as it starts. Partial tiles go through a small buffer. Threads
 split the output into one band each (rows when M >= N, else columns), each packing its own
 operands: no barriers. A batch of small products runs one product per thread instead. The
 epilogue callback runs on each finished block (after the last slice of the contracted
@@ -32,7 +33,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 int dtm_rt_version_f32(void);
 int dtm_rt_version_f64(void);"""
 
-VERSION = 7
+VERSION = 8
 
 _TEMPLATE = r"""
 /* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
@@ -137,8 +138,8 @@ static void gemm_serial_SUF(int64_t M, int64_t N, int64_t K, const T *A, int64_t
       for (int64_t ic = 0; ic < M; ic += MC) {
         int64_t mc = dtm_min(MC, M - ic);
         pack_a_SUF(A + ic * rsa + pc * csa, rsa, csa, mc, kc, Ap);
-        for (int64_t jr = 0; jr < nc; jr += NR_SUF)
-          for (int64_t ir = 0; ir < mc; ir += MR)
+        for (int64_t ir = 0; ir < mc; ir += MR)  /* a sliver of A stays in L1, B's stream from L2 */
+          for (int64_t jr = 0; jr < nc; jr += NR_SUF)
             micro_SUF(kc, Ap + ir * kc, Bp + jr * kc, C + (ic + ir) * ldc + jc + jr, ldc, pc > 0,
                       dtm_min(MR, mc - ir), dtm_min(NR_SUF, nc - jr));
         if (last && epi) epi(ctx, bt, i0 + ic, i0 + ic + mc, j0 + jc, j0 + jc + nc);
@@ -282,6 +283,10 @@ def _micro(mr: int) -> str:
     return f"""/* C[m, n] (+)= Ap @ Bp over kc: the MR x NR register tile. */
 static void micro_SUF(int64_t kc, const T *restrict Ap, const T *restrict Bp, T *C, int64_t ldc,
                       int acc, int64_t m, int64_t n) {{
+  for (int r = 0; r < MR; r++) {{  /* the tile of C is read or written after the loop: fetch it now */
+    __builtin_prefetch(C + r * ldc, 1, 3);
+    __builtin_prefetch(C + r * ldc + NR_SUF - 1, 1, 3);
+  }}
 {acc}
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; k++) {{
@@ -317,10 +322,11 @@ def _instance(suffix: str, ctype: str, vec: str, width: int, nc: int, mr: int, k
     return f"#define MR_{suffix} {mr}\n#define KC_{suffix} {kc}\n" + re.sub(r"\bV\b", vec, re.sub(r"\bT\b", ctype, text))
 
 
-# AVX-512: 24 of the 32 zmm registers accumulate; a packed panel of B (KC x NC) is 1.5 MB of f32.
-# Measured on a 2-core Sapphire Rapids against MR 8/14, NC 512-2048, KC 256-512: within noise of
-# the best everywhere (benchmarks/matmul.py).
-AVX512_MR, AVX512_NC, AVX512_KC = 12, 1024, 384
+# AVX-512: 24 of the 32 zmm registers accumulate; a packed panel of B (KC x NC) is 1 MB of f32,
+# held in L2 while a 12 x KC sliver of A (12 KB) stays in L1. Measured on a 2-core Sapphire
+# Rapids against MR 8/14, NC 512-2048, KC 256-512 (benchmarks/matmul.py, a C harness one thread
+# at a time): KC 256 best at 1024 and 2048 by 2-5%, the rest within noise.
+AVX512_MR, AVX512_NC, AVX512_KC = 12, 1024, 256
 
 _PRELUDE = r"""/* DTM runtime library: the tiled matrix product for one element type. */
 #include <stdint.h>
