@@ -159,6 +159,16 @@ def test_index_arithmetic_folds():
     assert L.imod(i, 1) == L.Const(0, L.INDEX)
     assert L.idiv(i, 1) == i
     assert str(L.flat_index((L.Sym("a"), L.Sym("b")), (3, 5))) == "(b + (a * 5))"
+    # a reshape's split dims read back through contiguous strides are the index itself, in
+    # any order of the terms; pieces that do not add up stay as they are
+    pieces = [L.imod(i, 32), L.imul(L.imod(L.idiv(i, 32), 3), 32), L.imul(L.idiv(i, 96), 96)]
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        e = L.iadd(L.iadd(pieces[order[0]], pieces[order[1]]), pieces[order[2]])
+        assert e == i, str(e)
+    assert str(L.iadd(L.iadd(pieces[0], pieces[1]), L.imul(L.Sym("j"), 96))) == \
+        "((i % 32) + (((i / 32) % 3) * 32)) + (j * 96)".join("()")
+    assert str(L.iadd(L.imod(i, 32), L.imul(L.idiv(i, 32), 64))) == "((i % 32) + ((i / 32) * 64))"
+    assert L.idiv(L.idiv(i, 4), 8) == L.idiv(i, 32)
 
 
 def test_threads_can_share_a_plan():
@@ -279,6 +289,18 @@ def test_products_in_every_layout_match_numpy(a_t, b_t):
             dtm.tensor(a), dtm.tensor(b)).numpy()
         want = (a.T if a_t else a).astype(np.float64) @ (b.T if b_t else b).astype(np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(K), err_msg=f"{M}x{N}x{K}")
+
+
+def test_a_long_contracted_dim_is_split_between_threads_and_the_epilogue_sees_the_sum():
+    """x^T @ dy with many more rows than columns (a weight's gradient) is computed as one
+    partial product per thread over its own rows, summed by rows; the epilogue (a bias and
+    a relu) must see the whole sum, and transposed rows that fill no whole sliver of the
+    packed panel (37 = 3 * 12 + 1) pack with zeros. Against numpy in float64."""
+    x, dy, b = rng.standard_normal((1000, 37)).astype(np.float32), rng.standard_normal((1000, 45)).astype(np.float32), \
+        rng.standard_normal(45).astype(np.float32)
+    got = dtm.jit(lambda x, dy, b: F.relu(x.transpose(0, 1) @ dy + b))(dtm.tensor(x), dtm.tensor(dy), dtm.tensor(b))
+    want = np.maximum(x.T.astype(np.float64) @ dy.astype(np.float64) + b, 0)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-3)
 
 
 def test_a_batch_of_sequences_sharing_a_weight_is_one_product():

@@ -15,7 +15,12 @@ accumulators, written with GCC vector extensions so that -march=native picks AVX
 AVX-512 or NEON) runs over the slivers: each sliver of A against every sliver of the panel of
 B in turn (the A sliver stays in L1; BLIS's order), with the tile of C fetched as it starts. Partial tiles go through a small buffer. Threads
 split the output into one band each (rows when M >= N, else columns), each packing its own
-operands: no barriers. A batch of small products runs one product per thread instead. The
+operands: no barriers. A product whose contracted dim is at least twice its longer side (a
+weight's gradient, X^T @ dY) is split along the contracted dim instead: each thread packs
+only its own rows of X and dY (those it wrote, in the kernel before), the partial products
+are summed by rows after one barrier. A batch of small products runs one product per thread
+instead, each thread a contiguous share of the batch (static: the rows a band split left in
+its cache; dynamic scheduling measured 1.3-1.7x slower in a training step). The
 epilogue callback runs on each finished block (after the last slice of the contracted
 dim), on the thread that computed it. A product with one row (decoding one token) is a
 matrix-vector product without packing, its columns split between the threads.
@@ -33,7 +38,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 int dtm_rt_version_f32(void);
 int dtm_rt_version_f64(void);"""
 
-VERSION = 8
+VERSION = 11
 
 _TEMPLATE = r"""
 /* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
@@ -47,6 +52,19 @@ static inline V BC_SUF(const T *p) { V v; for (int i = 0; i < VW; i++) v[i] = *p
 #endif
 
 static void pack_a_SUF(const T *A, int64_t rs, int64_t cs, int64_t mc, int64_t kc, T *restrict Ap) {
+  if (rs == 1) {  /* A transposed (X^T in a weight's gradient): each row of X read once, in order */
+    for (int64_t k = 0; k < kc; k++) {
+      const T *a = A + k * cs;
+      T *p = Ap + k * MR;
+      int64_t i = 0;
+      for (; i + MR <= mc; i += MR, p += kc * MR) memcpy(p, a + i, MR * sizeof(T));  /* inlined: a constant size */
+      if (i < mc) {
+        for (int64_t r = 0; r < mc - i; r++) p[r] = a[i + r];
+        for (int64_t r = mc - i; r < MR; r++) p[r] = 0;
+      }
+    }
+    return;
+  }
   for (int64_t i = 0; i < mc; i += MR) {
     int64_t m = dtm_min(MR, mc - i);
     const T *a = A + i * rs;
@@ -242,12 +260,18 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
     return;
   }
   if (nbatch > 1 && (work < 4e6 || nbatch >= 4 * threads)) {  /* one product per thread */
-#pragma omp parallel for schedule(dynamic) if(work * nbatch >= 2e5)
+#pragma omp parallel for schedule(static) if(work * nbatch >= 2e5)
     for (int64_t bt = 0; bt < nbatch; bt++)
       gemm_serial_SUF(M, N, K, A + offs[3 * bt], rsa, csa, B + offs[3 * bt + 1], rsb, csb,
                       C + offs[3 * bt + 2], ldc, epi, ctx, bt, 0, 0);
     return;
   }
+  /* A contracted dim much longer than the others (a weight's gradient, X^T @ dY): each thread
+     takes a slice of it, the rows of X and dY it wrote itself, and packs only that; the
+     partial products are then summed by rows, and the epilogue runs on each thread's rows. */
+  int split_k = threads > 1 && work >= 2e5 && K >= 2 * (M > N ? M : N);
+  T *parts = split_k ? (T *)malloc((size_t)(threads - 1) * (size_t)(M * N) * sizeof(T)) : NULL;
+  if (!parts) split_k = 0;
   for (int64_t bt = 0; bt < nbatch; bt++) {  /* each product split into one band per thread */
     const T *a = A + offs[3 * bt], *b = B + offs[3 * bt + 1];
     T *c = C + offs[3 * bt + 2];
@@ -255,7 +279,21 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 #pragma omp parallel num_threads(nt)
     {
       int t = omp_get_thread_num(), n = omp_get_num_threads();
-      if (M >= N) {
+      if (split_k && n == threads) {
+        int64_t per = (K + n - 1) / n, k0 = dtm_min(K, t * per), k1 = dtm_min(K, k0 + per);
+        T *part = t == 0 ? c : parts + (size_t)(t - 1) * (size_t)(M * N);
+        gemm_serial_SUF(M, N, k1 - k0, a + k0 * csa, rsa, csa, b + k0 * rsb, rsb, csb, part, t == 0 ? ldc : N,
+                        NULL, NULL, bt, 0, 0);
+#pragma omp barrier
+        int64_t rows = (M + n - 1) / n, r0 = dtm_min(M, t * rows), r1 = dtm_min(M, r0 + rows);
+        for (int u = 1; u < n; u++)
+          for (int64_t i = r0; i < r1; i++) {
+            T *restrict ci = c + i * ldc;
+            const T *restrict pi = parts + (size_t)(u - 1) * (size_t)(M * N) + i * N;
+            for (int64_t j = 0; j < N; j++) ci[j] += pi[j];
+          }
+        if (epi && r0 < r1) epi(ctx, bt, r0, r1, 0, N);
+      } else if (M >= N) {
         int64_t per = ((M + n - 1) / n + MR - 1) / MR * MR;
         int64_t m0 = dtm_min(M, t * per), m1 = dtm_min(M, m0 + per);
         gemm_serial_SUF(m1 - m0, N, K, a + m0 * rsa, rsa, csa, b, rsb, csb, c + m0 * ldc, ldc,
@@ -268,6 +306,7 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
       }
     }
   }
+  free(parts);
 }
 """
 

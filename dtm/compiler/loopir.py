@@ -150,7 +150,61 @@ def iadd(a, b) -> Expr:
         return b
     if _is(b, 0):
         return a
+    if _splits(a) and _splits(b):
+        return _recombined(a, b)
     return Op("+", (a, b), INDEX)
+
+
+def _splits(e: Expr) -> bool:
+    """Whether e may hold a piece of a split index (a / or % of a constant) at the top of
+    one of its terms."""
+    while isinstance(e, Op) and e.op in ("+", "*"):
+        if e.op == "*" and not isinstance(e.args[1], Const):
+            return False
+        if e.op == "+" and _splits(e.args[1]):
+            return True
+        e = e.args[0]
+    return isinstance(e, Op) and e.op in ("/", "%") and isinstance(e.args[1], Const)
+
+
+def _terms(e: Expr, scale: int, out: list) -> None:
+    """e * scale as (coefficient, term) pairs of a sum."""
+    if isinstance(e, Op) and e.op == "+":
+        _terms(e.args[0], scale, out)
+        _terms(e.args[1], scale, out)
+    elif isinstance(e, Op) and e.op == "*" and isinstance(e.args[1], Const):
+        _terms(e.args[0], scale * e.args[1].value, out)
+    else:
+        out.append((scale, e))
+
+
+def _recombined(a: Expr, b: Expr) -> Expr:
+    """a + b with the pieces of a split index joined again: c*(z % m) + c*m*(z / m) is c*z
+    for every non-negative z (a reshape's split dims read back through contiguous strides:
+    (i % 32) + ((i / 32) % 3) * 32 + (i / 96) * 96 is i), so a kernel indexes by i, not by
+    divisions in its innermost loop, which would keep it from vectorising."""
+    terms: list = []
+    _terms(a, 1, terms)
+    _terms(b, 1, terms)
+    joined = True
+    while joined:
+        joined = False
+        for i, (c, t) in enumerate(terms):
+            if not (isinstance(t, Op) and t.op == "%" and isinstance(t.args[1], Const)):
+                continue
+            z, m = t.args[0], t.args[1]
+            quotient = idiv(z, m)
+            j = next((j for j, (cj, tj) in enumerate(terms) if cj == c * m.value and tj == quotient), None)
+            if j is not None:
+                terms[i] = (c, z)
+                del terms[j]
+                joined = True
+                break
+    out: Expr = Const(0, INDEX)
+    for c, t in terms:
+        term = imul(t, c)
+        out = term if _is(out, 0) else Op("+", (out, term), INDEX)
+    return out
 
 
 def imul(a, b) -> Expr:
@@ -180,6 +234,8 @@ def idiv(a, b) -> Expr:
         return Const(a.value // b.value, INDEX)
     if _is(b, 1) or _is(a, 0):
         return a
+    if isinstance(b, Const) and isinstance(a, Op) and a.op == "/" and isinstance(a.args[1], Const):
+        return Op("/", (a.args[0], Const(a.args[1].value * b.value, INDEX)), INDEX)  # (z / p) / q = z / (p q)
     return Op("/", (a, b), INDEX)
 
 
