@@ -205,3 +205,24 @@ def test_an_object_without_a_checksum_is_rebuilt_quietly(tmp_path, monkeypatch):
     before = B.STATS["compiles"]
     assert B.build(src, "k") == so and B.STATS["compiles"] == before + 1
     assert so.with_suffix(".sha256").exists()
+
+
+def test_the_products_library_builds_while_the_passes_run(tmp_path):
+    """A program with f32 products starts the runtime library's build (the slowest compile of
+    a small program's first run) when its passes start, on another core; the library is then
+    taken from that build, compiled once."""
+    code = textwrap.dedent("""
+        from dtm.compiler import build as B
+        from dtm.compiler.passes import compile_func
+        from dtm.ir import parse
+        m = parse("dtm 1.0\\n\\nfunc @f(%a: f32[8, 8], %b: f32[8, 8]) -> (f32[8, 8]) {\\n"
+                  "  %c = matmul %a, %b : f32[8, 8]\\n  return %c\\n}\\n")
+        compile_func(m, "f")
+        assert "f32" in B._prebuilds, B._prebuilds
+        B.runtime_library("f32")
+        assert B.STATS["compiles"] == 1 and not B._prebuilds, (B.STATS, B._prebuilds)
+        print("ok")
+    """)
+    env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -14,6 +14,8 @@ object that does not match it (truncated, emptied, damaged on disk: loading it w
 the process) is rebuilt, with one warning. The kernel's source is kept beside it (`<key>.c`); a failed
 compile raises DTMError E0806 naming that file and quoting the compiler. The compiler is
 $CC, else `cc`, else `gcc`. Loading uses ctypes, which releases the GIL during each call.
+A program's kernels compile a few per translation unit, the units in parallel; the runtime
+library its products call starts compiling when its passes start (`prebuild_runtime`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
@@ -206,7 +208,28 @@ def runtime_library(dtype: str = "f32") -> ctypes.CDLL:
 
 
 def _build_runtime(dtype: str) -> Path:
+    with _lock:
+        started = _prebuilds.pop(dtype, None)
+    if started is not None:
+        return started.result()  # a failed build raises its error here, and is tried again next time
     return build(RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS)
+
+
+_prebuilds: dict[str, Future] = {}
+
+
+def prebuild_runtime(dtypes: set) -> None:
+    """Start building the runtime libraries `dtypes` now, in the background: a program's
+    first compile spends most of a second in Python (fusing, lowering) on one core while the
+    other waits; the library (0.6 s of C compile, the same for every program) is built there
+    meanwhile, from the cache when it is already built."""
+    for dtype in sorted(dtypes):
+        with _lock:
+            if dtype in _prebuilds or dtype in _runtime:
+                continue
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtm-prebuild")
+            _prebuilds[dtype] = pool.submit(build, RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS)
+            pool.shutdown(wait=False)
 
 
 def _function(lib: ctypes.CDLL, symbol: str):

@@ -28,13 +28,14 @@ from typing import Any, Callable
 from ..ir.module import Func, Module
 from ..ir.printer import format as format_module
 from ..ir.verifier import verify
+from .build import prebuild_runtime
 from .decompose import decompose
 from .irutil import with_func
 from .lower import lower_loops
 from .memory import plan_memory
 from .program import Program
 from .render_c import render_kernel, render_unit
-from .schedule import Schedule, fuse
+from .schedule import Schedule, fuse, gemm_dtype
 from .simplify import simplify
 from .spmd import partition, propagate_shardings  # noqa: F401 - the SPMD passes, run before PASSES
 
@@ -83,6 +84,8 @@ def debug_flags() -> set[str]:
 def compile_func(module: Module, func: str, upto: str | None = None, out=None) -> Any:
     """Run the passes on function `func` of `module` (through pass `upto`, default all)."""
     x: Any = module.funcs[func]
+    if upto is None:  # the products' runtime library compiles on another core while the passes run
+        prebuild_runtime({op.results[0].type.dtype.name for op in x.ops if op.name == "matmul" and gemm_dtype(op)})
     show = "passes" in debug_flags()
     out = out or sys.stderr
     for name, fn in PASSES:
