@@ -38,7 +38,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 int dtm_rt_version_f32(void);
 int dtm_rt_version_f64(void);"""
 
-VERSION = 11
+VERSION = 12
 
 _TEMPLATE = r"""
 /* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
@@ -155,11 +155,16 @@ static void gemm_serial_SUF(int64_t M, int64_t N, int64_t K, const T *A, int64_t
       pack_b_SUF(B + pc * rsb + jc * csb, rsb, csb, kc, nc, Bp);
       for (int64_t ic = 0; ic < M; ic += MC) {
         int64_t mc = dtm_min(MC, M - ic);
-        pack_a_SUF(A + ic * rsa + pc * csa, rsa, csa, mc, kc, Ap);
+        if (csa != 1) pack_a_SUF(A + ic * rsa + pc * csa, rsa, csa, mc, kc, Ap);
         for (int64_t ir = 0; ir < mc; ir += MR)  /* a sliver of A stays in L1, B's stream from L2 */
-          for (int64_t jr = 0; jr < nc; jr += NR_SUF)
-            micro_SUF(kc, Ap + ir * kc, Bp + jr * kc, C + (ic + ir) * ldc + jc + jr, ldc, pc > 0,
-                      dtm_min(MR, mc - ir), dtm_min(NR_SUF, nc - jr));
+          for (int64_t jr = 0; jr < nc; jr += NR_SUF) {
+            T *c = C + (ic + ir) * ldc + jc + jr;
+            int64_t m = dtm_min(MR, mc - ir), n = dtm_min(NR_SUF, nc - jr);
+            if (csa == 1)  /* rows of A contiguous: read in place */
+              micro_rows_SUF(kc, A + (ic + ir) * rsa + pc, rsa, Bp + jr * kc, c, ldc, pc > 0, m, n);
+            else
+              micro_SUF(kc, Ap + ir * kc, Bp + jr * kc, c, ldc, pc > 0, m, n);
+          }
         if (last && epi) epi(ctx, bt, i0 + ic, i0 + ic + mc, j0 + jc, j0 + jc + nc);
       }
     }
@@ -312,28 +317,18 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 
 
 def _micro(mr: int) -> str:
-    """The MR x NR register tile, C[m, n] (+)= Ap @ Bp over kc: 2 * mr vector accumulators,
-    written out row by row (so they stay in registers)."""
+    """The MR x NR register tile, C[m, n] (+)= A @ Bp over kc: 2 * mr vector accumulators,
+    written out row by row (so they stay in registers). Two versions: `micro` reads A from
+    its packed sliver, `micro_rows` from A's own rows (a row-major A, unpacked: its 12 rows'
+    current lines stay in L1 across the k loop, so packing would only copy them)."""
     rows = range(mr)
     acc = "\n".join(f"  V c{r}0 = {{0}}, c{r}1 = {{0}};" for r in rows)
-    fma = "\n".join(f"    a = BC_SUF(Ap + {r}); c{r}0 = FMA_SUF(a, b0, c{r}0); c{r}1 = FMA_SUF(a, b1, c{r}1);"
-                    for r in rows)
     full = " ".join(f"ST({r}, c{r}0, c{r}1)" for r in rows)
-    return f"""/* C[m, n] (+)= Ap @ Bp over kc: the MR x NR register tile. */
-static void micro_SUF(int64_t kc, const T *restrict Ap, const T *restrict Bp, T *C, int64_t ldc,
-                      int acc, int64_t m, int64_t n) {{
-  for (int r = 0; r < MR; r++) {{  /* the tile of C is read or written after the loop: fetch it now */
+    prefetch = """  for (int r = 0; r < MR; r++) {  /* the tile of C is read or written after the loop: fetch it now */
     __builtin_prefetch(C + r * ldc, 1, 3);
     __builtin_prefetch(C + r * ldc + NR_SUF - 1, 1, 3);
-  }}
-{acc}
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < kc; k++) {{
-    V b0 = *(const V *)Bp, b1 = *(const V *)(Bp + VW), a;
-{fma}
-    Ap += MR; Bp += NR_SUF;
-  }}
-  if (m == MR && n == NR_SUF) {{
+  }"""
+    store = f"""  if (m == MR && n == NR_SUF) {{
 #define ST(r, x0, x1) {{ V##u *p0 = (V##u *)(C + r * ldc), *p1 = (V##u *)(C + r * ldc + VW); \\
     if (acc) {{ *p0 += x0; *p1 += x1; }} else {{ *p0 = x0; *p1 = x1; }} }}
     {full}
@@ -346,7 +341,41 @@ static void micro_SUF(int64_t kc, const T *restrict Ap, const T *restrict Bp, T 
     for (int64_t r = 0; r < m; r++)
       for (int64_t c = 0; c < n; c++)
         C[r * ldc + c] = acc ? C[r * ldc + c] + t[r][c] : t[r][c];
+  }}"""
+
+    def fma(a: str) -> str:
+        return "\n".join(f"    a = BC_SUF({a.format(r=r)}); c{r}0 = FMA_SUF(a, b0, c{r}0); c{r}1 = FMA_SUF(a, b1, c{r}1);"
+                         for r in rows)
+
+    pointers = "\n".join(f"  const T *a{r} = A + (m > {r} ? {r} : 0) * rsa;" for r in rows)
+    return f"""/* C[m, n] (+)= Ap @ Bp over kc: the MR x NR register tile, A packed. */
+static void micro_SUF(int64_t kc, const T *restrict Ap, const T *restrict Bp, T *C, int64_t ldc,
+                      int acc, int64_t m, int64_t n) {{
+{prefetch}
+{acc}
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; k++) {{
+    V b0 = *(const V *)Bp, b1 = *(const V *)(Bp + VW), a;
+{fma("Ap + {r}")}
+    Ap += MR; Bp += NR_SUF;
   }}
+{store}
+}}
+
+/* The same with A read in place: row r of the tile at A + r * rsa (rows past m read row 0,
+   whose results are not stored). */
+static void micro_rows_SUF(int64_t kc, const T *A, int64_t rsa, const T *restrict Bp, T *C, int64_t ldc,
+                           int acc, int64_t m, int64_t n) {{
+{prefetch}
+{pointers}
+{acc}
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; k++) {{
+    V b0 = *(const V *)Bp, b1 = *(const V *)(Bp + VW), a;
+{fma("a{r} + k")}
+    Bp += NR_SUF;
+  }}
+{store}
 }}
 
 """
