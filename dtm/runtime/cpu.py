@@ -163,7 +163,11 @@ class Plan:
         # consecutive compiled steps run from one call of the runtime's loop (dtm_run_steps):
         # `schedule` holds, in order, a run (its number) or a fallback step
         self.runs, self.schedule = [], []
+        self.done_in_place = program.done_in_place
         for i, step in enumerate(self.steps):
+            if self.schedule and id(step) in self.done_in_place:  # an assign its value's kernel did: nothing
+                self.schedule[-1][1].append(i)                   # to run, the run around it not split
+                continue
             if type(step) is _Kernel:
                 step.address = ctypes.cast(step.fn, ctypes.c_void_p).value
                 if self.schedule and type(self.schedule[-1][0]) is int:
@@ -190,7 +194,6 @@ class Plan:
         # the values a kernel writes straight into their parameter (plan_memory): (value, parameter)
         self.in_place = [(buf_index[id(b)], buf_index[id(b.alias)]) for b in self.buffers
                          if b.alias is not None and b.alias.kind == "param"]
-        self.done_in_place = program.done_in_place
         # dynamic_update_slices that may write over their operand when the caller donates it
         # (run): (input position, operand buffer, result buffer)
         last_read: dict[int, int] = {}
