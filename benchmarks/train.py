@@ -15,6 +15,8 @@ torch.compile: its compile), peak RSS, and the first step's loss (the engines ag
 Goals (issue 15): char eager >= 1.0x torch eager, char jit >= 2x torch eager and >= 1.0x
 torch.compile; gpt2 jit >= 1.0x torch eager (goal 1.3x), peak RSS at most torch's; first
 step with an empty cache <= 2 s (char), <= 8 s (gpt2).
+
+    python benchmarks/train.py --model gpt2 --warm-memory 4   # the default for gpt2
 """
 
 from __future__ import annotations
@@ -126,6 +128,16 @@ def worker(engine: str, args) -> dict:
             "first_loss": first_loss, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def warm_memory(gib: float) -> None:
+    """Touch and free `gib` GiB in a child process. On a virtual machine the first touch of
+    memory the host has not backed yet (clear_page in the guest kernel) can cost seconds per
+    GiB (4-6 s here, 60% of the samples of DTM's first GPT-2 step under perf), and pages a
+    process freed a moment ago come back backed: without this, each engine's first step
+    depends on what ran before it."""
+    code = f"import numpy as np; a = np.ones({int(gib * 2**30)}, np.uint8); a.fill(2)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+
+
 def run_worker(engine: str, args) -> dict:
     with tempfile.TemporaryDirectory() as cache:  # every DTM engine starts with an empty kernel cache
         cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--steps", str(args.steps),
@@ -143,22 +155,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 char, 3 gpt2)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES)
+    ap.add_argument("--warm-memory", type=float, default=None, metavar="GIB",
+                    help="touch and free this much memory before each engine (default: 0 char, 4 gpt2; see warm_memory)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps is None:
         args.steps = 20 if args.model == "char" else 3
+    if args.warm_memory is None:
+        args.warm_memory = 0 if args.model == "char" else 4
     if args.worker:
         print(json.dumps(worker(args.worker, args)))
         return
     results = {}
     for engine in args.engines:
         print(f"running {engine} ...", file=sys.stderr, flush=True)
+        if args.warm_memory:
+            warm_memory(args.warm_memory)
         results[engine] = run_worker(engine, args)
     base = results.get("torch-eager")
     fields, batch, context = MODELS[args.model]
     print(f"{args.model} training step (batch {batch}, context {context}, {fields['n_layer']} layers, "
           f"{fields['n_embd']} wide): forward, backward, clip_grad_norm_, AdamW; median of {args.steps} steps "
-          f"after {args.warmup}; {os.cpu_count()} cores")
+          f"after {args.warmup}; {os.cpu_count()} cores; {args.warm_memory:g} GiB touched and freed before each engine")
     print(f"{'':14} {'step ms':>9} {'vs torch eager':>15} {'first step s':>13} {'peak RSS MB':>12} {'first loss':>11}")
     for engine, r in results.items():
         ratio = f"{base['step_ms'] / r['step_ms']:14.2f}x" if base else f"{'':>15}"
