@@ -96,6 +96,8 @@ class _Frame:
     Runs on one thread reuse it; temporaries never leave a run (results are fresh arrays)."""
 
     __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill", "launch", "run_fill", "held")
+    # run_fill entries: (pointer array, position, buffer, is a parameter, (shape, dtype) of a
+    # fresh array when the run allocates one, else None)
 
     def __init__(self, plan: "Plan", bindings: dict, key):
         prog = plan.program
@@ -126,7 +128,8 @@ class _Frame:
         # array, position, buffer, is a parameter), and the arrays dtm_run_steps reads.
         # `held[j]` is the parameter's array entry j was last filled with (its pointer is
         # still there: the weights, the same arrays at every call, are not looked at again)
-        self.run_fill = [[(self.ptrs[k.index], n, bi, plan.buffers[bi].kind == "param")
+        self.run_fill = [[(self.ptrs[k.index], n, bi, plan.buffers[bi].kind == "param",
+                           plan.array_spec(plan.buffers[bi], bindings))
                           for k in run for n, bi in self.fill[k.index]] for run in plan.runs]
         self.held = [[None] * len(f) for f in self.run_fill]
         self.launch = []
@@ -277,14 +280,14 @@ class Plan:
             for what, order in self.schedule:
                 if type(what) is int:  # a run of compiled steps, launched by one call
                     held = frame.held[what]
-                    for j, (ptrs, n, bi, param) in enumerate(frame.run_fill[what]):
+                    for j, (ptrs, n, bi, param, spec) in enumerate(frame.run_fill[what]):
                         a = vals[bi]
                         if param:
                             if held[j] is a:
                                 continue
                             held[j] = a
                         elif a is None:
-                            a = vals[bi] = self.allocate(self.buffers[bi], bindings, None)
+                            a = vals[bi] = np.empty(*spec) if spec else self.allocate(self.buffers[bi], bindings, None)
                         ptrs[n] = _ptr(a)
                     self._launch(*frame.launch[what])
                 else:
@@ -356,6 +359,15 @@ class Plan:
     @staticmethod
     def _shares(x: np.ndarray, inputs: list, frame: _Frame) -> bool:
         return any(np.may_share_memory(x, a) for a in inputs) or any(np.may_share_memory(x, s) for s in frame.slots)
+
+    def array_spec(self, b: Buffer, bindings: dict) -> tuple | None:
+        """(shape, dtype) of a fresh array for buffer `b` at these symbol values: what a run
+        allocates for an output, known once per frame; None for an empty one (allocate)."""
+        if b.kind == "param":
+            return None
+        t = resolve_type(b.type, bindings) if bindings else b.type
+        shape = tuple(int(d) for d in quant.storage_shape(t))
+        return (shape, _np_dtype(t)) if math.prod(shape) else None
 
     def allocate(self, b: Buffer, bindings: dict, slots: list | None) -> np.ndarray:
         t = resolve_type(b.type, bindings) if bindings else b.type
