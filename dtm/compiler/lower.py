@@ -388,7 +388,9 @@ class KernelBuilder:
         else:
             outer = [k for k in range(rank - 1) if F[k] != 1]
             inner = [lp for lp in loops if lp[0] == f"i{rank - 1}"]
-        work = L.dim_expr(dim_prod(F))
+        # the loops' work in element-ops: a small domain still runs on every thread when many
+        # ops share it (an optimizer's update of a dozen same-shape weights, fused into one kernel)
+        work = L.imul(L.dim_expr(dim_prod(F)), max(1, len(g.ops)))
         row_stores = [v for v in g.stores if v.type.shape != F]
         full_stores = [v for v in g.stores if v.type.shape == F]
         outs = {v: self.param(v, output=True) for v in g.stores}
@@ -423,7 +425,11 @@ class KernelBuilder:
             for i, (var, extent) in enumerate(reversed(inner)):
                 body = self.pop()
                 par = work if (o_var is None and i == len(inner) - 1 and not g.passes) else None
-                self.emit(L.Loop(var, Const(0, INDEX), extent, body, parallel=par))
+                # an elementwise loop's iterations are independent even where an output shares
+                # memory with an input (plan_memory allows that only when the input is read at
+                # the index the output is written at): vectorised without alias checks (an
+                # optimizer's in-place update of a dozen weights had too many pairs to check)
+                self.emit(L.Loop(var, Const(0, INDEX), extent, body, parallel=par, simd=i == 0 and not g.passes))
         if o_var is not None:
             body = self.pop()
             extent = L.dim_expr(dim_prod([F[k] for k in outer]))

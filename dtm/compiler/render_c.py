@@ -250,7 +250,7 @@ class _Renderer:
             if isinstance(s, L.Loop):
                 if s.parallel is not None and not (isinstance(s.parallel, L.Const)
                                                    and s.parallel.value < PARALLEL_WORK):
-                    out.append(f"{pad}#pragma omp parallel for schedule(static) "
+                    out.append(f"{pad}#pragma omp parallel for{' simd' if s.simd else ''} schedule(static) "
                                f"if({self.expr(s.parallel)} >= {PARALLEL_WORK})")
                 elif s.reduction is not None:
                     out.append(f"{pad}#pragma omp simd " + " ".join(f"reduction({op}:{var})" for op, var in s.reduction))
