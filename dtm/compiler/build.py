@@ -259,18 +259,23 @@ def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
     unique = sorted(set(source_of))
     units = [([funcs[i] for i in unique[j:j + chunk]], [names[i] for i in unique[j:j + chunk]])
              for j in range(0, len(unique), chunk)]
+    sources = [render_unit(fs, vector_math()) for fs, _ in units]
+    # the longest compiles start first, so the last to finish is a short one
+    order = sorted(range(len(units)), key=lambda u: -len(sources[u]))
 
-    vector = vector_math()
-    libs = ("-lm", "-lmvec") if vector else ("-lm",)
+    libs = ("-lm", "-lmvec") if vector_math() else ("-lm",)
 
-    def one(unit) -> Path:
-        fs, ns = unit
-        return build(render_unit(fs, vector), ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}", libs=libs)
+    def one(u: int) -> Path:
+        ns = units[u][1]
+        return build(sources[u], ns[0] if len(ns) == 1 else f"{ns[0]} .. {ns[-1]}", libs=libs)
 
     runtimes = sorted({f.gemm_dtype for f in funcs if f.gemm_dtype} - set(_runtime))
-    with ThreadPoolExecutor(max_workers=max(1, min(len(units) + len(runtimes), os.cpu_count() or 1))) as pool:
-        building = [pool.submit(_build_runtime, dt) for dt in runtimes]
-        paths = list(pool.map(one, units))
+    with _lock:  # one already building in the background is waited for below, not by a worker here
+        to_build = [dt for dt in runtimes if dt not in _prebuilds]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(units) + len(to_build), os.cpu_count() or 1))) as pool:
+        building = [pool.submit(_build_runtime, dt) for dt in to_build]
+        built_units = dict(zip(order, pool.map(one, order)))
+        paths = [built_units[u] for u in range(len(units))]
         for b in building:
             b.result()
     for dt in runtimes:

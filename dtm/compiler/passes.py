@@ -33,7 +33,7 @@ from .decompose import decompose
 from .irutil import with_func
 from .lower import lower_loops
 from .memory import plan_memory
-from .program import Program
+from .program import Program, is_move
 from .render_c import render_kernel, render_unit
 from .schedule import Schedule, fuse, gemm_dtype
 from .simplify import simplify
@@ -84,8 +84,9 @@ def debug_flags() -> set[str]:
 def compile_func(module: Module, func: str, upto: str | None = None, out=None) -> Any:
     """Run the passes on function `func` of `module` (through pass `upto`, default all)."""
     x: Any = module.funcs[func]
-    if upto is None:  # the products' runtime library compiles on another core while the passes run
-        prebuild_runtime({op.results[0].type.dtype.name for op in x.ops if op.name == "matmul" and gemm_dtype(op)})
+    if upto is None:  # the runtime libraries it calls compile on another core while the passes run
+        prebuild_runtime({op.results[0].type.dtype.name for op in x.ops if op.name == "matmul" and gemm_dtype(op)}
+                         | ({"move"} if any(is_move(op) for op in x.ops) else set()))
     show = "passes" in debug_flags()
     out = out or sys.stderr
     for name, fn in PASSES:
