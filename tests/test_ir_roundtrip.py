@@ -867,3 +867,31 @@ def test_f64_literal_beyond_f32_range_parses_without_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_roundtrip(text)
+
+
+def test_narrow_float_dtypes_load_ml_dtypes_only_when_used():
+    """`import dtm` does not import ml_dtypes (half a second); the first bf16 / f8 dtype asked
+    for does, and an ml_dtypes array made elsewhere is recognised (from_numpy)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import dtm
+        from dtm.ir.dtypes import DTYPES, NARROW_FLOATS, from_numpy, numpy_dtype
+        assert "ml_dtypes" not in sys.modules
+        assert np.dtype(np.float16) in NARROW_FLOATS and np.dtype(np.float32) not in NARROW_FLOATS
+        x = dtm.tensor(np.array([1.0, 2.5, 3.0078125], np.float32)).to(dtm.bfloat16).numpy()
+        assert "ml_dtypes" in sys.modules
+        import ml_dtypes
+        assert x.dtype == np.dtype(ml_dtypes.bfloat16) and x.dtype in NARROW_FLOATS
+        x = dtm.tensor(x)
+        assert x.float().numpy().tolist() == [1.0, 2.5, 3.0]  # bf16 keeps 8 significant bits
+        assert from_numpy(np.dtype(ml_dtypes.float8_e5m2)) is DTYPES["f8e5m2"]
+        assert numpy_dtype(DTYPES["f8e4m3"]) == np.dtype(ml_dtypes.float8_e4m3fn)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -21,11 +21,10 @@ import os
 from functools import cache
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
-from ..ir.dtypes import DTYPES
+from ..ir.dtypes import DTYPES, NARROW_FLOATS, numpy_dtype
 from ..protocol.compressed import ENCODINGS, HEAD_SIZE, body_bytes, check_chunk, pack_head
 from ..ref import quant as ref_quant
 
@@ -35,7 +34,6 @@ SOURCE = Path(__file__).with_name("quant_codec.c")
 FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off",
          "-mprefer-vector-width=512")
 COMPRESSIONS = tuple(ENCODINGS)  # "q8_0", "bf16"
-BF16 = np.dtype(ml_dtypes.bfloat16)
 _P = ctypes.c_void_p
 _N = ctypes.c_int64
 
@@ -94,13 +92,13 @@ class Codec:
             padded[:n] = x
             body[:] = ref_quant.quantize(padded, DTYPES["q8_0"])
         else:
-            body.view(np.uint16)[:] = x.astype(BF16).view(np.uint16)
+            body.view(np.uint16)[:] = x.astype(numpy_dtype(DTYPES["bf16"])).view(np.uint16)
 
     def _decoded(self, buf: np.ndarray, n: int) -> np.ndarray:
         body = buf[HEAD_SIZE:]
         if self.name == "q8_0":
             return ref_quant.dequantize(body, DTYPES["q8_0"], np.float32)[:n]
-        return body.view(BF16).astype(np.float32)
+        return body.view(numpy_dtype(DTYPES["bf16"])).astype(np.float32)
 
     def decode(self, buf: np.ndarray, out: np.ndarray) -> None:
         n = out.size
@@ -145,7 +143,7 @@ def check_compress(compress: str | None, dtype: np.dtype, op: str | None, what: 
         raise DTMError(E.ATTRIBUTE_VALUE, f"{what}: compress={compress!r} is not a compression; use one of "
                                           f"{', '.join(repr(c) for c in COMPRESSIONS)}, 'auto' or None")
     dt = np.dtype(dtype)
-    if dt.kind != "f" and dt not in (BF16, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+    if dt.kind != "f" and dt not in NARROW_FLOATS:
         raise DTMError(E.DTYPE_MISMATCH, f"{what}: compress={compress!r} needs a float operand, found {dt}; "
                                          "integers and booleans travel uncompressed (compress=None)")
     if op is not None and op not in ("sum", "avg"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 
@@ -96,24 +95,48 @@ _NUMPY = {
     "i32": np.dtype(np.int32), "i64": np.dtype(np.int64),
     "u8": np.dtype(np.uint8), "u16": np.dtype(np.uint16),
     "u32": np.dtype(np.uint32), "u64": np.dtype(np.uint64),
-    "f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16),
-    "f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
-    "f8e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "f8e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
 }
 _FROM_NUMPY = {v: k for k, v in _NUMPY.items()}
+# bf16 and the f8 types come from ml_dtypes, imported when first needed: its import takes
+# half a second (0.7.0), half of `import dtm`, which every worker process pays
+_ML_DTYPES = {"bf16": "bfloat16", "f8e4m3": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
 
-# Floats narrower than f32 (f16, bf16, f8e4m3, f8e5m2), as numpy dtypes: every computation
-# on them (reference ops, reductions of collectives) runs in f32 and rounds once at the end.
-NARROW_FLOATS = frozenset(_NUMPY[d.name] for d in DTYPES.values() if d.is_float and d.bits < 32)
+
+def _load_ml_dtypes() -> None:
+    import ml_dtypes
+
+    for name, attr in _ML_DTYPES.items():
+        dt = np.dtype(getattr(ml_dtypes, attr))
+        _NUMPY[name], _FROM_NUMPY[dt] = dt, name
+
+
+class _NarrowFloats:
+    """Floats narrower than f32 (f16, bf16, f8e4m3, f8e5m2), as numpy dtypes: every
+    computation on them (reference ops, reductions of collectives) runs in f32 and rounds
+    once at the end. `dtype in NARROW_FLOATS` asks by name, so it needs no ml_dtypes."""
+
+    NAMES = frozenset({"float16", *_ML_DTYPES.values()})
+
+    def __contains__(self, dtype) -> bool:
+        return np.dtype(dtype).name in self.NAMES
+
+
+NARROW_FLOATS = _NarrowFloats()
 
 
 def numpy_dtype(dtype: DType) -> np.dtype:
     """The numpy dtype holding one element of `dtype` (quantized types have none)."""
     if dtype.is_quant:
         raise TypeError(f"quantized dtype {dtype} has no element-wise numpy dtype")
+    if dtype.name in _ML_DTYPES and dtype.name not in _NUMPY:
+        _load_ml_dtypes()
     return _NUMPY[dtype.name]
 
 
 def from_numpy(dtype: np.dtype) -> DType:
     """The DTM dtype of a numpy dtype; KeyError when DTM has none."""
-    return DTYPES[_FROM_NUMPY[np.dtype(dtype)]]
+    dtype = np.dtype(dtype)
+    if dtype not in _FROM_NUMPY and dtype.name in _NarrowFloats.NAMES:
+        _load_ml_dtypes()  # an ml_dtypes array: its module is already imported
+    return DTYPES[_FROM_NUMPY[dtype]]

@@ -22,11 +22,10 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
-from ..ir.dtypes import DTYPES, DType
+from ..ir.dtypes import DTYPES, DType, numpy_dtype
 from ..ref import quant as refquant
 
 NARROW = ("q8_0", "q4_0", "bf16")  # the weight dtypes `quantize` makes
@@ -52,7 +51,7 @@ def quantize_weight(x: np.ndarray, dtype: str | DType, name: str = "weight") -> 
     holding one is refused here, naming the first such element."""
     dt = narrow_dtype(dtype)
     x = np.asarray(x)
-    if x.dtype.kind not in "f" and x.dtype not in (np.dtype(ml_dtypes.bfloat16),):
+    if x.dtype.kind not in "f" and x.dtype != numpy_dtype(DTYPES["bf16"]):
         raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} has dtype {x.dtype}; only float tensors are "
                        f"quantized (to {dt})")
     if dt.is_quant and (x.ndim == 0 or x.shape[-1] % dt.block):
@@ -65,7 +64,7 @@ def quantize_weight(x: np.ndarray, dtype: str | DType, name: str = "weight") -> 
                        f"finite to be quantized to {dt}")
     if dt.is_quant:
         return refquant.quantize(x.astype(np.float32), dt)
-    return x.astype(ml_dtypes.bfloat16)
+    return x.astype(numpy_dtype(DTYPES["bf16"]))
 
 
 def dequantize_weight(storage: np.ndarray, dtype: str | DType) -> np.ndarray:
@@ -121,7 +120,7 @@ def check_storage(name: str, storage: np.ndarray, dt: DType, shape: tuple[int, .
     """E0408 unless `storage` is exactly the storage of a `dt` tensor of `shape` (uint8
     blocks, or bfloat16 values)."""
     want = storage_shape(shape, dt)
-    kind = np.dtype(np.uint8) if dt.is_quant else np.dtype(ml_dtypes.bfloat16)
+    kind = np.dtype(np.uint8) if dt.is_quant else numpy_dtype(DTYPES["bf16"])
     if storage.dtype != kind or tuple(storage.shape) != want:
         raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} is {storage.dtype}{list(storage.shape)}, not the "
                        f"{kind}{list(want)} storage of {dt}{list(shape)}")
