@@ -96,8 +96,6 @@ class _Frame:
     Runs on one thread reuse it; temporaries never leave a run (results are fresh arrays)."""
 
     __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill", "launch", "run_fill", "held")
-    # run_fill entries: (pointer array, position, buffer, is a parameter or a value written
-    # into one, (shape, dtype) of a fresh array when the run allocates one, else None)
 
     def __init__(self, plan: "Plan", bindings: dict, key):
         prog = plan.program
@@ -125,9 +123,11 @@ class _Frame:
             ints = k.int_args(values, bindings)
             self.dims.append((ctypes.c_int64 * max(len(ints), 1))(*ints))
         # per run of consecutive compiled steps: the pointers to fill before it, as (pointer
-        # array, position, buffer, is a parameter), and the arrays dtm_run_steps reads.
-        # `held[j]` is the parameter's array entry j was last filled with (its pointer is
-        # still there: the weights, the same arrays at every call, are not looked at again)
+        # array, position, buffer, is a parameter or a value a kernel writes into one, the
+        # (shape, dtype) of the fresh array a run allocates for it or None), and the arrays
+        # dtm_run_steps reads. `held[j]` is the parameter's array entry j was last filled
+        # with (its pointer is still there: the weights, the same arrays at every call, are
+        # not looked at again)
         self.run_fill = [[(self.ptrs[k.index], n, bi, plan.buffers[bi].kind == "param" or bi in plan.written_params,
                            plan.array_spec(plan.buffers[bi], bindings))
                           for k in run for n, bi in self.fill[k.index]] for run in plan.runs]
@@ -198,7 +198,6 @@ class Plan:
         self.in_place = [(buf_index[id(b)], buf_index[id(b.alias)]) for b in self.buffers
                          if b.alias is not None and b.alias.kind == "param"]
         self.written_params = {value for value, _ in self.in_place}  # their arrays are the parameters'
-
         # dynamic_update_slices that may write over their operand when the caller donates it
         # (run): (input position, operand buffer, result buffer)
         last_read: dict[int, int] = {}
