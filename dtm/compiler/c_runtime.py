@@ -7,23 +7,27 @@ into every kernel that does, so a change of the ABI changes those kernels' sourc
 cache keys) too.
 
 The product follows the BLIS design: for each NC-wide panel of B and each KC-deep slice of
-the contracted dim, B is packed into NR-wide column slivers; for each MC-high block of A,
-A is packed into MR-high row slivers (a row-major operand read row by row in memory order;
-one contiguous along the contracted dim transposed 16 x 16 at a time in registers where
-AVX-512 is available, else element by element); a register-blocked MR x NR microkernel (12 vector
-accumulators, written with GCC vector extensions so that -march=native picks AVX2/FMA,
-AVX-512 or NEON) runs over the slivers: each sliver of A against every sliver of the panel of
-B in turn (the A sliver stays in L1; BLIS's order), with the tile of C fetched as it starts. Partial tiles go through a small buffer. Threads
-split the output into one band each (rows when M >= N, else columns), each packing its own
-operands: no barriers. A product whose contracted dim is at least twice its longer side (a
-weight's gradient, X^T @ dY) is split along the contracted dim instead: each thread packs
-only its own rows of X and dY (those it wrote, in the kernel before), the partial products
-are summed by rows after one barrier. A batch of small products runs one product per thread
-instead, each thread a contiguous share of the batch (static: the rows a band split left in
-its cache; dynamic scheduling measured 1.3-1.7x slower in a training step). The
-epilogue callback runs on each finished block (after the last slice of the contracted
-dim), on the thread that computed it. A product with one row (decoding one token) is a
-matrix-vector product without packing, its columns split between the threads.
+the contracted dim, B is packed into NR-wide column slivers (a row-major B read row by row;
+a transposed one, a Linear's weight, 16 x 16 at a time in registers where AVX-512 is
+available). A register-blocked MR x NR microkernel (2 * MR vector accumulators, written
+with GCC vector extensions so that -march=native picks AVX2/FMA, AVX-512 or NEON) runs each
+MR-high sliver of A against every sliver of the panel of B in turn: the A sliver stays in
+L1, B streams from L2 (BLIS's order), and the tile of C is fetched as each tile starts. A
+row-major A is read in place (`micro_rows`: its MR rows' lines stay in L1 across the k
+loop); any other A is packed into slivers, MC rows at a time (a transposed A row by row of
+the matrix it transposes). Partial tiles go through a small buffer.
+
+Threads split the output into one band each (rows when M >= N, else columns), each packing
+its own operands: no barriers. A product whose contracted dim is at least twice its longer
+side (a weight's gradient, X^T @ dY) is split along the contracted dim instead: each thread
+packs only its own rows of X and dY (those it wrote, in the kernel before), and the partial
+products are summed by rows after one barrier. A batch of small products runs one product
+per thread instead, each thread a contiguous share of the batch (static: the rows a band
+split left in its cache; dynamic scheduling measured 1.2-1.4x slower in a training step).
+The epilogue callback runs on each finished block (after the last slice of the contracted
+dim; after the sum, for a split one), on the thread that computed it. A product with one
+row (decoding one token) is a matrix-vector product without packing, its columns split
+between the threads.
 """
 
 import re
