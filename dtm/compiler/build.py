@@ -259,11 +259,11 @@ def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
     unique = sorted(set(source_of))
     units = [([funcs[i] for i in unique[j:j + chunk]], [names[i] for i in unique[j:j + chunk]])
              for j in range(0, len(unique), chunk)]
-    sources = [render_unit(fs, vector_math()) for fs, _ in units]
+    vector = vector_math()
+    libs = ("-lm", "-lmvec") if vector else ("-lm",)
+    sources = [render_unit(fs, vector) for fs, _ in units]
     # the longest compiles start first, so the last to finish is a short one
     order = sorted(range(len(units)), key=lambda u: -len(sources[u]))
-
-    libs = ("-lm", "-lmvec") if vector_math() else ("-lm",)
 
     def one(u: int) -> Path:
         ns = units[u][1]

@@ -42,7 +42,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 int dtm_rt_version_f32(void);
 int dtm_rt_version_f64(void);"""
 
-VERSION = 12
+VERSION = 13
 
 _TEMPLATE = r"""
 /* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
@@ -55,6 +55,8 @@ static inline V BC_SUF(const T *p) { V v; for (int i = 0; i < VW; i++) v[i] = *p
 #define FMA_SUF(a, b, c) ((a) * (b) + (c))
 #endif
 
+/* mc rows of an A that is not row-major (gemm_serial reads a row-major one in place) as
+   MR-high slivers, kc deep. */
 static void pack_a_SUF(const T *A, int64_t rs, int64_t cs, int64_t mc, int64_t kc, T *restrict Ap) {
   if (rs == 1) {  /* A transposed (X^T in a weight's gradient): each row of X read once, in order */
     for (int64_t k = 0; k < kc; k++) {
@@ -69,21 +71,12 @@ static void pack_a_SUF(const T *A, int64_t rs, int64_t cs, int64_t mc, int64_t k
     }
     return;
   }
-  for (int64_t i = 0; i < mc; i += MR) {
+  for (int64_t i = 0; i < mc; i += MR) {  /* any other strides (a row-major A is never packed) */
     int64_t m = dtm_min(MR, mc - i);
     const T *a = A + i * rs;
-    if (m == MR && cs == 1) {  /* rows contiguous: a transpose, 16 deep at a time where it is vectorized */
-      int64_t k = 0;
-#ifdef TRANSPOSE16_SUF
-      for (; k + 16 <= kc; k += 16) TRANSPOSE16_SUF(a + k, rs, MR, Ap + k * MR, MR);
-#endif
-      for (Ap += k * MR; k < kc; k++, Ap += MR)
-        for (int r = 0; r < MR; r++) Ap[r] = a[r * rs + k];
-    } else {
-      for (int64_t k = 0; k < kc; k++, Ap += MR) {
-        for (int64_t r = 0; r < m; r++) Ap[r] = a[r * rs + k * cs];
-        for (int64_t r = m; r < MR; r++) Ap[r] = 0;
-      }
+    for (int64_t k = 0; k < kc; k++, Ap += MR) {
+      for (int64_t r = 0; r < m; r++) Ap[r] = a[r * rs + k * cs];
+      for (int64_t r = m; r < MR; r++) Ap[r] = 0;
     }
   }
 }
@@ -106,7 +99,7 @@ static void pack_b_SUF(const T *B, int64_t rs, int64_t cs, int64_t kc, int64_t n
       int64_t k0 = 0;
 #ifdef TRANSPOSE16_SUF
       for (; k0 + 16 <= kc; k0 += 16)
-        for (int c = 0; c < NR_SUF; c += 16) TRANSPOSE16_SUF(b + c * cs + k0, cs, 16, Bp + k0 * NR_SUF + c, NR_SUF);
+        for (int c = 0; c < NR_SUF; c += 16) TRANSPOSE16_SUF(b + c * cs + k0, cs, Bp + k0 * NR_SUF + c, NR_SUF);
 #endif
       for (; k0 < kc; k0 += 16) {  /* in 16-deep blocks: the tile written stays in L1 */
         int64_t k1 = dtm_min(kc, k0 + 16);
@@ -433,15 +426,13 @@ static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
 #define DTM_AVX2 0
 #endif
 #if defined(__AVX512F__)
-/* dst[j][i] = src[i][j] for the first `rows` rows (16 deep) of src, rows past them zero: a
-   16 x 16 block of f32 transposed in registers (interleave pairs, then 4 x 4 blocks within
-   each 128-bit lane, then the lanes), for packing operands that the microkernel reads across
-   their contiguous dim. Only the first `rows` floats of each row of dst are written. */
-static inline void dtm_transpose16_f32(const float *src, int64_t ss, int rows, float *dst, int64_t ds) {
+/* dst[j][i] = src[i][j]: a 16 x 16 block of f32 transposed in registers (interleave pairs,
+   then 4 x 4 blocks within each 128-bit lane, then the lanes), for packing a transposed B
+   (a Linear's weight), which the microkernel reads across its contiguous dim. */
+static inline void dtm_transpose16_f32(const float *src, int64_t ss, float *dst, int64_t ds) {
   __m512 r[16], t[16];
-  __mmask16 keep = (__mmask16)((1u << rows) - 1u);
 #pragma GCC unroll 16
-  for (int i = 0; i < 16; i++) r[i] = i < rows ? _mm512_loadu_ps(src + i * ss) : _mm512_setzero_ps();
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ss);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; i++) {  /* lane L of t[2i]: rows 2i, 2i+1 at columns 4L, 4L+1; of t[2i+1]: 4L+2, 4L+3 */
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -458,10 +449,10 @@ static inline void dtm_transpose16_f32(const float *src, int64_t ss, int rows, f
   for (int c = 0; c < 4; c++) {  /* column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
     __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
     __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    _mm512_mask_storeu_ps(dst + c * ds, keep, _mm512_shuffle_f32x4(v0, v2, 0x88));
-    _mm512_mask_storeu_ps(dst + (4 + c) * ds, keep, _mm512_shuffle_f32x4(v1, v3, 0x88));
-    _mm512_mask_storeu_ps(dst + (8 + c) * ds, keep, _mm512_shuffle_f32x4(v0, v2, 0xDD));
-    _mm512_mask_storeu_ps(dst + (12 + c) * ds, keep, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    _mm512_storeu_ps(dst + c * ds, _mm512_shuffle_f32x4(v0, v2, 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * ds, _mm512_shuffle_f32x4(v1, v3, 0x88));
+    _mm512_storeu_ps(dst + (8 + c) * ds, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+    _mm512_storeu_ps(dst + (12 + c) * ds, _mm512_shuffle_f32x4(v1, v3, 0xDD));
   }
 }
 #define TRANSPOSE16_f32 dtm_transpose16_f32

@@ -361,19 +361,22 @@ class Plan:
     def _shares(x: np.ndarray, inputs: list, frame: _Frame) -> bool:
         return any(np.may_share_memory(x, a) for a in inputs) or any(np.may_share_memory(x, s) for s in frame.slots)
 
+    @staticmethod
+    def _storage(b: Buffer, bindings: dict) -> tuple[tuple, np.dtype]:
+        """The shape and numpy dtype of buffer `b`'s array at these symbol values."""
+        t = resolve_type(b.type, bindings) if bindings else b.type
+        return tuple(int(d) for d in quant.storage_shape(t)), _np_dtype(t)
+
     def array_spec(self, b: Buffer, bindings: dict) -> tuple | None:
         """(shape, dtype) of a fresh array for buffer `b` at these symbol values: what a run
         allocates for an output, known once per frame; None for an empty one (allocate)."""
         if b.kind == "param":
             return None
-        t = resolve_type(b.type, bindings) if bindings else b.type
-        shape = tuple(int(d) for d in quant.storage_shape(t))
-        return (shape, _np_dtype(t)) if math.prod(shape) else None
+        shape, dtype = self._storage(b, bindings)
+        return (shape, dtype) if math.prod(shape) else None
 
     def allocate(self, b: Buffer, bindings: dict, slots: list | None) -> np.ndarray:
-        t = resolve_type(b.type, bindings) if bindings else b.type
-        dtype = _np_dtype(t)
-        shape = tuple(int(d) for d in quant.storage_shape(t))
+        shape, dtype = self._storage(b, bindings)
         n = math.prod(shape)
         if b.slot is not None and slots is not None:
             return slots[b.slot][: n * dtype.itemsize].view(dtype).reshape(shape)
