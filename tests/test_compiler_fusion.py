@@ -68,6 +68,20 @@ def test_causal_attention_is_at_most_three_kernels():
     assert n <= 3
 
 
+def test_heads_split_from_one_qkv_product_are_read_in_place():
+    """GPT-2's attention input: one product for q, k and v with its bias, split into heads by
+    a reshape and slices. The bias is the product's epilogue and the products of attention read
+    q, k and v where that product wrote them: 4 kernels (qkv, q @ k^T, softmax, p @ v), no copy."""
+    w, b = T(16, 3 * 16, scale=0.3), T(3 * 16)
+
+    def attention(x):
+        qkv = (x @ w + b).reshape(2, 5, 4, 3, 4)  # [B, T, heads, (q, k, v), head_dim]
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    assert count(attention, T(2, 5, 16)) == 4
+
+
 def test_mlp_block_kernels():
     """A transformer MLP: layer_norm, gelu(x @ w1 + b1), x @ w2 + b2 + residual: 3 kernels."""
     w1, b1, w2, b2, g, bb = T(32, 64, scale=0.2), T(64), T(64, 32, scale=0.2), T(32), T(32), T(32)

@@ -342,11 +342,28 @@ class _Scheduler:
                 self.stored.update(op.results)
             if kind in ("ew", "move"):
                 # read at two different indices (through a movement op): computed once, not once per
-                # index; this also bounds the code a chain of slices and concats could inline
+                # index; this also bounds the code a chain of slices and concats could inline. A
+                # strided view of a stored value costs nothing to read again (a product reads it
+                # in place), so it is not copied out.
                 users = set(g.users.get(op.results[0], ()))
-                if len(users) >= 2 and any(g.kind[u] == "move" for u in users):
-                    self.stored.add(op.results[0])
+                if (len(users) >= 2 and any(g.kind[u] == "move" for u in users)
+                        and not self.is_view(op.results[0])):
+                    self.stored.add(self.reshaped_from(op.results[0]))
         self.bound_inlining()
+
+    def is_view(self, v: Value) -> bool:
+        """Whether v is a strided view of another value that is stored or a parameter."""
+        view = strided_view(v, self.g.producer, lambda u: u in self.g.params or u in self.stored)
+        return view is not None and view[0] is not v
+
+    def reshaped_from(self, v: Value) -> Value:
+        """The value v is a reshape (or a chain of reshapes) of, else v: both have the same
+        elements in the same order, so storing that value stores v as well, and a product
+        whose result it is can compute it in its epilogue."""
+        g = self.g
+        while (op := g.producer.get(v)) is not None and op.name == "reshape" and op.operands[0] not in g.params:
+            v = op.operands[0]
+        return v
 
     def bound_inlining(self) -> None:
         """Store every value whose inlined expression would exceed INLINE_LIMIT ops, counting
@@ -404,7 +421,8 @@ class _Scheduler:
                 continue
             for x in op.operands:
                 view = strided_view(x, g.producer, lambda u: u in g.params or u in self.stored)
-                target = x if view is None else view[0]
+                # not a view: the value its reshapes start from is stored, and read through them
+                target = self.reshaped_from(x) if view is None else view[0]
                 if g.kind.get(g.producer.get(target)) == "narrow":
                     continue  # the gemm reads the narrow weight the cast reads
                 if target not in g.params and target not in self.stored:
