@@ -70,8 +70,9 @@ def test_causal_attention_is_at_most_three_kernels():
 
 def test_heads_split_from_one_qkv_product_are_read_in_place():
     """GPT-2's attention input: one product for q, k and v with its bias, split into heads by
-    a reshape and slices. The bias is the product's epilogue and the products of attention read
-    q, k and v where that product wrote them: 4 kernels (qkv, q @ k^T, softmax, p @ v), no copy."""
+    a reshape and slices. The bias is the product's epilogue, the products of attention read
+    q, k and v where that product wrote them, and the softmax is q @ k^T's epilogue (its rows
+    whole): 3 kernels (qkv, q @ k^T with softmax, p @ v), no copy."""
     w, b = T(16, 3 * 16, scale=0.3), T(3 * 16)
 
     def attention(x):
@@ -79,7 +80,31 @@ def test_heads_split_from_one_qkv_product_are_read_in_place():
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    assert count(attention, T(2, 5, 16)) == 4
+    assert count(attention, T(2, 5, 16)) == 3
+
+
+@pytest.mark.parametrize("m, n", [(6, 40), (3, 100), (40, 256), (5, 300)])
+def test_a_row_reduction_of_a_product_is_its_epilogue(m, n):
+    """Softmax over a product's rows and a residual's layer norm after a projection run in the
+    product's epilogue on whole rows (the runtime never splits rows of at most WHOLE_ROWS
+    columns between threads, even when there are fewer rows than columns): one kernel.
+    Wider rows get a kernel of their own; both agree with the reference."""
+    a, b, r, g, bb = T(m, 24), T(24, n, scale=0.5), T(m, n), T(n), T(n)
+    fused = 1 if n <= 256 else 2
+    assert count(lambda a, b: F.softmax(a @ b, -1), a, b) == fused
+    assert count(lambda a, b, r: F.layer_norm(r + a @ b, n, g, bb), a, b, r) == fused
+
+
+def test_a_narrow_weights_product_keeps_its_layer_norm_apart():
+    """The narrow weights' runtime splits a product by columns: a row reduction after it is a
+    kernel of its own (reading rows split between threads would see half a row)."""
+    lin = dtm.nn.Linear(32, 64)
+    dtm.quant.quantize(lin, "q8_0")
+    g, bb = T(64), T(64)
+    fn = lambda x: F.layer_norm(lin(x), 64, g, bb)  # noqa: E731
+    x = T(40, 32)
+    same(fn, x, tol=5e-2)  # the narrow product rounds its activations as well (spec 2.2.4)
+    assert dtm.debug.count_kernels(fn, x) == 2
 
 
 def test_mlp_block_kernels():

@@ -17,15 +17,18 @@ row-major A is read in place (`micro_rows`: its MR rows' lines stay in L1 across
 loop); any other A is packed into slivers, MC rows at a time (a transposed A row by row of
 the matrix it transposes). Partial tiles go through a small buffer.
 
-Threads split the output into one band each (rows when M >= N, else columns), each packing
-its own operands: no barriers. A product whose contracted dim is at least twice its longer
+Threads split the output into one band each (rows when M >= N or N <= WHOLE_ROWS, else
+columns), each packing its own operands: no barriers. A product whose contracted dim is at least twice its longer
 side (a weight's gradient, X^T @ dY) is split along the contracted dim instead: each thread
 packs only its own rows of X and dY (those it wrote, in the kernel before), and the partial
 products are summed by rows after one barrier. A batch of small products runs one product
 per thread instead, each thread a contiguous share of the batch (static: the rows a band
 split left in its cache; dynamic scheduling measured 1.2-1.4x slower in a training step).
 The epilogue callback runs on each finished block (after the last slice of the contracted
-dim; after the sum, for a split one), on the thread that computed it. A product with one
+dim; after the sum, for a split one), on the thread that computed it. A product of more than
+one row and at most WHOLE_ROWS columns gives its epilogue whole rows (j0 = 0, j1 = N), so
+that a reduction along a row (softmax over attention scores) can run there, while the block
+is in cache. A product with one
 row (decoding one token) is a matrix-vector product without packing, its columns split
 between the threads.
 """
@@ -42,7 +45,10 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 int dtm_rt_version_f32(void);
 int dtm_rt_version_f64(void);"""
 
-VERSION = 13
+VERSION = 14
+# the widest product whose epilogue is always given whole rows (when it has more than one row):
+# below every NC, and never split by columns between threads
+WHOLE_ROWS = 256
 
 _TEMPLATE = r"""
 /* ---- the product for SUF: element T, vector V of VW elements, NR = 2 * VW ---- */
@@ -295,7 +301,7 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
             for (int64_t j = 0; j < N; j++) ci[j] += pi[j];
           }
         if (epi && r0 < r1) epi(ctx, bt, r0, r1, 0, N);
-      } else if (M >= N) {
+      } else if (M >= N || N <= WHOLE_ROWS) {  /* by rows; by columns only rows too wide for an epilogue to see whole */
         int64_t per = ((M + n - 1) / n + MR - 1) / MR * MR;
         int64_t m0 = dtm_min(M, t * per), m1 = dtm_min(M, m0 + per);
         gemm_serial_SUF(m1 - m0, N, K, a + m0 * rsa, rsa, csa, b, rsb, csb, c + m0 * ldc, ldc,
@@ -466,7 +472,7 @@ def _library(dtype: str) -> str:
     wide = {"f32": ("float", "dtm_v16f", 16, AVX512_NC, AVX512_KC), "f64": ("double", "dtm_v8d", 8, AVX512_NC // 2,
                                                                          AVX512_KC // 2)}[dtype]
     narrow = {"f32": ("float", "dtm_v8f", 8, 2048), "f64": ("double", "dtm_v4d", 4, 1024)}[dtype]
-    return (_PRELUDE + f"int dtm_rt_version_{dtype}(void) {{ return {VERSION}; }}\n"
+    return (_PRELUDE + f"#define WHOLE_ROWS {WHOLE_ROWS}\nint dtm_rt_version_{dtype}(void) {{ return {VERSION}; }}\n"
             + "#if defined(__AVX512F__)\n" + _instance(dtype, wide[0], wide[1], wide[2], wide[3], AVX512_MR, wide[4])
             + "#else\n" + _instance(dtype, *narrow, 6) + "#endif\n")
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from ..ir.module import Func, Op, Value
 from ..ir.registry import REGISTRY, Category
 from ..ir.symbolic import format_dim
+from .c_runtime import WHOLE_ROWS
 from .views import MOVES, STRIDED_MOVES, strided_view
 
 NATIVE = frozenset(("bool", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "f32", "f64"))
@@ -453,8 +454,8 @@ class _Scheduler:
                 continue
             (grp, modes), *more = users
             sink = grp.stores[0]
-            ok = (not more and modes == {FULL} and not grp.passes and sink.type == r.type
-                  and grp.matmul is None)
+            ok = (not more and modes == {FULL} and (not grp.passes or self.row_epilogue(grp, mm))
+                  and sink.type == r.type and grp.matmul is None)
             if ok:
                 grp.kind, grp.matmul = "matmul", mm
             else:
@@ -464,6 +465,26 @@ class _Scheduler:
             if g.kind[op] == "matmul" and grp.matmul is None:
                 grp.kind, grp.matmul = "matmul", op
         return groups, need
+
+    def row_epilogue(self, grp: Group, mm: Op) -> bool:
+        """Whether row kernel grp (softmax over attention scores, a residual's layer norm) can
+        be the epilogue of product mm: it reduces along the product's rows, which the f32 and
+        f64 runtime gives an epilogue whole (more than one row, at most WHOLE_ROWS columns:
+        c_runtime; not the narrow weights' runtime), so each row is reduced while it is in
+        cache instead of in a pass of its own over the whole product."""
+        shape = mm.results[0].type.shape
+        rows, cols = shape[-2], shape[-1]
+        return (grp.domain == shape and grp.axes == (len(shape) - 1,) and isinstance(rows, int) and rows > 1
+                and isinstance(cols, int) and 1 < cols <= WHOLE_ROWS and not self.narrow_product(mm))
+
+    def narrow_product(self, mm: Op) -> bool:
+        """Whether product mm reads a narrow weight (the cast absorbed: c_narrow's runtime)."""
+        g = self.g
+        for x in mm.operands:
+            view = strided_view(x, g.producer, lambda u: u in g.params or u in self.stored)
+            if view is not None and g.kind.get(g.producer.get(view[0])) == "narrow":
+                return True
+        return False
 
     def _order(self, v: Value) -> int:
         op = self.g.producer.get(v)
