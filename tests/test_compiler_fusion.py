@@ -107,6 +107,25 @@ def test_a_narrow_weights_product_keeps_its_layer_norm_apart():
     assert dtm.debug.count_kernels(fn, x) == 2
 
 
+def test_a_merged_kernel_stores_a_bounded_number_of_values():
+    """An optimizer's update of many same-shape weights merges into kernels of at most
+    MERGE_STORES outputs each (the C compiler's time grows faster than a kernel's size), and
+    agrees with the reference."""
+    from dtm.compiler.passes import dump
+    from dtm.compiler.schedule import MERGE_STORES
+
+    xs = [T(96) for _ in range(20)]
+
+    def update(lr, *xs):  # two outputs per weight, all reading lr: one kernel without the bound
+        return tuple(y for x in xs for y in (x - lr * x * x, x * 0.9 + lr))
+
+    lr = dtm.tensor(np.float32(0.01))
+    same(update, lr, *xs)
+    text = dump(compile_func(dtm.jit(update).ir(lr, *xs), "main", upto="lower_loops"))
+    outputs = [line.count("out out") for line in text.splitlines() if line.startswith("kernel ")]
+    assert sum(outputs) == 40 and max(outputs) <= MERGE_STORES and len(outputs) >= 2, outputs
+
+
 def test_mlp_block_kernels():
     """A transformer MLP: layer_norm, gelu(x @ w1 + b1), x @ w2 + b2 + residual: 3 kernels."""
     w1, b1, w2, b2, g, bb = T(32, 64, scale=0.2), T(64), T(64, 32, scale=0.2), T(32), T(32), T(32)
