@@ -61,6 +61,16 @@ def test_flags_and_source_are_part_of_the_key(tmp_path, monkeypatch):
     assert len({a, b, c}) == 3
 
 
+def test_gcc_alone_gets_its_own_kernel_flags(monkeypatch):
+    """GCC_KERNEL_FLAGS (a --param clang rejects) join the kernel flags only for GCC, told
+    apart by its --version text."""
+    cc = B.compiler()
+    monkeypatch.setitem(B._versions, cc, "gcc (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.")
+    assert B.kernel_flags() == B.KERNEL_FLAGS + B.GCC_KERNEL_FLAGS
+    monkeypatch.setitem(B._versions, cc, "Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu")
+    assert B.kernel_flags() == B.KERNEL_FLAGS
+
+
 def test_concurrent_builds_in_two_processes(tmp_path):
     src = SRC % uuid.uuid4().hex
     script = textwrap.dedent(f"""
@@ -209,8 +219,8 @@ def test_an_object_without_a_checksum_is_rebuilt_quietly(tmp_path, monkeypatch):
 
 def test_the_products_library_builds_while_the_passes_run(tmp_path):
     """A program with f32 products starts the runtime library's build (the slowest compile of
-    a small program's first run) when its passes start, on another core; the library is then
-    taken from that build, compiled once."""
+    a small program's first run) and the probe of the vector math functions when its passes
+    start, on another core; both are then taken from those builds, each compiled once."""
     code = textwrap.dedent("""
         from dtm.compiler import build as B
         from dtm.compiler.passes import compile_func
@@ -218,9 +228,10 @@ def test_the_products_library_builds_while_the_passes_run(tmp_path):
         m = parse("dtm 1.0\\n\\nfunc @f(%a: f32[8, 8], %b: f32[8, 8]) -> (f32[8, 8]) {\\n"
                   "  %c = matmul %a, %b : f32[8, 8]\\n  return %c\\n}\\n")
         compile_func(m, "f")
-        assert "f32" in B._prebuilds, B._prebuilds
+        assert "f32" in B._prebuilds and "vector_math" in B._prebuilds, B._prebuilds
         B.runtime_library("f32")
-        assert B.STATS["compiles"] == 1 and not B._prebuilds, (B.STATS, B._prebuilds)
+        assert B.vector_math()
+        assert B.STATS["compiles"] == 2 and not B._prebuilds, (B.STATS, B._prebuilds)
         print("ok")
     """)
     env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path))
