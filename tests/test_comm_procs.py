@@ -181,9 +181,10 @@ def cancelled_send(comm, rank, n):
     so the Cancel does not wait behind it), not wait for the rest."""
     comm.barrier()  # the two start together: under load one may return from connecting late
     if rank == 1:
-        _interrupt_after(0.3)
+        x = np.ones(8_000_000, np.float32)  # made first: under load its 32 MB took over 0.3 s to
+        _interrupt_after(0.3)               # touch, and the interrupt came before the send began
         try:
-            comm.send(np.ones(8_000_000, np.float32), dst=0)
+            comm.send(x, dst=0)
         except KeyboardInterrupt:
             return "interrupted"
         return "sent"
