@@ -235,18 +235,20 @@ def prebuild_runtime(dtypes: set) -> None:
     of vector_math: a program's first compile spends most of a second in Python (fusing,
     lowering) on one core while the other waits; the library (0.6 s of C compile, the same for
     every program) is built there meanwhile, from the cache when it is already built."""
-    for dtype in sorted(dtypes):
-        with _lock:
-            if dtype in _prebuilds or dtype in _runtime:
-                continue
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtm-prebuild")
-            _prebuilds[dtype] = pool.submit(build, RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS)
-            pool.shutdown(wait=False)
-    with _lock:  # the probe of the vector math functions the kernels' C is written for, too
-        if "vector_math" not in _prebuilds and not _vector_math and os.environ.get("DTM_VECTOR_MATH", "1") != "0":
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtm-prebuild")
-            _prebuilds["vector_math"] = pool.submit(_probe_vector_math)
-            pool.shutdown(wait=False)
+    with _lock:
+        for dtype in sorted(dtypes):
+            if dtype not in _prebuilds and dtype not in _runtime:
+                _start(dtype, build, RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS)
+        # the probe of the vector math functions the kernels' C is written for, too
+        if "vector_math" not in _prebuilds and not _vector_math and _vector_math_allowed():
+            _start("vector_math", _probe_vector_math)
+
+
+def _start(key: str, fn, *args) -> None:
+    """fn(*args) on a thread of its own, its future in _prebuilds[key] (the caller holds _lock)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtm-prebuild")
+    _prebuilds[key] = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
 
 
 def _function(lib: ctypes.CDLL, symbol: str):
@@ -318,13 +320,17 @@ def vector_math() -> bool:
     once per process and compiler by building a function that uses them (started beside the
     runtime libraries, prebuild_runtime), as DTM_VECTOR_MATH=0 forbids. No compiler: False,
     not remembered (the build says why)."""
-    if os.environ.get("DTM_VECTOR_MATH", "1") == "0":
+    if not _vector_math_allowed():
         return False
     with _lock:
         started = _prebuilds.pop("vector_math", None)
     if started is not None:
         started.result()
     return _probe_vector_math()
+
+
+def _vector_math_allowed() -> bool:
+    return os.environ.get("DTM_VECTOR_MATH", "1") != "0"
 
 
 def _probe_vector_math() -> bool:

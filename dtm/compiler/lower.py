@@ -399,7 +399,6 @@ class KernelBuilder:
         # the loops' work in element-ops: a small domain still runs on every thread when many
         # ops share it (an optimizer's update of a dozen same-shape weights, fused into one kernel)
         work = L.imul(L.dim_expr(dim_prod(F)), max(1, len(g.ops)))
-        row_stores = [v for v in g.stores if v.type.shape != F]
         full_stores = [v for v in g.stores if v.type.shape == F]
         outs = {v: self.param(v, output=True) for v in g.stores}
         # the outer loops, flattened into one (parallel) loop
@@ -419,12 +418,7 @@ class KernelBuilder:
                 for b in reversed(binds):
                     self.emit(b)
                     self.bind_name(b.name)
-        for p in g.passes:
-            self.reduce_pass(p, full_ix, _row_index(full_ix, R, p.attrs.get("keepdims", False)), inner)
-        keep_shape, _ = _row_shapes(F, R)
-        for v in row_stores:
-            rix = _row_index(full_ix, R, v.type.shape == keep_shape)
-            self.emit(L.Store(outs[v], L.flat_index(rix, v.type.shape), self.ev(v, rix)))
+        self.row_passes(full_ix, inner)
         if full_stores:
             for var, _ in inner:
                 self.push((var,))
@@ -443,6 +437,19 @@ class KernelBuilder:
             extent = L.dim_expr(dim_prod([F[k] for k in outer]))
             self.emit(L.Loop(o_var, Const(0, INDEX), extent, body, parallel=work))
         return self.pop_root()
+
+    def row_passes(self, full_ix: tuple, inner: list) -> None:
+        """A row kernel's reductions at full index full_ix, each a pass over the row's `inner`
+        loops, then its stores of the row's shape (build_loops, and a product's row_epilogue)."""
+        g = self.group
+        F, R = g.domain, g.axes
+        for p in g.passes:
+            self.reduce_pass(p, full_ix, _row_index(full_ix, R, p.attrs.get("keepdims", False)), inner)
+        keep_shape, _ = _row_shapes(F, R)
+        for v in g.stores:
+            if v.type.shape != F:
+                rix = _row_index(full_ix, R, v.type.shape == keep_shape)
+                self.emit(L.Store(self.param(v, output=True), L.flat_index(rix, v.type.shape), self.ev(v, rix)))
 
     def build_columns(self) -> list:
         """A row kernel whose reductions run down columns (over outer dims, the last dim
@@ -645,7 +652,7 @@ class KernelBuilder:
                     self.emit(b)
                     self.bind_name(b.name)
             if g.passes:
-                self.row_epilogue(ix, out)
+                self.row_epilogue(ix)
             else:
                 self.push(("j",))
                 self.emit(L.Store(out, L.flat_index(ix, t.shape), self.ev(sink, ix)))
@@ -662,28 +669,18 @@ class KernelBuilder:
         self.emit(gemm)
         return self.pop_root()
 
-
-    def row_epilogue(self, ix: tuple, out: str) -> None:
+    def row_epilogue(self, ix: tuple) -> None:
         """Row i of a product reduced along its columns (softmax over attention scores), as
-        a row kernel computes a row: each reduction a pass over the row, then the stores. The
-        runtime gives this epilogue whole rows (schedule.row_epilogue), so its passes run over
-        all N columns; the row is read from the product's buffer and written back in place
-        (each value at the index it is read from)."""
-        g = self.group
-        F, R = g.domain, g.axes
-        columns = [("j", L.dim_expr(F[-1]))]
-        for p in g.passes:
-            self.reduce_pass(p, ix, _row_index(ix, R, p.attrs.get("keepdims", False)), columns)
-        keep_shape, _ = _row_shapes(F, R)
-        for v in g.stores:
-            if v.type.shape != F:
-                rix = _row_index(ix, R, v.type.shape == keep_shape)
-                self.emit(L.Store(self.param(v, output=True), L.flat_index(rix, v.type.shape), self.ev(v, rix)))
+        a row kernel computes a row (row_passes, then the full-shape stores). The runtime gives
+        this epilogue whole rows (schedule.row_epilogue), so its passes run over all N
+        columns; the row is read from the product's buffer and written back in place (each
+        value at the index it is read from)."""
+        F = self.group.domain
+        self.row_passes(ix, [("j", L.dim_expr(F[-1]))])
         self.push(("j",))
-        for v in g.stores:
+        for v in self.group.stores:
             if v.type.shape == F:
-                self.emit(L.Store(out if v is g.stores[0] else self.param(v, output=True), L.flat_index(ix, F),
-                                  self.ev(v, ix)))
+                self.emit(L.Store(self.param(v, output=True), L.flat_index(ix, F), self.ev(v, ix)))
         self.emit(L.Loop("j", Const(0, INDEX), L.dim_expr(F[-1]), self.pop()))
 
 

@@ -219,6 +219,7 @@ class _Ancestry:
     def __init__(self, deps: dict[int, set]):
         self.deps = deps
         self.bit = {k: 1 << n for n, k in enumerate(deps)}
+        self.bits = len(deps)  # bits handed out: a merged kernel gets the next
         self.before: dict[int, int] = {}
         for k in _topological(deps, {k: n for n, k in enumerate(deps)}):
             mask = 0
@@ -235,10 +236,10 @@ class _Ancestry:
         """Kernels a and b became kernel c."""
         gone = {a, b}
         mask = self.bit.pop(a) | self.bit.pop(b)
-        self.bit[c] = 1 << (max(self.bit.values(), default=1).bit_length())
+        self.bit[c], self.bits = 1 << self.bits, self.bits + 1
         self.deps[c] = (self.deps.pop(a) | self.deps.pop(b)) - gone
         self.before[c] = (self.before.pop(a) | self.before.pop(b)) & ~mask
-        for k, d in self.deps.items():
+        for d in self.deps.values():
             if d & gone:
                 d -= gone
                 d.add(c)
@@ -439,9 +440,13 @@ class _Scheduler:
                     self.stored.add(self.reshaped_from(op.results[0]))
         self.bound_inlining()
 
+    def view(self, v: Value):
+        """strided_view of v over the values stored so far and the parameters."""
+        return strided_view(v, self.g.producer, lambda u: u in self.g.params or u in self.stored)
+
     def is_view(self, v: Value) -> bool:
         """Whether v is a strided view of another value that is stored or a parameter."""
-        view = strided_view(v, self.g.producer, lambda u: u in self.g.params or u in self.stored)
+        view = self.view(v)
         return view is not None and view[0] is not v
 
     def reshaped_from(self, v: Value) -> Value:
@@ -508,7 +513,7 @@ class _Scheduler:
             if g.kind[op] != "matmul" or not gemm_dtype(op):
                 continue
             for x in op.operands:
-                view = strided_view(x, g.producer, lambda u: u in g.params or u in self.stored)
+                view = self.view(x)
                 # not a view: the value its reshapes start from is stored, and read through them
                 target = self.reshaped_from(x) if view is None else view[0]
                 if g.kind.get(g.producer.get(target)) == "narrow":
@@ -567,11 +572,8 @@ class _Scheduler:
     def narrow_product(self, mm: Op) -> bool:
         """Whether product mm reads a narrow weight (the cast absorbed: c_narrow's runtime)."""
         g = self.g
-        for x in mm.operands:
-            view = strided_view(x, g.producer, lambda u: u in g.params or u in self.stored)
-            if view is not None and g.kind.get(g.producer.get(view[0])) == "narrow":
-                return True
-        return False
+        views = [self.view(x) for x in mm.operands]
+        return any(view is not None and g.kind.get(g.producer.get(view[0])) == "narrow" for view in views)
 
     def _order(self, v: Value) -> int:
         op = self.g.producer.get(v)
