@@ -9,6 +9,9 @@ the same weights (GPT-2 layout, random, nothing downloaded) and the same batches
 Printed per engine: the median step time over --steps steps after --warmup, its ratio to
 torch eager, the first step's time in a fresh process (DTM: with an empty kernel cache;
 torch.compile: its compile), peak RSS, and the first step's loss (the engines agree on it).
+DTM's runtime libraries (its own C: the matrix products, the launch loop; the same for every
+program, built once per machine and compiler) are built before the engines run, timed and
+printed; "dtm-jit-cold" is dtm-jit with nothing built at all, those libraries included.
 
     python benchmarks/train.py [--model char|gpt2] [--steps 20] [--warmup 3] [--engines ...]
 
@@ -38,7 +41,7 @@ MODELS = {  # GPT2Config fields, batch, context
     "char": (dict(vocab_size=65, n_positions=64, n_embd=128, n_layer=4, n_head=4), 16, 64),
     "gpt2": (dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12), 2, 128),
 }
-ENGINES = ["dtm-eager", "dtm-jit", "torch-eager", "torch-compile"]
+ENGINES = ["dtm-eager", "dtm-jit", "dtm-jit-cold", "torch-eager", "torch-compile"]
 LR, CLIP = 3e-4, 1.0
 
 
@@ -110,7 +113,7 @@ def worker(engine: str, args) -> dict:
     weights, batches = weights_and_batches(args.model, args.warmup + args.steps)
     t0 = time.perf_counter()
     if engine.startswith("dtm"):
-        step = dtm_step(args.model, weights, engine == "dtm-jit")
+        step = dtm_step(args.model, weights, engine.startswith("dtm-jit"))
     else:
         step = torch_step(args.model, weights, engine == "torch-compile")
     build = time.perf_counter() - t0
@@ -138,12 +141,25 @@ def warm_memory(gib: float) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
 
 
-def run_worker(engine: str, args) -> dict:
-    with tempfile.TemporaryDirectory() as cache:  # every DTM engine starts with an empty kernel cache
+def build_runtime(runtime: str) -> float:
+    """Seconds to build DTM's runtime libraries a training step calls (the f32 products, the
+    launch loop, the vector-math probe) into directory `runtime`, in a fresh process."""
+    code = ("from dtm.compiler.build import runtime_library, vector_math\n"
+            "runtime_library('f32'); runtime_library('move'); vector_math()")
+    with tempfile.TemporaryDirectory() as cache:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DTM_CACHE_DIR=cache, DTM_RUNTIME_DIR=runtime),
+                       check=True, timeout=600)
+        return time.perf_counter() - t0
+
+
+def run_worker(engine: str, args, runtime: str) -> dict:
+    # every DTM engine starts with an empty kernel cache; the cold one with no runtime library either
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as nothing:
         cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--steps", str(args.steps),
                "--warmup", str(args.warmup)]
-        out = subprocess.run(cmd, env=dict(os.environ, DTM_CACHE_DIR=cache), capture_output=True, text=True,
-                             timeout=7200)
+        env = dict(os.environ, DTM_CACHE_DIR=cache, DTM_RUNTIME_DIR=nothing if engine.endswith("cold") else runtime)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=7200)
     if out.returncode != 0:
         sys.exit(f"{engine} worker failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -167,11 +183,13 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args)))
         return
     results = {}
-    for engine in args.engines:
-        print(f"running {engine} ...", file=sys.stderr, flush=True)
-        if args.warm_memory:
-            warm_memory(args.warm_memory)
-        results[engine] = run_worker(engine, args)
+    with tempfile.TemporaryDirectory() as runtime:
+        runtime_s = build_runtime(runtime) if any(e.startswith("dtm") for e in args.engines) else None
+        for engine in args.engines:
+            print(f"running {engine} ...", file=sys.stderr, flush=True)
+            if args.warm_memory:
+                warm_memory(args.warm_memory)
+            results[engine] = run_worker(engine, args, runtime)
     base = results.get("torch-eager")
     fields, batch, context = MODELS[args.model]
     print(f"{args.model} training step (batch {batch}, context {context}, {fields['n_layer']} layers, "
@@ -182,6 +200,9 @@ def main() -> None:
         ratio = f"{base['step_ms'] / r['step_ms']:14.2f}x" if base else f"{'':>15}"
         print(f"{engine:14} {r['step_ms']:9.1f} {ratio} {r['first_s']:13.2f} {r['peak_rss_mb']:12.0f} "
               f"{r['first_loss']:11.5f}")
+    if runtime_s is not None:
+        print(f"DTM's runtime libraries, built once per machine before the engines ran: {runtime_s:.2f} s "
+              "(dtm-jit-cold's first step builds them too)")
 
 
 if __name__ == "__main__":

@@ -237,3 +237,52 @@ def test_the_products_library_builds_while_the_passes_run(tmp_path):
     env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_cpu_is_part_of_the_key(tmp_path, monkeypatch):
+    # -march=native builds for this CPU: a cache shared with a machine of another CPU (a home
+    # directory on a network drive) must not hand out this machine's objects there
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    src = SRC % uuid.uuid4().hex
+    cc = B.compiler()
+    assert "-m" in B.native_target(cc)  # gcc's -m flags, clang's -target-feature
+    here = B.build(src, "k")
+    monkeypatch.setitem(B._targets, cc, B.native_target(cc) + " -mno-avx512f")
+    there = B.build(src, "k")
+    assert here != there and here.exists() and there.exists()
+
+
+def test_the_runtime_libraries_build_where_DTM_RUNTIME_DIR_says(tmp_path):
+    code = textwrap.dedent("""
+        import numpy as np, os
+        from dtm.compiler import build as B
+        from dtm.ir import parse
+        from dtm.runtime.backend import get_backend
+        m = parse("dtm 1.0\\n\\nfunc @f(%a: f32[8, 8], %b: f32[8, 8]) -> (f32[8, 8]) {\\n"
+                  "  %c = matmul %a, %b : f32[8, 8]\\n  return %c\\n}\\n")
+        a = np.arange(64, dtype=np.float32).reshape(8, 8)
+        np.testing.assert_allclose(get_backend("cpu").plan(m, "f").run([a, a])[0], a @ a)
+        print("ok")
+    """)
+    kernels, runtime = tmp_path / "kernels", tmp_path / "runtime"
+    env = dict(os.environ, DTM_CACHE_DIR=str(kernels), DTM_RUNTIME_DIR=str(runtime))
+    for _ in range(2):  # the second process finds the runtime library built, in a new kernel cache
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+        sources = {p.read_text().splitlines()[0] for p in runtime.glob("*.c")}
+        # the products, the launch loop (c_move.py) and the vector-math probe
+        assert any("runtime library" in s for s in sources) and len(list(runtime.glob("*.so"))) == 3
+        assert all(p.read_text().startswith("/* DTM kernels */") for p in kernels.glob("*.c"))
+        assert len(list(kernels.glob("*.so"))) == 1
+        env["DTM_CACHE_DIR"] = str(tmp_path / "kernels2")
+        kernels = tmp_path / "kernels2"
+
+
+def test_kernels_split_into_units_that_compile_in_about_equal_time():
+    sizes = {i: s for i, s in enumerate([25_000, 900, 12_000, 4_000, 30_000, 7_000, 3_000, 18_000] * 3)}
+    units = B._units(sizes, cores=2)
+    assert sorted(i for u in units for i in u) == sorted(sizes)  # every kernel once
+    assert len(units) % 2 == 0 and len(units) == 2 * -(-sum(sizes.values()) // (2 * B.UNIT_BYTES))
+    loads = [sum(sizes[i] for i in u) for u in units]
+    assert max(loads) - min(loads) <= max(sizes.values())
+    assert B._units({0: 100, 1: 200}, cores=16) == [[1], [0]]  # no empty unit

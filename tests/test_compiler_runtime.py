@@ -32,7 +32,8 @@ def test_cpu_is_the_default_and_ref_is_registered(monkeypatch):
 
 
 def test_pass_list():
-    assert [name for name, _ in PASSES] == ["decompose", "simplify", "fuse", "lower_loops", "plan_memory", "render_c"]
+    assert [name for name, _ in PASSES] == ["decompose", "simplify", "fuse", "lower_loops", "plan_memory",
+                                           "share_kernels", "render_c"]
 
 
 def test_jit_replays_its_plan_without_recompiling():

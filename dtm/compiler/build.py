@@ -3,10 +3,11 @@
     fn = load_kernel(source, "k3_softmax")      # ctypes function dtm_kernel(bufs, dims)
     fns = load_functions(cfuncs, names)         # many kernels, a few per compiler call
 
-The cache lives in $DTM_CACHE_DIR, else ~/.cache/dtm. An object is named by the sha256 of
-its source, the flags, the compiler's path and its `--version` text, so a second build of
-the same source is a file lookup (no compiler call), and a new compiler or flags never
-reuse a stale object. Objects are written to a temporary name and renamed into place
+The cache lives in $DTM_CACHE_DIR, else ~/.cache/dtm (the runtime libraries in
+$DTM_RUNTIME_DIR when it is set). An object is named by the sha256 of its source, the flags,
+the compiler's path, its `--version` text and what -march=native means on this CPU, so a
+second build of the same source is a file lookup (no compiler call), and a new compiler,
+flags or CPU never reuse a stale object. Objects are written to a temporary name and renamed into place
 (os.replace is atomic), so processes that build the same kernel at the same time all end
 with a complete object. Beside each object its SHA-256 (`<key>.sha256`) is written,
 atomically, after a successful compile and before the object is renamed into place; an
@@ -25,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,10 +58,12 @@ RUNTIME_FLAGS = BASE_FLAGS + ("-ffp-contract=fast",)    # the matrix product: FM
 # step's kernels compile in 10% less time (2.77 -> 2.48 s of CPU for the char model's)
 GCC_KERNEL_FLAGS = ("--param=vect-epilogues-nomask=0",)
 
-CHUNK = 16              # kernels per translation unit
+UNIT_BYTES = 40_000     # about this much kernel C per translation unit and core (16 ms of GCC per KB here)
 STATS = {"compiles": 0, "hits": 0}  # counters, for tests and DTM_DEBUG
 _lock = threading.Lock()
 _versions: dict[str, str] = {}
+_targets: dict[str, str] = {}
+_TARGET_FLAG = re.compile(r'"?(-m[^\s"]+|[lL][12]-cache-[^\s"]+|-target-cpu" "[^"]+|-target-feature" "[^"]+)')
 _loaded: dict[str, ctypes.CDLL] = {}
 _runtime: dict[str, ctypes.CDLL] = {}
 _intact: set[Path] = set()  # objects this process checked against their checksum
@@ -71,6 +75,18 @@ class BuildError(DTMError):
 
 def cache_dir() -> Path:
     d = Path(os.environ.get("DTM_CACHE_DIR") or Path.home() / ".cache" / "dtm")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def runtime_dir() -> Path:
+    """Where the runtime libraries (RUNTIME_SOURCES: DTM's own C, the same for every program)
+    and the vector-math probe are built: $DTM_RUNTIME_DIR, else the kernel cache. Apart, a
+    kernel cache can be emptied without building them again (benchmarks/train.py)."""
+    where = os.environ.get("DTM_RUNTIME_DIR")
+    if not where:
+        return cache_dir()
+    d = Path(where)
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -103,6 +119,23 @@ def compiler_version(cc: str) -> str:
     return v
 
 
+def native_target(cc: str) -> str:
+    """What -march=native means to compiler `cc` on this machine: the CPU and the vector
+    features its driver passes on (gcc's -m flags and cache sizes, clang's -target-cpu and
+    -target-feature). Part of every object's cache key, so a cache shared by machines of
+    different CPUs never loads code built for another one. Asked once per process."""
+    target = _targets.get(cc)
+    if target is None:
+        try:
+            out = subprocess.run([cc, "-march=native", "-###", "-E", "-x", "c", os.devnull], capture_output=True,
+                                 text=True, timeout=60)
+            text = "\n".join(line for line in (out.stderr + out.stdout).splitlines() if "cc1" in line)  # the compiler proper
+        except (OSError, subprocess.TimeoutExpired):
+            text = ""  # the build that follows says what is wrong with the compiler
+        target = _targets[cc] = " ".join(_TARGET_FLAG.findall(text)) or platform.processor()
+    return target
+
+
 def kernel_flags() -> tuple:
     """The flags kernels compile with: KERNEL_FLAGS, and GCC_KERNEL_FLAGS when the compiler is GCC."""
     version = compiler_version(compiler())
@@ -123,13 +156,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def build(source: str, name: str = "kernel", flags: tuple | None = None, libs: tuple = ("-lm",)) -> Path:
+def build(source: str, name: str = "kernel", flags: tuple | None = None, libs: tuple = ("-lm",),
+          where: Path | None = None) -> Path:
     """The path of the shared object built from `source` with `flags` (default: a kernel's,
-    kernel_flags()) and linked with `libs` (from the cache when present)."""
+    kernel_flags()) and linked with `libs`, in directory `where` (default: cache_dir()),
+    from there when present."""
     cc = compiler()
     flags = kernel_flags() if flags is None else flags
-    key = hashlib.sha256("\0".join([source, " ".join(flags + libs), cc, compiler_version(cc)]).encode()).hexdigest()[:40]
-    d = cache_dir()
+    key = hashlib.sha256("\0".join([source, " ".join(flags + libs), cc, compiler_version(cc),
+                                    native_target(cc)]).encode()).hexdigest()[:40]
+    d = cache_dir() if where is None else where
     so, digest = d / f"{key}.so", d / f"{key}.sha256"
     if so.exists() and _checked(so, digest, name):
         with _lock:
@@ -224,7 +260,7 @@ def _build_runtime(dtype: str) -> Path:
         started = _prebuilds.pop(dtype, None)
     if started is not None:
         return started.result()  # a failed build raises its error here, and is tried again next time
-    return build(RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS)
+    return build(RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS, where=runtime_dir())
 
 
 _prebuilds: dict[str, Future] = {}
@@ -238,7 +274,8 @@ def prebuild_runtime(dtypes: set) -> None:
     with _lock:
         for dtype in sorted(dtypes):
             if dtype not in _prebuilds and dtype not in _runtime:
-                _start(dtype, build, RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS)
+                _start(dtype, build, RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS, ("-lm",),
+                       runtime_dir())
         # the probe of the vector math functions the kernels' C is written for, too
         if "vector_math" not in _prebuilds and not _vector_math and _vector_math_allowed():
             _start("vector_math", _probe_vector_math)
@@ -266,18 +303,32 @@ def load_kernel(source: str, name: str = "kernel", gemm_dtype: str | None = None
     return _function(load(build(source, name)), symbol)
 
 
-def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
+def _units(sizes: dict[int, int], cores: int) -> list[list[int]]:
+    """Kernels (position -> bytes of C) in translation units that take about as long to
+    compile: a multiple of `cores` units of about UNIT_BYTES each, every kernel, largest
+    first, into the unit with the least C so far. Each unit costs a compiler start (50 ms)."""
+    n = min(len(sizes), cores * -(-sum(sizes.values()) // (cores * UNIT_BYTES)))
+    units: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(sizes, key=lambda i: (-sizes[i], i)):
+        u = load.index(min(load))
+        units[u].append(i)
+        load[u] += sizes[i]
+    return [sorted(u) for u in units]
+
+
+def load_functions(funcs: list, names: list[str]) -> list:
     """The kernels `funcs` (render_c.CFunction), built a few per translation unit, units
     compiled in parallel (the runtime library beside them, when a kernel calls it); their
     ctypes functions, in order. A kernel whose C is another's but for its name (each layer
-    of a model repeats its kernels) is built once and shared."""
+    of a model repeats its kernels, share.py makes more of them alike) is built once and shared."""
     if not funcs:
         return []
     first: dict[str, int] = {}  # a kernel's C with its own name taken out -> the first kernel with that C
     source_of = [first.setdefault(_anonymous(f), i) for i, f in enumerate(funcs)]
     unique = sorted(set(source_of))
-    units = [([funcs[i] for i in unique[j:j + chunk]], [names[i] for i in unique[j:j + chunk]])
-             for j in range(0, len(unique), chunk)]
+    parts = _units({i: len(funcs[i].code) + sum(map(len, funcs[i].decls)) for i in unique}, os.cpu_count() or 1)
+    units = [([funcs[i] for i in part], [names[i] for i in part]) for part in parts]
     vector = vector_math()
     libs = ("-lm", "-lmvec") if vector else ("-lm",)
     sources = [render_unit(fs, vector) for fs, _ in units]
@@ -300,7 +351,7 @@ def load_functions(funcs: list, names: list[str], chunk: int = CHUNK) -> list:
     for dt in runtimes:
         runtime_library(dt)  # loaded first, its symbols global: the kernels' calls resolve against it
     built = [_function(load(path), f.symbol) for path, (fs, _) in zip(paths, units) for f in fs]
-    by_index = dict(zip(unique, built))
+    by_index = dict(zip([i for part in parts for i in part], built))
     return [by_index[i] for i in source_of]
 
 
@@ -341,7 +392,7 @@ def _probe_vector_math() -> bool:
     if cc not in _vector_math:
         try:
             probe = _VECTOR_MATH_PROBE.format(decls="\n".join(vector_math_decls()))
-            load(build(probe, "vector_math_probe", libs=("-lm", "-lmvec")))
+            load(build(probe, "vector_math_probe", libs=("-lm", "-lmvec"), where=runtime_dir()))
             _vector_math[cc] = True
         except (DTMError, OSError):
             _vector_math[cc] = False

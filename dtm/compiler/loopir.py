@@ -422,6 +422,8 @@ class Kernel:
     dims: list
     body: list
     aliases: dict = field(default_factory=dict)  # output param -> input param it may share memory with
+    consts: dict = field(default_factory=dict)   # dim -> its value in this kernel: a literal that
+                                                 # kernels sharing this body differ in (share.py)
 
     def __str__(self) -> str:
         return format_kernel(self)
@@ -435,7 +437,7 @@ def _fmt_type(p: Param) -> str:
 
 def format_kernel(k: Kernel) -> str:
     params = ", ".join(f"{'out' if p.output else 'in'} {p.name}: {_fmt_type(p)}" for p in k.params)
-    dims = f"; dims {', '.join(k.dims)}" if k.dims else ""
+    dims = f"; dims {', '.join(f'{d}={k.consts[d]}' if d in k.consts else d for d in k.dims)}" if k.dims else ""
     lines = [f"kernel {k.name}({params}{dims})"]
     for out, inp in k.aliases.items():
         lines.append(f"  # {out} may share memory with {inp} (in place)")

@@ -5,6 +5,7 @@
     fuse          Func -> Schedule      which values are stored, which kernel computes each
     lower_loops   Schedule -> Program   a loop-IR kernel per group, buffers, fallback steps
     plan_memory   Program -> Program    temporaries share memory; in-place kernels
+    share_kernels Program -> Program    kernels that differ only in integer literals share a body
     render_c      Program -> Program    the C source of every kernel
 
     program = compile_func(module, "main")       # runs them all
@@ -36,6 +37,7 @@ from .memory import plan_memory
 from .program import Program, is_move
 from .render_c import render_kernel, render_unit
 from .schedule import Schedule, fuse, gemm_dtype
+from .share import share_kernels
 from .simplify import simplify
 from .spmd import partition, propagate_shardings  # noqa: F401 - the SPMD passes, run before PASSES
 
@@ -53,6 +55,7 @@ PASSES: list[tuple[str, Callable[[Any], Any]]] = [
     ("fuse", fuse),
     ("lower_loops", lower_loops),
     ("plan_memory", plan_memory),
+    ("share_kernels", share_kernels),
     ("render_c", render_c),
 ]
 

@@ -80,7 +80,8 @@ def _contiguous(x: np.ndarray) -> np.ndarray:
 class _Kernel:
     """A loaded compiled step (a kernel, or a move step run by the runtime's C): its
     function, where each argument comes from, and its int64 arguments: a kernel's symbol
-    values (`dims`, positions in the plan's symbols), a move's geometry (`_move_args`)."""
+    values (`dims`, positions in the plan's symbols, or literals of its own: share.py), a
+    move's geometry (`_move_args`)."""
 
     __slots__ = ("step", "fn", "args", "dims", "name", "index", "move", "address")
 
@@ -92,10 +93,12 @@ class _Kernel:
         self.move = type(step) is MoveStep
         bufs = step.outputs + step.inputs if self.move else step.args
         self.args = [buf_index[id(b)] for b in bufs]
-        self.dims = [] if self.move else [symbols.index(d) for d in step.kernel.dims]
+        # per dim: (position in the plan's symbols, 0), or (None, its value in this kernel)
+        self.dims = [] if self.move else [(None, step.kernel.consts[d]) if d in step.kernel.consts
+                                          else (symbols.index(d), 0) for d in step.kernel.dims]
 
     def int_args(self, values: list, bindings: dict) -> list[int]:
-        return _move_args(self.step, bindings) if self.move else [values[j] for j in self.dims]
+        return _move_args(self.step, bindings) if self.move else [v if j is None else values[j] for j, v in self.dims]
 
 
 class _Frame:
