@@ -209,6 +209,7 @@ class _Walk:
     matmuls: dict = field(default_factory=dict)    # matmul op -> set of modes reached in
     loads: list = field(default_factory=list)
     ops: set = field(default_factory=set)
+    through: set = field(default_factory=set)      # the unstored values it went through
 
 
 class _Ancestry:
@@ -303,6 +304,8 @@ class _Scheduler:
         self.stored: set[Value] = set()
         self._cones: dict[Value, frozenset] = {}  # _cone's memory, valid while len(stored) is _cones_at
         self._cones_at = -1
+        self._walks: dict[tuple, _Walk] = {}      # walk_one's memory, made with the values in _walked_with stored
+        self._walked_with: set[Value] = set()
 
     # -- the cone of a stored value --
     def is_boundary(self, v: Value, own: set) -> bool:
@@ -328,6 +331,7 @@ class _Scheduler:
                     loads_seen.add(u)
                     w.loads.append(u)
                 continue
+            w.through.add(u)
             op = g.producer[u]
             kind = g.kind[op]
             if kind in ("fallback", "convert", "const"):  # stored by its own kernel, or a constant buffer
@@ -357,6 +361,19 @@ class _Scheduler:
                 stack.append((op.operands[0], OTHER))
             # sources read nothing
         w.passes = sorted(passes, key=lambda op: g.pos[op])
+        return w
+
+    def walk_one(self, v: Value, F: tuple, R: tuple) -> _Walk:
+        """walk([v], F, R, {v}), remembered until a value it went through is stored. The
+        stored set only grows, and a walk changes only where it meets a newly stored value;
+        run() walks every stored value again in each round (GPT-2's fuse: 4 rounds)."""
+        if len(self._walked_with) != len(self.stored):
+            grown = self.stored - self._walked_with
+            self._walks = {key: w for key, w in self._walks.items() if w.through.isdisjoint(grown)}
+            self._walked_with = set(self.stored)
+        w = self._walks.get((v, F, R))
+        if w is None:
+            w = self._walks[(v, F, R)] = self.walk([v], F, R, {v})
         return w
 
     def cone_reduces(self, v: Value) -> list[Op]:
@@ -411,7 +428,7 @@ class _Scheduler:
             if (F, R) in seen or not (shape == F or shape in row_shapes(F, R)):
                 continue
             seen.add((F, R))
-            w = self.walk([v], F, R, {v})
+            w = self.walk_one(v, F, R)
             score = (len(w.need), -len(w.passes))
             if best_score is None or score < best_score:
                 best, best_score = (F, R), score
@@ -532,7 +549,7 @@ class _Scheduler:
             if op is None or g.kind[op] in ("fallback", "convert", "const"):
                 continue
             F, R = self.domain(v)
-            w = self.walk([v], F, R, {v})
+            w = self.walk_one(v, F, R)
             need |= w.need
             kind = "reduce" if w.passes else "elementwise"
             grp = Group(kind, [v], F, R if w.passes else (), w.passes, None, None,
