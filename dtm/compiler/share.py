@@ -26,6 +26,17 @@ _HOLE = object()        # where a template has an integer literal that may becom
 _DIVIDES = ("/", "%")   # index ops whose right operand stays literal
 
 
+def _fields(t: type) -> tuple:
+    """The field names of loop-IR statement type t, or () for anything else (looked up once)."""
+    names = _FIELDS.get(t)
+    if names is None:
+        names = _FIELDS[t] = tuple(f.name for f in fields(t)) if is_dataclass(t) else ()
+    return names
+
+
+_FIELDS: dict[type, tuple] = {}
+
+
 def _template(x, values: list):
     """A hashable picture of loop-IR node `x` with every integer index literal (not a
     divisor) replaced by _HOLE; the literals are appended to `values`, in walk order."""
@@ -36,7 +47,7 @@ def _template(x, values: list):
             return _HOLE
         return x
     if t is L.Op:
-        args = tuple(_template(a, values) for a in x.args)
+        args = tuple([_template(a, values) for a in x.args])
         if x.dtype is INDEX and x.op in _DIVIDES and type(x.args[1]) is L.Const:
             values.pop()  # the divisor is part of the structure, not an argument
             args = args[:1] + (x.args[1],)
@@ -46,9 +57,10 @@ def _template(x, values: list):
     if t is L.Sym or t is L.Var:
         return x
     if t is list or t is tuple:
-        return tuple(_template(e, values) for e in x)
-    if is_dataclass(x):
-        return (t, *(_template(getattr(x, f.name), values) for f in fields(x)))
+        return tuple([_template(e, values) for e in x])
+    names = _fields(t)
+    if names:
+        return (t, *[_template(getattr(x, name), values) for name in names])
     return x
 
 
@@ -74,8 +86,8 @@ def _filled(x, names: dict, position: list):
         return [_filled(e, names, position) for e in x]
     if t is tuple:
         return tuple(_filled(e, names, position) for e in x)
-    if is_dataclass(x):
-        return replace(x, **{f.name: _filled(getattr(x, f.name), names, position) for f in fields(x)})
+    if _fields(t):
+        return replace(x, **{name: _filled(getattr(x, name), names, position) for name in _fields(t)})
     return x
 
 
