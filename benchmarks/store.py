@@ -13,7 +13,8 @@
     the same 1 KiB to one file.
 (c) only when `ray` is importable (`pip install dtm[bench]`): a second process gets a
     256 MiB tensor the first put, DTM through a directory store in /dev/shm against
-    ray.put / ray.get on a local Ray. Run the whole benchmark in a loopback-only namespace
+    ray.put / ray.get on a local Ray; each engine's best of FRESH gets, each of an object
+    the getting process has not read before (Ray's worker started before the timing). Run the whole benchmark in a loopback-only namespace
     so Ray's ports stay local: unshare -n sh -c 'ip link set lo up && exec "$@"' sh python benchmarks/store.py
 
 (d) across two ranks over TCP (`dtm launch -n 2` of this file): rank 1 gets a 64 MiB tensor
@@ -149,16 +150,23 @@ def small(root: Path, pairs: int, durable_pairs: int) -> None:
         "save_file + load_file", peer, "us")
 
 
+FRESH = 3  # (c) times each engine's get of this many objects the getting process has not read yet: the best
+
+
 def _dtm_getter(path: str, q) -> None:
     st = dtm.store.open(path)
     q.put("ready")
     q.get()
-    t0 = time.perf_counter()
-    a = st.get_array("big")
-    float(a[-1])  # the bytes are there, checked
-    t1 = time.perf_counter()
-    float(a.sum())  # ... and read
-    q.put((t1 - t0, time.perf_counter() - t0))
+    times = []
+    for i in range(FRESH):
+        t0 = time.perf_counter()
+        a = st.get_array(f"big{i}")
+        float(a[-1])  # the bytes are there, checked
+        t1 = time.perf_counter()
+        float(a.sum())  # ... and read
+        times.append((t1 - t0, time.perf_counter() - t0))
+        del a
+    q.put(min(times))
 
 
 def between_processes(mib: int) -> None:
@@ -169,7 +177,9 @@ def between_processes(mib: int) -> None:
         return
     x = np.random.default_rng(2).standard_normal(mib * MIB // 4, dtype=np.float32)
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        dtm.store.open(d).put("big", x)
+        st = dtm.store.open(d)
+        for i in range(FRESH):
+            st.put(f"big{i}", x)
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         p = ctx.Process(target=_dtm_getter, args=(d, q))
@@ -190,9 +200,11 @@ def between_processes(mib: int) -> None:
         float(a.sum())
         return t1 - t0, time.perf_counter() - t0
 
-    ref = ray.put(x)
-    ray.get(ray_getter.remote([ref]))  # the worker process starts once, outside the timing
-    ray_s = min(ray.get(ray_getter.remote([ref])) for _ in range(3))
+    refs = [ray.put(x) for _ in range(FRESH)]
+    ray.get(ray_getter.remote([ray.put(x[:1024])]))  # the worker process starts once, outside the timing
+    # each timed get is of an object the worker has not read (its pages not yet mapped there),
+    # as DTM's: a second get of the same object would find its pages mapped from the first
+    ray_s = min(ray.get(ray_getter.remote([ref])) for ref in refs)
     ray.shutdown()
     print(f"(c) {mib} MiB f32 got by another process")
     # ray.get maps the object without reading it; DTM's get checks every chunk's CRC32C
@@ -280,10 +292,14 @@ def main() -> None:
         across_ranks(args.mesh_mib, max(args.runs, 3))
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        large(Path(d), args.mib, args.runs)
-        small(Path(d), args.pairs, args.durable_pairs)
-    between_processes(args.ray_mib)
-    across_ranks(args.mesh_mib, max(args.runs, 3))
+        if args.only in (None, "a"):
+            large(Path(d), args.mib, args.runs)
+        if args.only in (None, "b"):
+            small(Path(d), args.pairs, args.durable_pairs)
+    if args.only in (None, "c"):
+        between_processes(args.ray_mib)
+    if args.only is None:
+        across_ranks(args.mesh_mib, max(args.runs, 3))
 
 
 if __name__ == "__main__":
