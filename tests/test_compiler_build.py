@@ -286,3 +286,20 @@ def test_kernels_split_into_units_that_compile_in_about_equal_time():
     loads = [sum(sizes[i] for i in u) for u in units]
     assert max(loads) - min(loads) <= max(sizes.values())
     assert B._units({0: 100, 1: 200}, cores=16) == [[1], [0]]  # no empty unit
+
+
+def test_a_trace_starts_the_runtime_libraries(tmp_path):
+    # dtm.jit's trace (and autodiff) runs before the passes: the libraries start building then
+    code = textwrap.dedent("""
+        import numpy as np
+        import dtm
+        from dtm.compiler import build as B
+        f = dtm.jit(lambda x: x * 2, backend="cpu")
+        f.ir(dtm.tensor(np.ones(3, np.int64)))  # a trace, no compile
+        assert {"f32", "move"} <= set(B._prebuilds) and "i64" not in B._prebuilds, B._prebuilds
+        np.testing.assert_array_equal(f(dtm.tensor(np.arange(3))).numpy(), np.arange(3) * 2)
+        print("ok")
+    """)
+    env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path), DTM_RUNTIME_DIR=str(tmp_path / "runtime"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

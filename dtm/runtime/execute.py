@@ -44,6 +44,15 @@ def run(module: Module, func: str, inputs: Sequence[Any], backend: str | None = 
     return [Shards(mesh, pl, [o[i] if o is not None else None for o in outs]) for i, pl in enumerate(layouts)]
 
 
+def prepare(dtypes: set[str], backend: str | None = None) -> None:
+    """A program on tensors of `dtypes` (names) is about to be traced: the backend may start
+    building what running it will need, on another core while the trace runs (the `cpu`
+    backend: its runtime libraries, CpuBackend.prepare)."""
+    start = getattr(get_backend(backend), "prepare", None)
+    if start is not None:
+        start(dtypes)
+
+
 def mesh_of(module: Module, inputs: Sequence[Any] = ()) -> DeviceMesh:
     """The mesh a captured module runs on; every distributed input must be on it."""
     mesh = DeviceMesh.of(module.meshes[IR_NAME])

@@ -101,6 +101,8 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         for p, a in zip(placeholders, args):
             if isinstance(a, Tensor):
                 p._mesh, p._placements = a._mesh, a._placements
+        # f32 too: the weights a step reads are most often captured, not arguments
+        execute.prepare({"f32"} | {p._type.dtype.name for p in tensor_args}, self.backend)
         trace = Trace(tensor_args)
         prev = STATE.trace
         STATE.tracing += 1
