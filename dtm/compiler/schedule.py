@@ -110,6 +110,14 @@ def _size(shape: tuple) -> tuple:
     return static, sorted(str(d) for d in shape if not isinstance(d, int))
 
 
+def _elements(shape: tuple) -> int:
+    """A shape's element count, a symbolic dim counting as 2 (more than one)."""
+    n = 1
+    for d in shape:
+        n *= d if isinstance(d, int) else 2
+    return n
+
+
 def reduce_axes(op: Op) -> tuple[int, ...]:
     return (op.attrs["axis"],) if op.name in ("argmax", "argmin") else tuple(sorted(op.attrs["axes"]))
 
@@ -657,8 +665,12 @@ class _Scheduler:
 
     @staticmethod
     def _related(a: Group, b: Group) -> bool:
+        """Whether merging a and b saves a pass over memory: they share a reduction, one reads
+        what the other stores, or both read one array. Not a shared scalar: the AdamW updates
+        of same-shaped weights all read the step's scalars, and merged they were half of a
+        training step's C, where apart they are one body (share.py)."""
         return bool(set(a.passes) & set(b.passes) or set(a.stores) & set(b.loads) or set(b.stores) & set(a.loads)
-                    or set(a.loads) & set(b.loads))
+                    or any(_elements(v.type.shape) > 1 for v in set(a.loads) & set(b.loads)))
 
     def _merged(self, a: Group, b: Group) -> Group | None:
         stores = a.stores + b.stores

@@ -36,11 +36,13 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     p = float(norm_type)
     with no_grad():
         grads = [F.cast(q.grad, float32).abs() for q in params]
+        # the norm of all of them as one vector: folded pairwise from each gradient's, not a
+        # stack of them (a concat of one scalar per weight, which its reduction's kernel reads
+        # through a select per weight: GPT-2's 148 made the largest kernel of its step)
         if p == math.inf:
-            total = F.stack([g.amax() for g in grads]).amax()
-        else:  # the norm of the per-gradient norms, as torch computes it
-            norms = F.stack([F.pow(F.pow(g, p).sum(), 1.0 / p) for g in grads])
-            total = F.pow(F.pow(norms, p).sum(), 1.0 / p)
+            total = _pairwise(F.maximum, [g.amax() for g in grads])
+        else:
+            total = F.pow(_pairwise(F.add, [F.pow(g, p).sum() for g in grads]), 1.0 / p)
         if error_if_nonfinite and not math.isfinite(total.item()):
             raise error(ErrorCode.ATTRIBUTE_VALUE, f"clip_grad_norm_: the total norm of order {norm_type} of the "
                         "gradients is not finite, so they cannot be clipped; pass error_if_nonfinite=False to "
@@ -49,6 +51,13 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
         for q in params:
             q.grad = F.mul(q.grad, F.cast(coef, q.grad.dtype))
     return total
+
+
+def _pairwise(op, xs: list[Tensor]) -> Tensor:
+    """op folded over xs as a balanced tree (a sum rounds as a pairwise sum does)."""
+    while len(xs) > 1:
+        xs = [op(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return xs[0]
 
 
 def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float) -> None:
