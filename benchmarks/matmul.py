@@ -1,9 +1,9 @@
 """Matrix product throughput: DTM's cpu backend against numpy and torch, square f32 products.
 
 Prints GFLOP/s (2*n^3 / time, best of several runs, the three libraries measured in turn,
-ROUNDS times, so they see the same machine load) at each size, and DTM's ratio to each. torch runs with
-torch.set_num_threads(THREADS); DTM's kernels use OpenMP with OMP_NUM_THREADS (default: all
-cores); numpy uses whatever BLAS it was built with.
+ROUNDS times, so they see the same machine load) at each size, and DTM's ratio to each.
+torch runs with torch.set_num_threads(THREADS); DTM's kernels use OpenMP with
+OMP_NUM_THREADS (default: all cores); numpy uses whatever BLAS it was built with.
 
 Goal (the compiler issue): DTM >= 0.8x torch at 1024 and 2048.
 

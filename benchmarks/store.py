@@ -14,8 +14,8 @@
 (c) only when `ray` is importable (`pip install dtm[bench]`): a second process gets a
     256 MiB tensor the first put, DTM through a directory store in /dev/shm against
     ray.put / ray.get on a local Ray; each engine's best of FRESH gets, each of an object
-    the getting process has not read before (Ray's worker started before the timing). Run the whole benchmark in a loopback-only namespace
-    so Ray's ports stay local: unshare -n sh -c 'ip link set lo up && exec "$@"' sh python benchmarks/store.py
+    the getting process has not read before (Ray's worker started before the timing). Run
+    the whole benchmark in a loopback-only namespace so Ray's ports stay local: unshare -n sh -c 'ip link set lo up && exec "$@"' sh python benchmarks/store.py
 
 (d) across two ranks over TCP (`dtm launch -n 2` of this file): rank 1 gets a 64 MiB tensor
     that only rank 0 holds from the mesh's store with share_memory=False (StoreRequest,

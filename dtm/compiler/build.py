@@ -73,10 +73,13 @@ class BuildError(DTMError):
     """The C compiler is missing or failed."""
 
 
-def cache_dir() -> Path:
-    d = Path(os.environ.get("DTM_CACHE_DIR") or Path.home() / ".cache" / "dtm")
+def _made(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def cache_dir() -> Path:
+    return _made(Path(os.environ.get("DTM_CACHE_DIR") or Path.home() / ".cache" / "dtm"))
 
 
 def runtime_dir() -> Path:
@@ -84,11 +87,7 @@ def runtime_dir() -> Path:
     and the vector-math probe are built: $DTM_RUNTIME_DIR, else the kernel cache. Apart, a
     kernel cache can be emptied without building them again (benchmarks/train.py)."""
     where = os.environ.get("DTM_RUNTIME_DIR")
-    if not where:
-        return cache_dir()
-    d = Path(where)
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return _made(Path(where)) if where else cache_dir()
 
 
 def compiler() -> str:
@@ -260,6 +259,10 @@ def _build_runtime(dtype: str) -> Path:
         started = _prebuilds.pop(dtype, None)
     if started is not None:
         return started.result()  # a failed build raises its error here, and is tried again next time
+    return _compile_runtime(dtype)
+
+
+def _compile_runtime(dtype: str) -> Path:
     return build(RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS, where=runtime_dir())
 
 
@@ -274,8 +277,7 @@ def prebuild_runtime(dtypes: set) -> None:
     with _lock:
         for dtype in sorted(dtypes):
             if dtype not in _prebuilds and dtype not in _runtime:
-                _start(dtype, build, RUNTIME_SOURCES[dtype], f"dtm_runtime_{dtype}", RUNTIME_FLAGS, ("-lm",),
-                       runtime_dir())
+                _start(dtype, _compile_runtime, dtype)
         # the probe of the vector math functions the kernels' C is written for, too
         if "vector_math" not in _prebuilds and not _vector_math and _vector_math_allowed():
             _start("vector_math", _probe_vector_math)

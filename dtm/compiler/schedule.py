@@ -110,12 +110,7 @@ def _size(shape: tuple) -> tuple:
     return static, sorted(str(d) for d in shape if not isinstance(d, int))
 
 
-def _elements(shape: tuple) -> int:
-    """A shape's element count, a symbolic dim counting as 2 (more than one)."""
-    n = 1
-    for d in shape:
-        n *= d if isinstance(d, int) else 2
-    return n
+_SCALAR = _size(())  # one element
 
 
 def reduce_axes(op: Op) -> tuple[int, ...]:
@@ -670,7 +665,7 @@ class _Scheduler:
         of same-shaped weights all read the step's scalars, and merged they were half of a
         training step's C, where apart they are one body (share.py)."""
         return bool(set(a.passes) & set(b.passes) or set(a.stores) & set(b.loads) or set(b.stores) & set(a.loads)
-                    or any(_elements(v.type.shape) > 1 for v in set(a.loads) & set(b.loads)))
+                    or any(_size(v.type.shape) != _SCALAR for v in set(a.loads) & set(b.loads)))
 
     def _merged(self, a: Group, b: Group) -> Group | None:
         stores = a.stores + b.stores

@@ -37,6 +37,11 @@ def _fields(t: type) -> tuple:
 _FIELDS: dict[type, tuple] = {}
 
 
+def _divides_by_literal(x: L.Op) -> bool:
+    """Whether index op x divides by an integer literal (which stays literal)."""
+    return x.dtype is INDEX and x.op in _DIVIDES and type(x.args[1]) is L.Const
+
+
 def _template(x, values: list):
     """A hashable picture of loop-IR node `x` with every integer index literal (not a
     divisor) replaced by _HOLE; the literals are appended to `values`, in walk order."""
@@ -48,7 +53,7 @@ def _template(x, values: list):
         return x
     if t is L.Op:
         args = tuple([_template(a, values) for a in x.args])
-        if x.dtype is INDEX and x.op in _DIVIDES and type(x.args[1]) is L.Const:
+        if _divides_by_literal(x):
             values.pop()  # the divisor is part of the structure, not an argument
             args = args[:1] + (x.args[1],)
         return (L.Op, x.op, args, x.dtype, x.attrs)
@@ -75,7 +80,7 @@ def _filled(x, names: dict, position: list):
         name = names.get(position[0] - 1)
         return x if name is None else L.Sym(name)
     if t is L.Op:
-        if x.dtype is INDEX and x.op in _DIVIDES and type(x.args[1]) is L.Const:
+        if _divides_by_literal(x):
             return L.Op(x.op, (_filled(x.args[0], names, position), x.args[1]), x.dtype, x.attrs)
         return L.Op(x.op, tuple(_filled(a, names, position) for a in x.args), x.dtype, x.attrs)
     if t is L.Load:

@@ -176,23 +176,24 @@ class Plan:
         by_step = {id(k.step): k for k in self.kernels}
         self.steps = [by_step.get(id(s), s) for s in program.steps]
         # consecutive compiled steps run from one call of the runtime's loop (dtm_run_steps):
-        # `schedule` holds, in order, a run (its number) or a fallback step
-        self.runs, self.schedule = [], []
+        # `schedule` holds, in order, a run (its number) or a fallback step, with the numbers
+        # of the steps it covers
+        self.runs, schedule = [], []
         self.done_in_place = program.done_in_place
         for i, step in enumerate(self.steps):
-            if self.schedule and id(step) in self.done_in_place:  # an assign its value's kernel did: nothing
-                self.schedule[-1][1].append(i)                   # to run, the run around it not split
+            if schedule and id(step) in self.done_in_place:  # an assign its value's kernel did: nothing
+                schedule[-1][1].append(i)                    # to run, the run around it not split
                 continue
             if type(step) is _Kernel:
                 step.address = ctypes.cast(step.fn, ctypes.c_void_p).value
-                if self.schedule and type(self.schedule[-1][0]) is int:
-                    self.runs[self.schedule[-1][0]].append(step)
-                    self.schedule[-1][1].append(i)
+                if schedule and type(schedule[-1][0]) is int:
+                    self.runs[schedule[-1][0]].append(step)
+                    schedule[-1][1].append(i)
                 else:
-                    self.schedule.append((len(self.runs), [i]))
+                    schedule.append((len(self.runs), [i]))
                     self.runs.append([step])
             else:
-                self.schedule.append((step, [i]))
+                schedule.append((step, [i]))
         # called with ctypes objects only (_Frame.launch), so without argtypes to convert
         # them: 1.1 us a call instead of 1.5
         self._launch = B.runtime_library("move").dtm_run_steps if self.runs else None
@@ -232,9 +233,9 @@ class Plan:
                              for p in self.func.params]
         self.checks = [op for op in self.func.ops if op.name == "slice"
                        and any(isinstance(d, SymDim) for d in (*op.attrs["start"], *op.attrs["stop"]))]
-        # per schedule entry: the buffers made by fallbacks whose last use it holds (freed after it)
-        self.fallback_frees = [[bi for i in order for bi in self.frees[i] if self.buffers[bi].kind == "fallback"]
-                               for _, order in self.schedule]
+        # per schedule entry, the buffers made by fallbacks whose last use its steps hold (freed after it)
+        self.schedule = [(what, [bi for i in order for bi in self.frees[i] if self.buffers[bi].kind == "fallback"])
+                         for what, order in schedule]
         self.debug = _debug_level()  # DTM_DEBUG as it was when the plan was built
         self._tls = threading.local()
 
@@ -249,11 +250,8 @@ class Plan:
         if len(inputs) != len(f.params):
             raise DTMError(E.OPERAND_COUNT, f"@{f.name} takes {len(f.params)} input(s), found {len(inputs)}")
         for x, t in zip(inputs, self.static_types):
-            if t is None or x.shape != t[0] or x.dtype != t[1]:  # a symbolic type, or a mismatch: check all
-                for i, (p, x, t) in enumerate(zip(f.params, inputs, self.static_types)):
-                    check_array(x, p.type, f"@{f.name} input {i} (%{p.name})", shape=False)
-                    if t is not None:
-                        check_array(x, p.type, f"@{f.name} input {i} (%{p.name})")
+            if t is None or x.shape != t[0] or x.dtype != t[1]:  # a symbolic type, or a mismatch
+                self._check_inputs(inputs)
                 break
         if not self.symbolic:
             return {}
@@ -263,6 +261,13 @@ class Plan:
         for op in self.checks:
             _check_slice(op, bindings)
         return bindings
+
+    def _check_inputs(self, inputs: list) -> None:
+        f = self.func
+        for i, (p, x, t) in enumerate(zip(f.params, inputs, self.static_types)):
+            check_array(x, p.type, f"@{f.name} input {i} (%{p.name})", shape=False)
+            if t is not None:
+                check_array(x, p.type, f"@{f.name} input {i} (%{p.name})")
 
     def _frame(self, bindings: dict) -> _Frame:
         key = tuple([bindings.get(s, 0) for s in self.symbols]) if self.symbolic else ()
@@ -297,7 +302,7 @@ class Plan:
         if self.debug:
             self._run_steps(frame, vals, originals, bindings, ctx)
         else:
-            for (what, _), freed in zip(self.schedule, self.fallback_frees):
+            for what, freed in self.schedule:
                 if type(what) is int:  # a run of compiled steps, launched by one call
                     held = frame.held[what]
                     for j, (ptrs, n, bi, param, spec) in enumerate(frame.run_fill[what]):
