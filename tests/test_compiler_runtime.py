@@ -292,6 +292,21 @@ def test_products_in_every_layout_match_numpy(a_t, b_t):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(K), err_msg=f"{M}x{N}x{K}")
 
 
+@pytest.mark.parametrize("a_t", [False, True], ids=["A", "At"])
+def test_a_square_product_split_by_columns_runs_its_epilogue_on_every_block(a_t):
+    """A square product wider than WHOLE_ROWS is split between threads by columns (each
+    thread reads all of A, packs half of B), rows split a wider-than-square one: a bias, a
+    residual and a relu in the epilogue must land on every block of either split, against
+    numpy in float64."""
+    for M, N, K in [(300, 300, 70), (301, 300, 70)]:
+        a = rng.standard_normal((K, M) if a_t else (M, K)).astype(np.float32)
+        b, bias, res = (rng.standard_normal(s).astype(np.float32) for s in [(K, N), (N,), (M, N)])
+        got = dtm.jit(lambda x, y, c, r: F.relu((x.transpose(0, 1) if a_t else x) @ y + c) + r)(
+            dtm.tensor(a), dtm.tensor(b), dtm.tensor(bias), dtm.tensor(res)).numpy()
+        want = np.maximum((a.T if a_t else a).astype(np.float64) @ b + bias, 0) + res
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"{M}x{N}x{K}")
+
+
 def test_a_long_contracted_dim_is_split_between_threads_and_the_epilogue_sees_the_sum():
     """x^T @ dy with many more rows than columns (a weight's gradient) is computed as one
     partial product per thread over its own rows, summed by rows; the epilogue (a bias and
