@@ -29,7 +29,8 @@ from dtm.errors import DTMError, ErrorCode
 from dtm.ir.dtypes import DTYPES, numpy_dtype
 from dtm.ref.quant import dequantize, quantize
 from dtm.store import ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreIOError, StoreTypeError
-from dtm.store.files import LocalFiles
+from dtm.store import files as store_files
+from dtm.store.files import MAP_BYTES, LocalFiles
 from dtm.store.keys import MAX_KEY_BYTES, MAX_SEGMENT_BYTES
 
 PLAIN = [d for d in DTYPES.values() if not d.is_quant]
@@ -114,14 +115,22 @@ def test_put_converts_to_a_given_dtype(st):
     assert _same_bits(st.get_array("c"), np.array([1.5, -2.25], np.float16))
 
 
-def test_a_one_chunk_tensor_on_disk_is_memory_mapped(tmp_path):
+def test_a_one_chunk_tensor_on_disk_is_memory_mapped_unless_small(tmp_path):
+    """A one-chunk tensor's get is a map of its chunk file (no copy); a chunk file under
+    MAP_BYTES is read instead (cheaper than a map), and both give the bytes put."""
+    def buffer_of(a):
+        while isinstance(a, (np.ndarray, memoryview)):  # down the views to the buffer
+            a = a.base if isinstance(a, np.ndarray) else a.obj
+        return a
+
     with dtm.store.open(tmp_path / "s") as s:
-        s.put("big", np.arange(1000, dtype=np.float32))
-        a = s.get_array("big")
-        base = a
-        while isinstance(base, (np.ndarray, memoryview)):  # down the views to the buffer: a mapping of the file
-            base = base.base if isinstance(base, np.ndarray) else base.obj
-        assert isinstance(base, mmap.mmap)
+        big, small = np.arange(MAP_BYTES // 4, dtype=np.float32), np.arange(1000, dtype=np.float32)
+        s.put("big", big)
+        s.put("small", small)
+        assert isinstance(buffer_of(s.get_array("big")), mmap.mmap)
+        assert isinstance(buffer_of(s.get_array("small")), bytes)
+        np.testing.assert_array_equal(s.get_array("big"), big)
+        np.testing.assert_array_equal(s.get_array("small"), small)
 
 
 # --- the index ------------------------------------------------------------------------------
@@ -466,11 +475,31 @@ def test_a_store_behind_an_fsspec_url_keeps_a_ref_per_key_as_the_spec_says():
     assert json.loads(fs.cat_file(f"/{name}/{info.dir}/zarr.json"))["attributes"]["dtm"]["dtype"] == "i32"
 
 
+def test_a_replaced_version_is_removed_at_once_when_small_else_in_the_background(tmp_path, monkeypatch):
+    """A put that replaces a small tensor removes the old version before it returns; one of
+    REMOVE_LATER_BYTES or more goes to the reaper thread (unlinking large files is slow), and
+    is gone once it drained. The key holds the new tensor either way."""
+    with dtm.store.open(tmp_path / "s") as s:
+        later, remove_later = [], s._files.remove_later
+        monkeypatch.setattr(s._files, "remove_later", lambda rel: (later.append(rel), remove_later(rel)))
+        s.put("k", np.arange(10))
+        old = s.info("k").dir
+        s.put("k", np.arange(11))
+        assert not os.path.exists(s._files.path(old)) and later == []
+        monkeypatch.setattr(store_files, "REMOVE_LATER_BYTES", 11 * 8)  # the tensor just put is this large
+        old = s.info("k").dir
+        s.put("k", np.arange(12))
+        assert later == [old]
+        s._files.drain()
+        assert not os.path.exists(s._files.path(old))
+        assert _same_bits(s.get_array("k"), np.arange(12))
+
+
 def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypatch):
     st.put("k", np.arange(3))
     stale = st.info("k")
     st.put("k", np.arange(4))                           # removes the version `stale` names
-    st._files.drain()                                   # (on the reaper thread: wait for it)
+    st._files.drain()                                   # (a large one on the reaper thread: wait for it)
     real, calls = st._index.get, []
 
     def first_stale(key):                               # as if the lookup came just before the put

@@ -18,7 +18,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 HERE = pathlib.Path(__file__).resolve()
 ROOT = HERE.parent.parent
@@ -26,7 +25,8 @@ TIMEOUT_S = 90     # a whole run of ranks sharing 2 cores
 PG_TIMEOUT_S = 30  # joining the mesh, and each collective
 
 
-def value(i: int, rows: int = 64) -> np.ndarray:
+def value(i: int, rows: int = 512) -> np.ndarray:
+    """Key i's tensor: 66 KiB by default, past MAP_BYTES, so a get on the host maps its chunk."""
     return np.random.default_rng(i).standard_normal((rows, 33)).astype(np.float32)
 
 

@@ -43,12 +43,14 @@ class Entry:
     written: float
 
 
-def check_quotas(key: str, nbytes: int, old: int, quotas: dict[str, int], usage: Callable[[str], int]) -> None:
-    """QuotaExceeded when replacing `old` bytes under `key` by `nbytes` passes the quota of
-    a prefix of `key` (spec 9.2.7); `usage(prefix)` is du(prefix) now."""
+def check_quotas(key: str, nbytes: int, old: Callable[[], int], quotas: dict[str, int],
+                 usage: Callable[[str], int]) -> None:
+    """QuotaExceeded when replacing the `old()` bytes under `key` by `nbytes` passes the
+    quota of a prefix of `key` (spec 9.2.7); `usage(prefix)` is du(prefix) now. Neither is
+    asked when no quota covers the key (most puts: one look-up less each)."""
     for prefix, limit in quotas.items():
         if key.startswith(prefix):
-            would = usage(prefix) - old + nbytes
+            would = usage(prefix) - old() + nbytes
             if would > limit:
                 raise QuotaExceeded(key, prefix, limit, would)
 
@@ -146,18 +148,19 @@ class SqliteIndex:
             self._check_quota(key, nbytes)
 
     def commit(self, key: str, dir: str, dtype: DType, shape: tuple[int, ...], nbytes: int,
-               checksum: str) -> tuple[Entry, str | None]:
+               checksum: str) -> tuple[Entry, Entry | None]:
         """Point `key` at `dir` in one transaction, after checking the quotas again (another
-        process may have put since the caller's check). Returns the new entry and the
-        directory of the version it replaced, now garbage."""
+        process may have put since the caller's check). Returns the new entry and the entry
+        it replaced, whose directory is now garbage."""
         with self._transaction(key):
             self._check_quota(key, nbytes)
-            row = self._db.execute("SELECT dir, version FROM keys WHERE key = ?", (key,)).fetchone()
-            old_dir, version = (row[0], row[1] + 1) if row else (None, 1)
-            entry = Entry(key, dir, dtype, shape, nbytes, checksum, version, time.time())
+            row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
+            old = _entry(row) if row else None
+            entry = Entry(key, dir, dtype, shape, nbytes, checksum, old.version + 1 if old else 1, time.time())
             self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, version, entry.written))
-        return entry, old_dir
+                             (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, entry.version,
+                              entry.written))
+        return entry, old
 
     def delete(self, key: str) -> Entry | None:
         """Remove `key`'s row; its entry (whose directory is now garbage), or None."""
@@ -184,10 +187,10 @@ class SqliteIndex:
                 raise
 
     def _check_quota(self, key: str, nbytes: int) -> None:
-        row = self._db.execute("SELECT nbytes FROM keys WHERE key = ?", (key,)).fetchone()
-        check_quotas(key, nbytes, row[0] if row else 0, dict(self._db.execute("SELECT prefix, bytes FROM quotas")),
-                     self._usage)
-
+        def old() -> int:
+            row = self._db.execute("SELECT nbytes FROM keys WHERE key = ?", (key,)).fetchone()
+            return row[0] if row else 0
+        check_quotas(key, nbytes, old, dict(self._db.execute("SELECT prefix, bytes FROM quotas")), self._usage)
 
     def _usage(self, prefix: str) -> int:
         where, args = _under(prefix)

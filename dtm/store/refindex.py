@@ -74,11 +74,13 @@ class RefIndex:
             self._files.replace(QUOTAS, json.dumps(q).encode("utf-8"))
 
     def check_quota(self, key: str, nbytes: int) -> None:
-        old = self.get(key)
-        check_quotas(key, nbytes, old.nbytes if old else 0, self.quotas(), self.usage)
+        def old() -> int:
+            entry = self.get(key)
+            return entry.nbytes if entry else 0
+        check_quotas(key, nbytes, old, self.quotas(), self.usage)
 
     def commit(self, key: str, dir: str, dtype: DType, shape: tuple[int, ...], nbytes: int,
-               checksum: str) -> tuple[Entry, str | None]:
+               checksum: str) -> tuple[Entry, Entry | None]:
         with _LOCK:
             self.check_quota(key, nbytes)
             old = self.get(key)
@@ -86,7 +88,7 @@ class RefIndex:
             doc = {"dir": dir, "dtype": dtype.name, "shape": list(shape), "nbytes": nbytes, "checksum": checksum,
                    "version": entry.version, "written": entry.written}
             self._files.replace(f"data/{key}/{REF}", json.dumps(doc).encode("utf-8"))
-        return entry, old.dir if old else None
+        return entry, old
 
     def delete(self, key: str) -> Entry | None:
         with _LOCK:

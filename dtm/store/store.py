@@ -152,12 +152,13 @@ class Store:
             self._drop(old)
         return entry
 
-    def _drop(self, rel: str) -> None:
-        """Remove version `rel`, which no key names any more: its zarr.json and its chunks."""
+    def _drop(self, old: Entry) -> None:
+        """Remove the version `old` names, which no key names any more: its zarr.json and
+        its chunks."""
         def names() -> list[str]:
-            layout, _ = fmt.parse_metadata(self._files.read_bytes(f"{rel}/zarr.json"))
+            layout, _ = fmt.parse_metadata(self._files.read_bytes(f"{old.dir}/zarr.json"))
             return [layout.chunk_key(i) for i in layout.chunks()] + ["zarr.json"]
-        self._files.remove_version(rel, names)
+        self._files.remove_version(old.dir, names, old.nbytes)
 
     @contextlib.contextmanager
     def _writing(self, key: str, rel: str) -> Iterator[None]:
@@ -179,7 +180,7 @@ class Store:
         entry = self._index.delete(key)
         if entry is None:
             raise KeyMissing(key)
-        self._drop(entry.dir)
+        self._drop(entry)
 
     def set_quota(self, nbytes: int | None, prefix: str = "") -> None:
         """Limit the bytes stored under `prefix` (every key for ""); None lifts the limit."""
