@@ -270,11 +270,27 @@ def test_dlpack_from_torch(backend, dtype):
         same(dtm.from_dlpack(src), src)
 
 
-@pytest.mark.xfail(strict=True, reason="gap: numpy's DLPack has no bf16, and dtm's DLPack goes through numpy")
 def test_dlpack_bf16(backend):
-    t = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    """bfloat16 both ways (numpy's DLPack has none: DTM relabels the capsule), sharing memory
+    as DLPack does, and a torch view's strides kept."""
+    t = torch.tensor([[1.5, -2.0, 3.25], [0.5, 7.0, -0.125]], dtype=torch.bfloat16)
     same(dtm.from_dlpack(t), t)
+    same(dtm.from_dlpack(t.T), t.T)
     same(dtm.tensor(t), torch.from_dlpack(dtm.tensor(t)))
+    d = dtm.tensor(t)
+    back = torch.from_dlpack(d)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == d.numpy().ctypes.data  # no copy
+    shared = dtm.from_dlpack(t)
+    t[0, 0] = 9.0
+    assert float(shared.numpy()[0, 0]) == 9.0
+    with pytest.raises((BufferError, TypeError)):  # numpy alone still refuses: DTM's own path is needed
+        torch.from_dlpack(d.numpy())
+
+
+def test_dlpack_of_a_dtype_numpy_cannot_take_is_a_dtm_error(backend):
+    with pytest.raises(dtm.DTMError) as e:
+        dtm.from_dlpack(torch.zeros(2, dtype=torch.float8_e4m3fn))
+    assert e.value.code == "E0401" and "float8_e4m3fn" in str(e.value)
 
 
 def test_item_and_tolist(backend):

@@ -26,6 +26,7 @@ from ..ir.typerules import TypeRuleError
 from ..ir.types import TensorType
 from ..runtime import execute
 from ..runtime.mesh import DeviceMesh, Shards
+from . import dlpack
 from .dtypes import DEFAULT_FLOAT, _combine, bool_, float32, int64, promote_types
 from ..errors import TensorTypeError, user_line
 
@@ -259,7 +260,7 @@ class Tensor:
         return a.astype(dtype) if dtype is not None else a
 
     def __dlpack__(self, *args, **kwargs):
-        return self.numpy().__dlpack__(*args, **kwargs)
+        return dlpack.export(self.numpy(), *args, **kwargs)
 
     def __dlpack_device__(self):
         return self.numpy().__dlpack_device__()

@@ -17,6 +17,7 @@ from ..ir.dtypes import numpy_dtype
 from ..ir.dtypes import from_numpy as dtype_of_numpy
 from ..ir.types import TensorType
 from ..runtime.host import available_bytes
+from . import dlpack
 from .core import STATE, Tensor, apply, no_grad, on_replay, result_type
 from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, int64
 
@@ -58,7 +59,9 @@ def from_numpy(array: np.ndarray) -> Tensor:
 
 
 def from_dlpack(obj: Any) -> Tensor:
-    return Tensor.from_numpy(np.from_dlpack(obj))
+    """A tensor over the memory of `obj` (a torch tensor, a numpy array: anything with
+    __dlpack__ on the CPU), bfloat16 included."""
+    return Tensor.from_numpy(dlpack.to_numpy(obj))
 
 
 # Below this many bytes a new tensor is made without asking how much memory is free.
