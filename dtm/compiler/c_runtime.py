@@ -185,8 +185,11 @@ static void gemm_serial_SUF(int64_t M, int64_t N, int64_t K, const T *A, int64_t
 static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb, int64_t csb, T *C,
                      int64_t j0, int64_t j1, dtm_epilogue_fn epi, const void *ctx, int64_t bt) {
   if (csb == 1) {  /* rows of B are contiguous: C += a_k * B[k, :], a block of C at a time */
-    for (int64_t jb = j0; jb < j1; jb += 512) {
-      int64_t je = dtm_min(j1, jb + 512);
+    /* 16384 columns: the block of C (64 KiB of f32) stays in L2 while each row of B streams
+       64 KiB at a time; blocks of 512 (C in L1) read B in 2 KiB pieces, and the 49 products
+       of a GPT-2 token ran at 19.5 GB/s against 23 (a C harness, 2 MiB pages) */
+    for (int64_t jb = j0; jb < j1; jb += 16384) {
+      int64_t je = dtm_min(j1, jb + 16384);
       T *restrict c = C;
       for (int64_t j = jb; j < je; j++) c[j] = 0;
       int64_t k = 0;
