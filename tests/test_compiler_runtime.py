@@ -292,6 +292,20 @@ def test_products_in_every_layout_match_numpy(a_t, b_t):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(K), err_msg=f"{M}x{N}x{K}")
 
 
+@pytest.mark.parametrize("b_t", [False, True], ids=["B", "Bt"])
+def test_a_wide_matrix_vector_product_spans_several_blocks_of_columns(b_t):
+    """One row against a B wider than a thread's block of columns (16384, rows of B
+    contiguous) or than its groups of four dot products (columns contiguous): every block
+    and the ragged last one, with a bias in the epilogue, against numpy in float64."""
+    N, K = 40_003, 7
+    x, bias = rng.standard_normal((1, K)).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+    w = rng.standard_normal((N, K) if b_t else (K, N)).astype(np.float32)
+    got = dtm.jit(lambda x, w, c: x @ (w.transpose(0, 1) if b_t else w) + c)(
+        dtm.tensor(x), dtm.tensor(w), dtm.tensor(bias)).numpy()
+    want = x.astype(np.float64) @ (w.T if b_t else w) + bias
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("a_t", [False, True], ids=["A", "At"])
 def test_a_square_product_split_by_columns_runs_its_epilogue_on_every_block(a_t):
     """A square product wider than WHOLE_ROWS is split between threads by columns (each
