@@ -277,6 +277,7 @@ def test_dlpack_bf16(backend):
     same(dtm.from_dlpack(t), t)
     same(dtm.from_dlpack(t.T), t.T)
     same(dtm.tensor(t), torch.from_dlpack(dtm.tensor(t)))
+    same(dtm.from_dlpack(dtm.tensor(t)), t)
     d = dtm.tensor(t)
     back = torch.from_dlpack(d)
     assert back.dtype == torch.bfloat16 and back.data_ptr() == d.numpy().ctypes.data  # no copy

@@ -28,16 +28,20 @@ thread then reads half its panel from the other core's L2.
 A product whose contracted dim is at least twice its longer side (a weight's gradient,
 X^T @ dY) is split along the contracted dim instead: each thread packs only its own rows of
 X and dY (those it wrote, in the kernel before), and the partial products are summed by rows
-after one barrier. A batch of small products runs one product
-per thread instead, each thread a contiguous share of the batch (static: the rows a band
-split left in its cache; dynamic scheduling measured 1.2-1.4x slower in a training step).
+after one barrier. A batch of small products runs one product per thread instead, each
+thread a contiguous share of the batch (static: the rows a band split left in its cache;
+dynamic scheduling measured 1.2-1.4x slower in a training step).
+
 The epilogue callback runs on each finished block (after the last slice of the contracted
 dim; after the sum, for a split one), on the thread that computed it. A product of more than
 one row and at most WHOLE_ROWS columns gives its epilogue whole rows (j0 = 0, j1 = N), so
 that a reduction along a row (softmax over attention scores) can run there, while the block
-is in cache. A product with one
-row (decoding one token) is a matrix-vector product without packing, its columns split
-between the threads.
+is in cache.
+
+A product with one row (decoding one token) is a matrix-vector product without packing, its
+columns split between the threads: four dot products at a time when B's columns are
+contiguous (a Linear's weight), the next four columns prefetched; rows of B added into an
+L2-sized block of C when its rows are. Both are bound by memory.
 """
 
 import re
@@ -210,8 +214,9 @@ static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb
       const T *b0 = B + j * csb, *b1 = b0 + csb, *b2 = b1 + csb, *b3 = b2 + csb;
       V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
       int64_t k = 0;
-      /* each line of the next four columns is fetched (into L2) as its line here is read: the
-         CPU's own prefetcher stops at every 4 KiB page, and a column of GPT-2's is 3 KiB (+4-5% decode) */
+      /* each line of the next four columns is fetched (into L2) as its line here is read:
+         the CPU's own prefetcher stops at every 4 KiB page, and a column of GPT-2's is 3 KiB
+         (+4-5% decode) */
       for (; k + VW <= K; k += VW) {
         V a = *(const V##u *)(A + k);
         __builtin_prefetch(b0 + 4 * csb + k, 0, 1);

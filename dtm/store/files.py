@@ -37,7 +37,7 @@ class LocalFiles:
         path = self.path(rel)
         try:
             f = open(path, "xb")
-        except FileNotFoundError:  # its directory is new (os.makedirs first costs stats a put)
+        except FileNotFoundError:  # its directory is new (os.makedirs on every write: 3 stats a put)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             f = open(path, "xb")
         with f:  # "x": a version directory is fresh, so is each of its files

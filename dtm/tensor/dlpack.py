@@ -37,44 +37,47 @@ _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _get_pointer.restype, _get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
-def _relabel(capsule: Any, was: int, now: int) -> Any:
-    """The capsule with its 16-bit dtype's code `was` changed to `now`, in place."""
+def _dtype(capsule: Any) -> _DLDataType:
+    """The capsule's DLTensor dtype, in place (writable)."""
     name = _get_name(capsule)
     if name not in _TENSOR_OFFSET:  # "used_dltensor": already consumed
         raise error(ErrorCode.DTYPE_MISMATCH, f"expected an unconsumed DLPack capsule, found one named {name!r}")
-    dtype = _DLDataType.from_address(_get_pointer(capsule, name) + _TENSOR_OFFSET[name] + _DTYPE_OFFSET)
-    if (dtype.code, dtype.bits) != (was, 16):
-        raise error(ErrorCode.DTYPE_MISMATCH, f"expected DLPack dtype code {was} of 16 bits, found code "
-                                              f"{dtype.code} of {dtype.bits} bits")
-    dtype.code = now
-    return capsule
+    return _DLDataType.from_address(_get_pointer(capsule, name) + _TENSOR_OFFSET[name] + _DTYPE_OFFSET)
 
 
 def export(array: np.ndarray, *args: Any, **kwargs: Any) -> Any:
     """array.__dlpack__(...), for a bfloat16 array too."""
     if array.dtype != ml_dtypes.bfloat16:
         return array.__dlpack__(*args, **kwargs)
-    return _relabel(array.view(np.uint16).__dlpack__(*args, **kwargs), K_DL_UINT, K_DL_BFLOAT)
+    capsule = array.view(np.uint16).__dlpack__(*args, **kwargs)
+    _dtype(capsule).code = K_DL_BFLOAT
+    return capsule
 
 
 class _Bits:
-    """A bfloat16 producer seen by numpy as its uint16 bits."""
+    """A producer as numpy sees it: a bfloat16 capsule relabelled as its uint16 bits
+    (`relabelled` says whether it was), any other passed on as it is."""
 
     def __init__(self, producer: Any):
-        self.producer = producer
+        self.producer, self.relabelled = producer, False
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        return _relabel(self.producer.__dlpack__(*args, **kwargs), K_DL_BFLOAT, K_DL_UINT)
+        capsule = self.producer.__dlpack__(*args, **kwargs)
+        dtype = _dtype(capsule)
+        if (dtype.code, dtype.bits) == (K_DL_BFLOAT, 16):
+            dtype.code, self.relabelled = K_DL_UINT, True
+        return capsule
 
     def __dlpack_device__(self) -> Any:
         return self.producer.__dlpack_device__()
 
 
 def to_numpy(obj: Any) -> np.ndarray:
-    """np.from_dlpack(obj), for a bfloat16 producer too (a torch.bfloat16 tensor)."""
-    bf16 = str(getattr(obj, "dtype", "")).endswith("bfloat16")
+    """np.from_dlpack(obj), for a bfloat16 producer too (a torch.bfloat16 tensor, a DTM one)."""
+    producer = _Bits(obj)
     try:
-        return np.from_dlpack(_Bits(obj)).view(ml_dtypes.bfloat16) if bf16 else np.from_dlpack(obj)
+        a = np.from_dlpack(producer)
     except (BufferError, TypeError, RuntimeError) as e:  # numpy's words for a dtype or device it cannot take
         raise error(ErrorCode.UNKNOWN_DTYPE, f"from_dlpack: cannot take this {type(obj).__name__} "
                                              f"({getattr(obj, 'dtype', '?')}): {e}") from None
+    return a.view(ml_dtypes.bfloat16) if producer.relabelled else a
