@@ -307,6 +307,24 @@ def test_a_wide_matrix_vector_product_spans_several_blocks_of_columns(b_t):
 
 
 @pytest.mark.parametrize("a_t", [False, True], ids=["A", "At"])
+@pytest.mark.parametrize("b_t", [False, True], ids=["B", "Bt"])
+def test_products_of_a_few_rows_match_numpy(a_t, b_t):
+    """Products of 2 to 17 rows (a short prompt, a batch decoding): unpacked, B read once for
+    all rows, by rows of B (up to 8 rows) or by dot products (up to 16), the packed product
+    past that or in any other layout. Row counts around each limit, ragged groups of four
+    rows and columns, depths with tails, and a bias and relu in the epilogue, against numpy
+    in float64."""
+    for M, N, K in [(2, 300, 37), (3, 1001, 770), (5, 513, 16), (8, 300, 9), (9, 301, 64), (13, 999, 35),
+                    (16, 260, 100), (17, 300, 20)]:
+        a = rng.standard_normal((K, M) if a_t else (M, K)).astype(np.float32)
+        b, bias = rng.standard_normal((N, K) if b_t else (K, N)).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+        got = dtm.jit(lambda x, y, c: F.relu((x.transpose(0, 1) if a_t else x) @ (y.transpose(0, 1) if b_t else y) + c))(
+            dtm.tensor(a), dtm.tensor(b), dtm.tensor(bias)).numpy()
+        want = np.maximum((a.T if a_t else a).astype(np.float64) @ (b.T if b_t else b) + bias, 0)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(K), err_msg=f"{M}x{N}x{K}")
+
+
+@pytest.mark.parametrize("a_t", [False, True], ids=["A", "At"])
 def test_a_square_product_split_by_columns_runs_its_epilogue_on_every_block(a_t):
     """A square product wider than WHOLE_ROWS is split between threads by columns (each
     thread reads all of A, packs half of B), rows split a wider-than-square one: a bias, a

@@ -41,7 +41,9 @@ is in cache.
 A product with one row (decoding one token) is a matrix-vector product without packing, its
 columns split between the threads: four dot products at a time when B's columns are
 contiguous (a Linear's weight), the next four columns prefetched; rows of B added into an
-L2-sized block of C when its rows are. Both are bound by memory.
+L2-sized block of C when its rows are. Both are bound by memory. A product of a few rows (a
+short prompt, a batch of sequences decoding) goes the same way (`gemv_few`), each vector of
+B read once for all the rows: packing B for them cost a batch of two 2.6x one row's time.
 """
 
 import re
@@ -249,6 +251,97 @@ static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb
   if (epi) epi(ctx, bt, 0, 1, j0, j1);
 }
 
+/* C[0:M, j0:j1] = A[0:M, :] @ B[:, j0:j1] for a few rows of A (2 <= M <= FEW_ROWS, at most 8
+   by rows of B): a short prompt, a batch of sequences decoding. Like gemv, B is read once from
+   memory and not packed (packing it cost a batch of two 2.6x one row's time). Rows of B
+   contiguous: four rows at a time, each vector of them added into the M rows of a block of C
+   (64 KiB, in L2). Columns contiguous: four columns against four rows of A at a time, 16 dot
+   products in registers; the columns stay in L1 for the next four rows. */
+static void gemv_few_SUF(int64_t M, int64_t K, const T *A, int64_t rsa, int64_t csa, const T *B, int64_t rsb,
+                         int64_t csb, T *C, int64_t ldc, int64_t j0, int64_t j1, dtm_epilogue_fn epi,
+                         const void *ctx, int64_t bt) {
+  if (csb == 1) {
+    int64_t blk = (16384 / M + VW - 1) / VW * VW;  /* M rows of the block: 64 KiB of f32 */
+    for (int64_t jb = j0; jb < j1; jb += blk) {
+      int64_t je = dtm_min(j1, jb + blk);
+      for (int64_t i = 0; i < M; i++) memset(C + i * ldc + jb, 0, (size_t)(je - jb) * sizeof(T));
+      int64_t k = 0;
+      for (; k + 4 <= K; k += 4) {
+        const T *b0 = B + k * rsb, *b1 = b0 + rsb, *b2 = b1 + rsb, *b3 = b2 + rsb;
+        T a[FEW_ROWS][4];
+        for (int64_t i = 0; i < M; i++)
+          for (int r = 0; r < 4; r++) a[i][r] = A[i * rsa + (k + r) * csa];
+        int64_t j = jb;
+        for (; j + VW <= je; j += VW) {
+          V c0 = *(const V##u *)(b0 + j), c1 = *(const V##u *)(b1 + j), c2 = *(const V##u *)(b2 + j),
+            c3 = *(const V##u *)(b3 + j);
+          for (int64_t i = 0; i < M; i++) {
+            V##u *c = (V##u *)(C + i * ldc + j);
+            *c = *c + a[i][0] * c0 + a[i][1] * c1 + a[i][2] * c2 + a[i][3] * c3;
+          }
+        }
+        for (; j < je; j++)
+          for (int64_t i = 0; i < M; i++)
+            C[i * ldc + j] += a[i][0] * b0[j] + a[i][1] * b1[j] + a[i][2] * b2[j] + a[i][3] * b3[j];
+      }
+      for (; k < K; k++) {
+        const T *restrict b = B + k * rsb;
+        for (int64_t i = 0; i < M; i++) {
+          const T a = A[i * rsa + k * csa];
+          T *restrict c = C + i * ldc;
+          for (int64_t j = jb; j < je; j++) c[j] += a * b[j];
+        }
+      }
+    }
+  } else {  /* rsb == 1 && csa == 1 */
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+      const T *b0 = B + j * csb, *b1 = b0 + csb, *b2 = b1 + csb, *b3 = b2 + csb;
+      for (int64_t i0 = 0; i0 < M; i0 += 4) {  /* rows past M repeat the last row, unstored */
+        const T *a0 = A + i0 * rsa, *a1 = A + dtm_min(i0 + 1, M - 1) * rsa, *a2 = A + dtm_min(i0 + 2, M - 1) * rsa,
+                *a3 = A + dtm_min(i0 + 3, M - 1) * rsa;
+        V s00 = {0}, s01 = {0}, s02 = {0}, s03 = {0}, s10 = {0}, s11 = {0}, s12 = {0}, s13 = {0};
+        V s20 = {0}, s21 = {0}, s22 = {0}, s23 = {0}, s30 = {0}, s31 = {0}, s32 = {0}, s33 = {0};
+        int64_t k = 0;
+        for (; k + VW <= K; k += VW) {
+          if (i0 == 0) {  /* the next four columns, as gemv does */
+            __builtin_prefetch(b0 + 4 * csb + k, 0, 1);
+            __builtin_prefetch(b1 + 4 * csb + k, 0, 1);
+            __builtin_prefetch(b2 + 4 * csb + k, 0, 1);
+            __builtin_prefetch(b3 + 4 * csb + k, 0, 1);
+          }
+          V c0 = *(const V##u *)(b0 + k), c1 = *(const V##u *)(b1 + k), c2 = *(const V##u *)(b2 + k),
+            c3 = *(const V##u *)(b3 + k);
+          V r = *(const V##u *)(a0 + k);
+          s00 += r * c0; s01 += r * c1; s02 += r * c2; s03 += r * c3;
+          r = *(const V##u *)(a1 + k);
+          s10 += r * c0; s11 += r * c1; s12 += r * c2; s13 += r * c3;
+          r = *(const V##u *)(a2 + k);
+          s20 += r * c0; s21 += r * c1; s22 += r * c2; s23 += r * c3;
+          r = *(const V##u *)(a3 + k);
+          s30 += r * c0; s31 += r * c1; s32 += r * c2; s33 += r * c3;
+        }
+        V sums[4][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23}, {s30, s31, s32, s33}};
+        const T *rows[4] = {a0, a1, a2, a3}, *cols[4] = {b0, b1, b2, b3};
+        for (int r = 0; r < 4 && i0 + r < M; r++)
+          for (int c = 0; c < 4; c++) {
+            T acc = 0;
+            for (int l = 0; l < VW; l++) acc += sums[r][c][l];
+            for (int64_t kk = k; kk < K; kk++) acc += rows[r][kk] * cols[c][kk];
+            C[(i0 + r) * ldc + j + c] = acc;
+          }
+      }
+    }
+    for (; j < j1; j++)  /* the last columns, one at a time */
+      for (int64_t i = 0; i < M; i++) {
+        T acc = 0;
+        for (int64_t k = 0; k < K; k++) acc += A[i * rsa + k] * B[j * csb + k];
+        C[i * ldc + j] = acc;
+      }
+  }
+  if (epi) epi(ctx, bt, 0, M, j0, j1);
+}
+
 /* scatter_add's accumulation in place (spec 3.6): out is [outer, n, width] holding x, upd is
    [outer, nidx, width]; upd[p, q, :] is added to out[p, clamp(idx[q]), :], q in order, so
    every element takes its updates one by one in the order of the indices. (numpy's add.at
@@ -285,6 +378,21 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
       int64_t per = ((N + n - 1) / n + 15) / 16 * 16;
       int64_t j0 = dtm_min(N, t * per), j1 = dtm_min(N, j0 + per);
       if (j0 < j1) gemv_SUF(K, A + offs[0], csa, B + offs[1], rsb, csb, C + offs[2], j0, j1, epi, ctx, 0);
+    }
+    return;
+  }
+  /* a few rows: as one row, the columns split (by rows of B this beats packing up to 8 rows,
+     by dot products up to 16: GPT-2's [M, 768] @ [768, 3072], timed by M) */
+  int few = (csb == 1 && M <= FEW_ROWS / 2) || (rsb == 1 && csa == 1 && M <= FEW_ROWS);
+  if (few && nbatch == 1 && N > WHOLE_ROWS && K > 0) {
+    int nt = work < 1e5 ? 1 : threads;
+#pragma omp parallel num_threads(nt)
+    {
+      int t = omp_get_thread_num(), n = omp_get_num_threads();
+      int64_t per = ((N + n - 1) / n + 15) / 16 * 16;
+      int64_t j0 = dtm_min(N, t * per), j1 = dtm_min(N, j0 + per);
+      if (j0 < j1)
+        gemv_few_SUF(M, K, A + offs[0], rsa, csa, B + offs[1], rsb, csb, C + offs[2], ldc, j0, j1, epi, ctx, 0);
     }
     return;
   }
@@ -431,6 +539,7 @@ _PRELUDE = r"""/* DTM runtime library: the tiled matrix product for one element 
 static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 #define MC 96
+#define FEW_ROWS 16  /* products of at most this many rows go through gemv_few (unpacked) */
 
 /* The microkernel's broadcast and multiply-add, and its vectors: 512-bit with AVX-512 intrinsics
    where -march=native offers AVX-512F, 256-bit with AVX2 + FMA intrinsics where it offers
