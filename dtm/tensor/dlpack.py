@@ -17,10 +17,10 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import ErrorCode, user_error as error
+from ..ir.dtypes import DTYPES, numpy_dtype
 
 K_DL_UINT, K_DL_BFLOAT = 1, 4  # DLDataTypeCode values
 _DTYPE_OFFSET = 20  # DLTensor: void *data (8), DLDevice device (8), int32 ndim (4), then DLDataType dtype
@@ -47,7 +47,7 @@ def _dtype(capsule: Any) -> _DLDataType:
 
 def export(array: np.ndarray, *args: Any, **kwargs: Any) -> Any:
     """array.__dlpack__(...), for a bfloat16 array too."""
-    if array.dtype != ml_dtypes.bfloat16:
+    if array.dtype.name != "bfloat16":  # (by name: ml_dtypes loads only when a narrow type is used)
         return array.__dlpack__(*args, **kwargs)
     capsule = array.view(np.uint16).__dlpack__(*args, **kwargs)
     _dtype(capsule).code = K_DL_BFLOAT
@@ -80,4 +80,4 @@ def to_numpy(obj: Any) -> np.ndarray:
     except (BufferError, TypeError, RuntimeError) as e:  # numpy's words for a dtype or device it cannot take
         raise error(ErrorCode.UNKNOWN_DTYPE, f"from_dlpack: cannot take this {type(obj).__name__} "
                                              f"({getattr(obj, 'dtype', '?')}): {e}") from None
-    return a.view(ml_dtypes.bfloat16) if producer.relabelled else a
+    return a.view(numpy_dtype(DTYPES["bf16"])) if producer.relabelled else a
