@@ -322,6 +322,12 @@ def test_products_of_a_few_rows_match_numpy(a_t, b_t):
             dtm.tensor(a), dtm.tensor(b), dtm.tensor(bias)).numpy()
         want = np.maximum((a.T if a_t else a).astype(np.float64) @ (b.T if b_t else b) + bias, 0)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(K), err_msg=f"{M}x{N}x{K}")
+    for M, N, K in [(3, 1001, 770), (13, 999, 35)]:  # the f64 library's instance, to f64 precision
+        a, b = rng.standard_normal((K, M) if a_t else (M, K)), rng.standard_normal((N, K) if b_t else (K, N))
+        got = dtm.jit(lambda x, y: (x.transpose(0, 1) if a_t else x) @ (y.transpose(0, 1) if b_t else y))(
+            dtm.tensor(a), dtm.tensor(b)).numpy()
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, (a.T if a_t else a) @ (b.T if b_t else b), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("a_t", [False, True], ids=["A", "At"])
