@@ -375,9 +375,8 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
     int nt = work < 1e5 ? 1 : threads;
 #pragma omp parallel num_threads(nt)
     {
-      int t = omp_get_thread_num(), n = omp_get_num_threads();
-      int64_t per = ((N + n - 1) / n + 15) / 16 * 16;
-      int64_t j0 = dtm_min(N, t * per), j1 = dtm_min(N, j0 + per);
+      int64_t j0, j1;
+      column_band(N, &j0, &j1);
       if (j0 < j1) gemv_SUF(K, A + offs[0], csa, B + offs[1], rsb, csb, C + offs[2], j0, j1, epi, ctx, 0);
     }
     return;
@@ -389,9 +388,8 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
     int nt = work < 1e5 ? 1 : threads;
 #pragma omp parallel num_threads(nt)
     {
-      int t = omp_get_thread_num(), n = omp_get_num_threads();
-      int64_t per = ((N + n - 1) / n + 15) / 16 * 16;
-      int64_t j0 = dtm_min(N, t * per), j1 = dtm_min(N, j0 + per);
+      int64_t j0, j1;
+      column_band(N, &j0, &j1);
       if (j0 < j1)
         gemv_few_SUF(M, K, A + offs[0], rsa, csa, B + offs[1], rsb, csb, C + offs[2], ldc, j0, j1, epi, ctx, 0);
     }
@@ -538,6 +536,15 @@ _PRELUDE = r"""/* DTM runtime library: the tiled matrix product for one element 
 """ + HEADER + r"""
 
 static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* This thread's columns [j0, j1) of N split between the team's threads (a matrix-vector
+   product's): whole groups of 16, the last thread's band the shorter. */
+static inline void column_band(int64_t N, int64_t *j0, int64_t *j1) {
+  int t = omp_get_thread_num(), n = omp_get_num_threads();
+  int64_t per = ((N + n - 1) / n + 15) / 16 * 16;
+  *j0 = dtm_min(N, t * per);
+  *j1 = dtm_min(N, *j0 + per);
+}
 
 #define MC 96
 #define FEW_ROWS 16  /* products of at most this many rows go through gemv_few (unpacked) */
