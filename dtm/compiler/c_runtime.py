@@ -187,29 +187,52 @@ static void gemm_serial_SUF(int64_t M, int64_t N, int64_t K, const T *A, int64_t
   }
 }
 
-/* C[0, j0:j1] = A[0, :] @ B[:, j0:j1]: a matrix-vector product, without packing. */
-static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb, int64_t csb, T *C,
-                     int64_t j0, int64_t j1, dtm_epilogue_fn epi, const void *ctx, int64_t bt) {
-  if (csb == 1) {  /* rows of B are contiguous: C += a_k * B[k, :], a block of C at a time */
-    /* 16384 columns: the block of C (64 KiB of f32) stays in L2 while each row of B streams
-       64 KiB at a time; blocks of 512 (C in L1) read B in 2 KiB pieces, and the 49 products
-       of a GPT-2 token ran at 19.5 GB/s against 23 (a C harness, 2 MiB pages) */
-    for (int64_t jb = j0; jb < j1; jb += 16384) {
-      int64_t je = dtm_min(j1, jb + 16384);
-      T *restrict c = C;
-      for (int64_t j = jb; j < je; j++) c[j] = 0;
-      int64_t k = 0;
-      for (; k + 4 <= K; k += 4) {  /* four rows per pass over the block of C */
-        const T a0 = A[k * csa], a1 = A[(k + 1) * csa], a2 = A[(k + 2) * csa], a3 = A[(k + 3) * csa];
-        const T *restrict b0 = B + k * rsb, *restrict b1 = b0 + rsb, *restrict b2 = b1 + rsb,
-                *restrict b3 = b2 + rsb;
-        for (int64_t j = jb; j < je; j++) c[j] += a0 * b0[j] + a1 * b1[j] + a2 * b2[j] + a3 * b3[j];
+/* C[0:M, j0:j1] = A[0:M, :] @ B[:, j0:j1] where the rows of B are contiguous (gemv, gemv_few):
+   four rows of B at a time, each vector of them added into the M rows of a block of C. The
+   block is 16384 / M columns (64 KiB of f32, in L2) so that each row of B streams 64 KiB / M
+   at a time: blocks of 512 read one row's B in 2 KiB pieces, and the 49 products of a GPT-2
+   token ran at 19.5 GB/s against 23 (a C harness, 2 MiB pages). */
+static void add_rows_SUF(int64_t M, int64_t K, const T *A, int64_t rsa, int64_t csa, const T *B, int64_t rsb,
+                         T *C, int64_t ldc, int64_t j0, int64_t j1) {
+  int64_t blk = (16384 / M + VW - 1) / VW * VW;  /* M rows of the block: 64 KiB of f32 */
+  for (int64_t jb = j0; jb < j1; jb += blk) {
+    int64_t je = dtm_min(j1, jb + blk);
+    for (int64_t i = 0; i < M; i++) memset(C + i * ldc + jb, 0, (size_t)(je - jb) * sizeof(T));
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      const T *b0 = B + k * rsb, *b1 = b0 + rsb, *b2 = b1 + rsb, *b3 = b2 + rsb;
+      T a[FEW_ROWS][4];
+      for (int64_t i = 0; i < M; i++)
+        for (int r = 0; r < 4; r++) a[i][r] = A[i * rsa + (k + r) * csa];
+      int64_t j = jb;
+      for (; j + VW <= je; j += VW) {
+        V c0 = *(const V##u *)(b0 + j), c1 = *(const V##u *)(b1 + j), c2 = *(const V##u *)(b2 + j),
+          c3 = *(const V##u *)(b3 + j);
+        for (int64_t i = 0; i < M; i++) {
+          V##u *c = (V##u *)(C + i * ldc + j);
+          *c = *c + a[i][0] * c0 + a[i][1] * c1 + a[i][2] * c2 + a[i][3] * c3;
+        }
       }
-      for (; k < K; k++) {
-        const T a = A[k * csa], *restrict b = B + k * rsb;
+      for (; j < je; j++)
+        for (int64_t i = 0; i < M; i++)
+          C[i * ldc + j] += a[i][0] * b0[j] + a[i][1] * b1[j] + a[i][2] * b2[j] + a[i][3] * b3[j];
+    }
+    for (; k < K; k++) {
+      const T *restrict b = B + k * rsb;
+      for (int64_t i = 0; i < M; i++) {
+        const T a = A[i * rsa + k * csa];
+        T *restrict c = C + i * ldc;
         for (int64_t j = jb; j < je; j++) c[j] += a * b[j];
       }
     }
+  }
+}
+
+/* C[0, j0:j1] = A[0, :] @ B[:, j0:j1]: a matrix-vector product, without packing. */
+static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb, int64_t csb, T *C,
+                     int64_t j0, int64_t j1, dtm_epilogue_fn epi, const void *ctx, int64_t bt) {
+  if (csb == 1) {  /* rows of B are contiguous */
+    add_rows_SUF(1, K, A, 0, csa, B, rsb, C, 0, j0, j1);
   } else if (rsb == 1 && csa == 1) {  /* columns of B are contiguous: four dot products at a time */
     int64_t j = j0;
     for (; j + 4 <= j1; j += 4) {
@@ -254,45 +277,13 @@ static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb
 /* C[0:M, j0:j1] = A[0:M, :] @ B[:, j0:j1] for a few rows of A (2 <= M <= FEW_ROWS, at most 8
    by rows of B): a short prompt, a batch of sequences decoding. Like gemv, B is read once from
    memory and not packed (packing it cost a batch of two 2.6x one row's time). Rows of B
-   contiguous: four rows at a time, each vector of them added into the M rows of a block of C
-   (64 KiB, in L2). Columns contiguous: four columns against four rows of A at a time, 16 dot
-   products in registers; the columns stay in L1 for the next four rows. */
+   contiguous: add_rows. Columns contiguous: four columns against four rows of A at a time,
+   16 dot products in registers; the columns stay in L1 for the next four rows. */
 static void gemv_few_SUF(int64_t M, int64_t K, const T *A, int64_t rsa, int64_t csa, const T *B, int64_t rsb,
                          int64_t csb, T *C, int64_t ldc, int64_t j0, int64_t j1, dtm_epilogue_fn epi,
                          const void *ctx, int64_t bt) {
   if (csb == 1) {
-    int64_t blk = (16384 / M + VW - 1) / VW * VW;  /* M rows of the block: 64 KiB of f32 */
-    for (int64_t jb = j0; jb < j1; jb += blk) {
-      int64_t je = dtm_min(j1, jb + blk);
-      for (int64_t i = 0; i < M; i++) memset(C + i * ldc + jb, 0, (size_t)(je - jb) * sizeof(T));
-      int64_t k = 0;
-      for (; k + 4 <= K; k += 4) {
-        const T *b0 = B + k * rsb, *b1 = b0 + rsb, *b2 = b1 + rsb, *b3 = b2 + rsb;
-        T a[FEW_ROWS][4];
-        for (int64_t i = 0; i < M; i++)
-          for (int r = 0; r < 4; r++) a[i][r] = A[i * rsa + (k + r) * csa];
-        int64_t j = jb;
-        for (; j + VW <= je; j += VW) {
-          V c0 = *(const V##u *)(b0 + j), c1 = *(const V##u *)(b1 + j), c2 = *(const V##u *)(b2 + j),
-            c3 = *(const V##u *)(b3 + j);
-          for (int64_t i = 0; i < M; i++) {
-            V##u *c = (V##u *)(C + i * ldc + j);
-            *c = *c + a[i][0] * c0 + a[i][1] * c1 + a[i][2] * c2 + a[i][3] * c3;
-          }
-        }
-        for (; j < je; j++)
-          for (int64_t i = 0; i < M; i++)
-            C[i * ldc + j] += a[i][0] * b0[j] + a[i][1] * b1[j] + a[i][2] * b2[j] + a[i][3] * b3[j];
-      }
-      for (; k < K; k++) {
-        const T *restrict b = B + k * rsb;
-        for (int64_t i = 0; i < M; i++) {
-          const T a = A[i * rsa + k * csa];
-          T *restrict c = C + i * ldc;
-          for (int64_t j = jb; j < je; j++) c[j] += a * b[j];
-        }
-      }
-    }
+    add_rows_SUF(M, K, A, rsa, csa, B, rsb, C, ldc, j0, j1);
   } else {  /* rsb == 1 && csa == 1 */
     int64_t j = j0;
     for (; j + 4 <= j1; j += 4) {
@@ -363,34 +354,27 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
                      T *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx) {
   double work = (double)M * (double)N * (double)(K > 0 ? K : 1);
   int threads = omp_get_max_threads();
-  if (M == 1 && N > 0) {  /* matrix-vector products (decoding one token) */
-    if (nbatch > 1) {  /* one product per thread (the heads of a decoding step's attention: each
-                          about 8,000 multiply-adds, threads from 30,000 in all: +1-3% decode) */
+  if (M == 1 && N > 0 && nbatch > 1) {  /* one product per thread (the heads of a decoding step's
+                                           attention: each about 8,000 multiply-adds, threads
+                                           from 30,000 in all: +1-3% decode) */
 #pragma omp parallel for schedule(static) if(work * nbatch >= 3e4)
-      for (int64_t bt = 0; bt < nbatch; bt++)
-        gemv_SUF(K, A + offs[3 * bt], csa, B + offs[3 * bt + 1], rsb, csb, C + offs[3 * bt + 2], 0, N,
-                 epi, ctx, bt);
-      return;
-    }
-    int nt = work < 1e5 ? 1 : threads;
-#pragma omp parallel num_threads(nt)
-    {
-      int64_t j0, j1;
-      column_band(N, &j0, &j1);
-      if (j0 < j1) gemv_SUF(K, A + offs[0], csa, B + offs[1], rsb, csb, C + offs[2], j0, j1, epi, ctx, 0);
-    }
+    for (int64_t bt = 0; bt < nbatch; bt++)
+      gemv_SUF(K, A + offs[3 * bt], csa, B + offs[3 * bt + 1], rsb, csb, C + offs[3 * bt + 2], 0, N, epi, ctx, bt);
     return;
   }
-  /* a few rows: as one row, the columns split (by rows of B this beats packing up to 8 rows,
-     by dot products up to 16: GPT-2's [M, 768] @ [768, 3072], timed by M) */
+  /* one row (decoding one token), or a few: unpacked, the columns split (a few rows: by rows
+     of B this beats packing up to 8 rows, by dot products up to 16: GPT-2's
+     [M, 768] @ [768, 3072], timed by M) */
   int few = (csb == 1 && M <= FEW_ROWS / 2) || (rsb == 1 && csa == 1 && M <= FEW_ROWS);
-  if (few && nbatch == 1 && N > WHOLE_ROWS && K > 0) {
+  if (nbatch == 1 && N > 0 && (M == 1 || (few && N > WHOLE_ROWS && K > 0))) {
     int nt = work < 1e5 ? 1 : threads;
 #pragma omp parallel num_threads(nt)
     {
       int64_t j0, j1;
       column_band(N, &j0, &j1);
-      if (j0 < j1)
+      if (j0 < j1 && M == 1)
+        gemv_SUF(K, A + offs[0], csa, B + offs[1], rsb, csb, C + offs[2], j0, j1, epi, ctx, 0);
+      else if (j0 < j1)
         gemv_few_SUF(M, K, A + offs[0], rsa, csa, B + offs[1], rsb, csb, C + offs[2], ldc, j0, j1, epi, ctx, 0);
     }
     return;

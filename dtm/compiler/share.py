@@ -17,6 +17,7 @@ multiply and a shift, by a variable into a division instruction tens of cycles l
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass, replace
+from functools import cache
 
 from . import loopir as L
 from .loopir import INDEX
@@ -26,15 +27,10 @@ _HOLE = object()        # where a template has an integer literal that may becom
 _DIVIDES = ("/", "%")   # index ops whose right operand stays literal
 
 
+@cache
 def _fields(t: type) -> tuple:
     """The field names of loop-IR statement type t, or () for anything else (looked up once)."""
-    names = _FIELDS.get(t)
-    if names is None:
-        names = _FIELDS[t] = tuple(f.name for f in fields(t)) if is_dataclass(t) else ()
-    return names
-
-
-_FIELDS: dict[type, tuple] = {}
+    return tuple(f.name for f in fields(t)) if is_dataclass(t) else ()
 
 
 def _divides_by_literal(x: L.Op) -> bool:
@@ -91,8 +87,8 @@ def _filled(x, names: dict, position: list):
         return [_filled(e, names, position) for e in x]
     if t is tuple:
         return tuple(_filled(e, names, position) for e in x)
-    if _fields(t):
-        return replace(x, **{name: _filled(getattr(x, name), names, position) for name in _fields(t)})
+    if fields_of_t := _fields(t):
+        return replace(x, **{name: _filled(getattr(x, name), names, position) for name in fields_of_t})
     return x
 
 
