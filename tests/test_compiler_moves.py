@@ -172,6 +172,6 @@ def test_kv_cache_steps_return_the_donated_arrays():
     model = GPT2(cfg).eval()
     kv = [dtm.tensor(np.zeros((1, 2, 32, 16), np.float32)) for _ in range(2)]
     arrays = [t._buffer for t in kv]
-    _, *new = model._step(dtm.tensor(np.array([[5, 6]])), dtm.tensor(np.int64(0)), *kv)
+    _, *new = model._jitted_step(padded=False, greedy=False)(dtm.tensor(np.array([[5, 6]])), dtm.tensor(np.int64(0)), *kv)
     assert all(t._buffer is a for t, a in zip(new, arrays))
     assert np.abs(arrays[0][:, :, :2]).sum() > 0 and not arrays[0][:, :, 2:].any()

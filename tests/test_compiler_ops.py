@@ -279,6 +279,13 @@ def test_arg_reduce():
                 for keep in (False, True):
                     bt.add(name, x, axis=axis, keepdims=keep)
             bt.add(name, randn((0, 3), dtype) if dtype.kind == "f" else randint((0, 3), dtype), axis=0)
+            # rows long enough to be read in vectors: ties and NaNs in different lanes and blocks
+            w = randn((4, 1003), dtype) if dtype.kind == "f" else randint((4, 1003), dtype)
+            w[0, 997] = w[0, 13] = w[0].max() if name == "argmax" else w[0].min()
+            if dtype.kind == "f":
+                w[1, 700] = w[1, 41] = np.nan
+                w[2, 500:] = np.inf if name == "argmax" else -np.inf
+            bt.add(name, w, axis=1)
     bt.check()
 
 

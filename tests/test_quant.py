@@ -82,7 +82,7 @@ def test_weight_casts_are_absorbed_into_the_products():
     model = dtm.quant.quantize(GPT2(TINY).eval(), "q8_0")
     ids = dtm.tensor(np.zeros((1, 1), np.int64))
     kv = [dtm.zeros(1, TINY.n_head, 64, TINY.n_embd // TINY.n_head) for _ in range(2 * TINY.n_layer)]
-    prog = compile_func(model._step.ir(ids, dtm.tensor(np.int64(0)), *kv), "main")
+    prog = compile_func(model._jitted_step(padded=False, greedy=False).ir(ids, dtm.tensor(np.int64(0)), *kv), "main")
     assert not [s for s in prog.fallbacks if s.op.name == "cast"]  # every cast compiled, embedding rows too
     assert not prog.fallbacks, [s.op.name for s in prog.fallbacks]  # gather and the KV writes compiled too (moves)
     products = [s for s in prog.kernels if any(b.type.dtype.name == "q8_0" for b in s.args) and s.group.kind == "matmul"]

@@ -58,7 +58,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 int dtm_rt_version_f32(void);
 int dtm_rt_version_f64(void);"""
 
-VERSION = 14
+VERSION = 15
 # the widest product whose epilogue is always given whole rows (when it has more than one row):
 # below every NC, and never split by columns between threads
 WHOLE_ROWS = 256
@@ -367,15 +367,22 @@ void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
      [M, 768] @ [768, 3072], timed by M) */
   int few = (csb == 1 && M <= FEW_ROWS / 2) || (rsb == 1 && csa == 1 && M <= FEW_ROWS);
   if (nbatch == 1 && N > 0 && (M == 1 || (few && N > WHOLE_ROWS && K > 0))) {
-    int nt = work < 1e5 ? 1 : threads;
+    int nt = work < 1e5 || threads > DTM_MAX_BANDS ? 1 : threads;
+    /* chunks of 64 columns read as dot products (each column of B a contiguous stream);
+       rows of B contiguous (add_rows) stream best in one band per thread */
+    int64_t chunk = csb == 1 ? ((N + nt - 1) / nt + 15) / 16 * 16 : 64;
+    dtm_band bands[DTM_MAX_BANDS];
+    bands_init(bands, nt, (N + chunk - 1) / chunk);
 #pragma omp parallel num_threads(nt)
     {
-      int64_t j0, j1;
-      column_band(N, &j0, &j1);
-      if (j0 < j1 && M == 1)
-        gemv_SUF(K, A + offs[0], csa, B + offs[1], rsb, csb, C + offs[2], j0, j1, epi, ctx, 0);
-      else if (j0 < j1)
-        gemv_few_SUF(M, K, A + offs[0], rsa, csa, B + offs[1], rsb, csb, C + offs[2], ldc, j0, j1, epi, ctx, 0);
+      int64_t c;
+      while (next_chunk(bands, nt, &c)) {
+        int64_t j0 = c * chunk, j1 = dtm_min(N, j0 + chunk);
+        if (M == 1)
+          gemv_SUF(K, A + offs[0], csa, B + offs[1], rsb, csb, C + offs[2], j0, j1, epi, ctx, 0);
+        else
+          gemv_few_SUF(M, K, A + offs[0], rsa, csa, B + offs[1], rsb, csb, C + offs[2], ldc, j0, j1, epi, ctx, 0);
+      }
     }
     return;
   }
@@ -521,13 +528,42 @@ _PRELUDE = r"""/* DTM runtime library: the tiled matrix product for one element 
 
 static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* This thread's columns [j0, j1) of N split between the team's threads (a matrix-vector
-   product's): whole groups of 16, the last thread's band the shorter. */
-static inline void column_band(int64_t N, int64_t *j0, int64_t *j1) {
-  int t = omp_get_thread_num(), n = omp_get_num_threads();
-  int64_t per = ((N + n - 1) / n + 15) / 16 * 16;
-  *j0 = dtm_min(N, t * per);
-  *j1 = dtm_min(N, *j0 + per);
+/* The columns of a matrix-vector product, shared between a team's threads in chunks: each
+   thread has a band of whole chunks, takes its own chunks from the front, then the chunks left
+   in the other threads' bands from the back. A static split left one thread waiting for the
+   other at the end of most of a decoding step's products (libgomp: 7-12% of each thread's
+   time); chunks handed out in turn (schedule(dynamic)) were slower, as every chunk then starts
+   a new stream of memory. A band's `ends` holds its next chunk from the front (low 32 bits) and
+   one past its last chunk from the back (high 32 bits), claimed together by compare-exchange. */
+typedef struct { _Alignas(64) uint64_t ends; } dtm_band;
+#define DTM_MAX_BANDS 64
+
+static inline void bands_init(dtm_band *bands, int nbands, int64_t nchunks) {
+  int64_t per = (nchunks + nbands - 1) / nbands;
+  for (int b = 0; b < nbands; b++) {
+    uint64_t c0 = (uint64_t)dtm_min(nchunks, b * per), c1 = (uint64_t)dtm_min(nchunks, (int64_t)c0 + per);
+    bands[b].ends = (c1 << 32) | c0;
+  }
+}
+
+/* One chunk of `band`, from its front or its back: 0 when none is left. */
+static inline int band_claim(dtm_band *band, int front, int64_t *chunk) {
+  uint64_t v = __atomic_load_n(&band->ends, __ATOMIC_RELAXED), next;
+  do {
+    uint64_t c0 = v & 0xffffffffu, c1 = v >> 32;
+    if (c0 >= c1) return 0;
+    *chunk = front ? (int64_t)c0 : (int64_t)c1 - 1;
+    next = front ? v + 1 : v - ((uint64_t)1 << 32);
+  } while (!__atomic_compare_exchange_n(&band->ends, &v, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+  return 1;
+}
+
+/* This thread's next chunk: its own band's first, then the others' last. */
+static inline int next_chunk(dtm_band *bands, int nbands, int64_t *chunk) {
+  int t = omp_get_thread_num();
+  for (int u = 0; u < nbands; u++)
+    if (band_claim(&bands[(t + u) % nbands], u == 0, chunk)) return 1;
+  return 0;
 }
 
 #define MC 96

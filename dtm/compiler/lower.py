@@ -256,59 +256,86 @@ class KernelBuilder:
     def reduce_pass(self, op: Op, full_ix: tuple, row_ix: tuple, axes_loops: list) -> None:
         x, r = op.operands[0], op.results[0]
         dt = x.type.dtype
-        is_arg = op.name in ("argmax", "argmin")
-        acc = Var(self.fresh("acc"), dt)
-        self.emit(L.Let(acc, Const(_init(op.name, dt), dt)))
-        self.bind_name(acc.name)
+        if op.name in ("argmax", "argmin"):
+            self.acc[r] = (row_ix, self.arg_passes(op, full_ix, axes_loops))
+            return
+        acc = self.accumulator(op.name, dt)
         if op.name == "reduce_sum" and dt.is_float and axes_loops:
             self.sum_level(acc, x, full_ix, self.sum_levels(axes_loops))
-            self.acc[r] = (row_ix, acc)
-            return
-        best_i = None
-        if is_arg:
-            best_i = Var(self.fresh("arg"), r.type.dtype)
-            self.emit(L.Let(best_i, Const(0, r.type.dtype)))
-            self.bind_name(best_i.name)
+        else:
+            self.combine_pass(_COMBINE[op.name], acc, x, full_ix, axes_loops)
+        self.acc[r] = (row_ix, acc)
+
+    def accumulator(self, name: str, dt) -> Var:
+        acc = Var(self.fresh("acc"), dt)
+        self.emit(L.Let(acc, Const(_init(name, dt), dt)))
+        self.bind_name(acc.name)
+        return acc
+
+    def combine_pass(self, fn: str, acc: Var, x: Value, full_ix: tuple, axes_loops: list) -> None:
+        """acc combined by fn (add, mul, max or min) with x over the loops: one vectorised
+        loop nest. A float max or min is NaN when any element is."""
+        dt = x.type.dtype
         depth = 0
         for var, extent in axes_loops:
             self.push((var,))
             depth += 1
         val = self.ev(x, full_ix)
         reduction = None
-        if is_arg:
-            better = "gt" if op.name == "argmax" else "lt"
-            cmp = L.Op(better, (val, acc), _BOOL)
-            if dt.is_float:  # the first NaN wins and stays
-                cmp = L.Op("logical_and", (L.Op("eq", (acc, acc), _BOOL),
-                                           L.Op("logical_or", (cmp, L.Op("ne", (val, val), _BOOL)), _BOOL)), _BOOL)
-            pos = full_ix[op.attrs["axis"]]
-            self.emit(L.If(cmp, [L.Assign(acc, val), L.Assign(best_i, L.Op("cast", (pos,), r.type.dtype))]))
-        else:
-            fn = _COMBINE[op.name]
-            if fn in ("add", "mul") or not dt.is_float:
-                self.emit(L.Assign(acc, L.Op(fn, (acc, val), dt)))
-            if fn in ("add", "mul") and dt.is_float:
-                reduction = (("+" if fn == "add" else "*", acc.name),)
-            elif dt.is_float:
-                # vectorised like a sum; lanes combine without NaN's rule, so a flag carries it: an
-                # integer as wide as the float (a byte flag beside float lanes kept the loop scalar,
-                # 2.3x slower), and the values compared plainly (the flag has any NaN)
-                flag = _NAN_FLAG.get(dt.name, _NAN_FLAG["f32"])
-                nan = Var(self.fresh("nan"), flag)
-                self.scopes[-1 - depth].body.append(L.Let(nan, Const(0, flag)))
-                is_nan = L.Op("cast", (L.Op("ne", (val, val), _BOOL),), flag, (("to", flag),))
-                self.emit(L.Assign(nan, L.Op("max", (nan, is_nan), flag)))
-                keep = L.Op("gt" if fn == "max" else "lt", (acc, val), _BOOL)
-                self.emit(L.Assign(acc, L.Op("where", (keep, acc, val), dt)))
-                reduction = ((fn, acc.name), ("max", nan.name))
+        if fn in ("add", "mul") or not dt.is_float:
+            self.emit(L.Assign(acc, L.Op(fn, (acc, val), dt)))
+        if fn in ("add", "mul") and dt.is_float:
+            reduction = (("+" if fn == "add" else "*", acc.name),)
+        elif dt.is_float:
+            # vectorised like a sum; lanes combine without NaN's rule, so a flag carries it: an
+            # integer as wide as the float (a byte flag beside float lanes kept the loop scalar,
+            # 2.3x slower), and the values compared plainly (the flag has any NaN)
+            flag = _NAN_FLAG.get(dt.name, _NAN_FLAG["f32"])
+            nan = Var(self.fresh("nan"), flag)
+            self.scopes[-1 - depth].body.append(L.Let(nan, Const(0, flag)))
+            is_nan = L.Op("cast", (L.Op("ne", (val, val), _BOOL),), flag, (("to", flag),))
+            self.emit(L.Assign(nan, L.Op("max", (nan, is_nan), flag)))
+            keep = L.Op("gt" if fn == "max" else "lt", (acc, val), _BOOL)
+            self.emit(L.Assign(acc, L.Op("where", (keep, acc, val), dt)))
+            reduction = ((fn, acc.name), ("max", nan.name))
         for var, extent in reversed(axes_loops):
             body = self.pop()
             self.emit(L.Loop(var, Const(0, INDEX), extent, body, reduction=reduction))
             reduction = None
-        if not is_arg and dt.is_float and op.name in ("reduce_max", "reduce_min"):
+        if dt.is_float and fn in ("max", "min"):
             any_nan = L.Op("ne", (nan, Const(0, nan.dtype)), _BOOL)
             self.emit(L.Assign(acc, L.Op("where", (any_nan, Const(math.nan, dt), acc), dt)))
-        self.acc[r] = (row_ix, best_i if is_arg else acc)
+
+    def arg_passes(self, op: Op, full_ix: tuple, axes_loops: list) -> Var:
+        """argmax / argmin as two loops that vectorise: the extreme value (as reduce_max or
+        reduce_min: NaN when any element is), then the first position holding it, the least
+        index whose element equals it (or is NaN, when it is NaN). One loop keeping the best
+        so far, a branch per element, took 250 us on a GPT-2 logits row (50257), 1% of a
+        decoding step."""
+        x, r = op.operands[0], op.results[0]
+        dt, it = x.type.dtype, r.type.dtype
+        best = self.accumulator("reduce_max" if op.name == "argmax" else "reduce_min", dt)
+        self.combine_pass("max" if op.name == "argmax" else "min", best, x, full_ix, axes_loops)
+        none = int(np.iinfo(np.dtype(_NP_INT[it.name])).max)  # no element is left only by an empty axis
+        first = Var(self.fresh("arg"), it)
+        self.emit(L.Let(first, Const(none, it)))
+        self.bind_name(first.name)
+        for var, extent in axes_loops:
+            self.push((var,))
+        val = self.ev(x, full_ix)
+        hit = L.Op("eq", (val, best), _BOOL)
+        if dt.is_float:
+            both_nan = L.Op("logical_and", (L.Op("ne", (best, best), _BOOL), L.Op("ne", (val, val), _BOOL)), _BOOL)
+            hit = L.Op("logical_or", (hit, both_nan), _BOOL)
+        pos = L.Op("cast", (full_ix[op.attrs["axis"]],), it)
+        self.emit(L.Assign(first, L.Op("min", (first, L.Op("where", (hit, pos, Const(none, it)), it)), it)))
+        reduction = (("min", first.name),)
+        for var, extent in reversed(axes_loops):
+            body = self.pop()
+            self.emit(L.Loop(var, Const(0, INDEX), extent, body, reduction=reduction))
+            reduction = None
+        self.emit(L.Assign(first, L.Op("where", (L.Op("eq", (first, Const(none, it)), _BOOL), Const(0, it), first), it)))
+        return first
 
     def sum_levels(self, loops: list) -> list[tuple[str, L.Expr, L.Expr, bool]]:
         """The loops of a blocked float sum (spec 2.8), as (variable, start, stop, own),
