@@ -27,7 +27,7 @@ from .. import nn, quant
 from ..errors import DTMError, ErrorCode
 from ..nn import functional as NF
 from ..nn.weights import read_safetensors
-from ..tensor import Tensor, arange, jit, manual_seed, no_grad, rand, randn, tensor, zeros
+from ..tensor import Tensor, arange, from_numpy, jit, manual_seed, no_grad, rand, randn, tensor, zeros
 from .sampling import check_sampling, sample, warp_logits
 
 
@@ -293,7 +293,7 @@ class GPT2(nn.Module):
         unfinished = np.ones(B, dtype=bool)
         step_input, pos = ids, 0
         for i in range(max_new_tokens):
-            last, *kv = step(tensor(step_input), tensor(np.int64(pos)), *extra, *kv)
+            last, *kv = step(from_numpy(step_input), from_numpy(np.array(pos, np.int64)), *extra, *kv)
             pos += step_input.shape[1]
             if do_sample:
                 u = rng.random(B) if rng is not None else rand(B, dtype="f64").numpy()
