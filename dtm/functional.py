@@ -129,11 +129,14 @@ def _index_fault(what: str, n: int, wrap: bool) -> Callable[[np.ndarray], str | 
     low = -n if wrap else 0
 
     def fault(v: np.ndarray) -> str | None:
-        bad = (v >= n) if v.dtype.kind == "u" else (v < low) | (v >= n)
-        if not bad.any():
+        if v.size <= 16:  # a decoding step's ids: a Python loop costs less than numpy's four calls
+            first = next((i for i in v.ravel().tolist() if not low <= i < n), None)
+        else:
+            bad = (v >= n) if v.dtype.kind == "u" else (v < low) | (v >= n)
+            first = v[bad].flat[0] if bad.any() else None
+        if first is None:
             return None
-        return (f"{what}: index {v[bad].flat[0]} is out of range for a dim of size {n} "
-                f"(expected {low} <= index < {n})")
+        return f"{what}: index {first} is out of range for a dim of size {n} (expected {low} <= index < {n})"
     return fault
 
 

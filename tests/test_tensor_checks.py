@@ -38,7 +38,7 @@ def raised_here(info: pytest.ExceptionInfo, code: ErrorCode, *words: str) -> Non
 ROWS = np.arange(8, dtype=np.float32).reshape(4, 2)
 
 
-@pytest.mark.parametrize("index", [[7], [4], [-5], [0, 99]])
+@pytest.mark.parametrize("index", [[7], [4], [-5], [0, 99], [0, 1, 2, 3] * 5 + [9, -6]])  # the last: past 16 indices
 def test_index_out_of_range_raises_like_torch(backend, index):
     with pytest.raises(IndexError):
         torch.tensor(ROWS)[torch.tensor(index)]
