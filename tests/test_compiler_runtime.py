@@ -4,6 +4,9 @@ what they promise. Also the passes' own pieces: the pass list, loop-IR printing.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -47,6 +50,27 @@ def test_jit_replays_its_plan_without_recompiling():
     assert (cpu_mod.STATS["plans"], B.STATS["compiles"], B.STATS["hits"]) == (plans, compiles, hits)
     want = dtm.jit(lambda x: F.softmax(x @ w, -1) * 2.0, backend="ref")(x).numpy()
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-6)
+
+
+def test_replayed_plan_reads_the_arrays_of_each_call_and_keeps_no_result_alive():
+    """A plan remembers the arrays of its last call (their pointers are not filled again):
+    new arrays, and new values in the same arrays, are what it reads; a result the caller
+    drops is freed."""
+    f = dtm.jit(lambda x, w: x @ w + 1.0, backend="cpu")
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    wt = dtm.from_numpy(w)
+    for _ in range(3):
+        x = rng.standard_normal((3, 8)).astype(np.float32)
+        np.testing.assert_allclose(f(dtm.from_numpy(x), wt).numpy(), x @ w + 1.0, rtol=1e-5, atol=1e-5)
+    w[...] = rng.standard_normal((8, 8))  # the same array, new values
+    np.testing.assert_allclose(f(dtm.from_numpy(x), wt).numpy(), x @ w + 1.0, rtol=1e-5, atol=1e-5)
+    w2 = rng.standard_normal((8, 8)).astype(np.float32)  # another array
+    np.testing.assert_allclose(f(dtm.from_numpy(x), dtm.from_numpy(w2)).numpy(), x @ w2 + 1.0, rtol=1e-5, atol=1e-5)
+    y = f(dtm.from_numpy(x), wt)
+    result = weakref.ref(y._buffer)
+    del y
+    gc.collect()
+    assert result() is None
 
 
 SYM = parse("""dtm 1.0

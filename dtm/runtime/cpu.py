@@ -154,16 +154,17 @@ class _Frame:
             self.fill.append(fill)
             ints = k.int_args(values, bindings)
             self.dims.append((ctypes.c_int64 * max(len(ints), 1))(*ints))
-        # per run of consecutive compiled steps: the arrays to allocate before it (buffer, and
-        # the (shape, dtype) of the fresh array or None: neither a parameter nor a value a
-        # kernel writes into one, nor in a slot), the pointers to fill, as ((pointer array,
-        # position) each, what picks their arrays from a run's values), and the arrays
-        # dtm_run_steps reads. `held` the arrays the pointers were last filled with, which
-        # are still there: the weights and a decoding step's donated caches, the same arrays
-        # at every call, are not looked at again
+        # per run of consecutive compiled steps: the arrays to allocate before it (buffer, the
+        # (shape, dtype) of the fresh array or None, and its places among the pointers to fill:
+        # neither a parameter nor a value a kernel writes into one, nor in a slot), the pointers
+        # to fill, as ((pointer array, position) each, what picks their arrays from a run's
+        # values), and the arrays dtm_run_steps reads. `held` the arrays the pointers were last
+        # filled with, which are still there: the weights and a decoding step's donated caches,
+        # the same arrays at every call, are not looked at again. A fresh array is not held (a
+        # result the caller drops is freed)
         fills = [[(self.ptrs[k.index], n, bi) for k in run for n, bi in self.fill[k.index]] for run in plan.runs]
         is_param = [b.kind == "param" or i in plan.written_params for i, b in enumerate(plan.buffers)]
-        self.run_alloc = [[(bi, plan.array_spec(plan.buffers[bi], bindings))
+        self.run_alloc = [[(bi, plan.array_spec(plan.buffers[bi], bindings), [j for j, (_, _, b) in enumerate(f) if b == bi])
                            for bi in dict.fromkeys(bi for _, _, bi in f if not is_param[bi])] for f in fills]
         self.run_fill = [([(ptrs, n) for ptrs, n, _ in f], _picker([bi for _, _, bi in f])) for f in fills]
         self.held: list[tuple] = [() for _ in fills]
@@ -272,6 +273,8 @@ class Plan:
         f = self.func
         if len(inputs) != len(f.params):
             raise DTMError(E.OPERAND_COUNT, f"@{f.name} takes {len(f.params)} input(s), found {len(inputs)}")
+        # an array checked at the last call is the same array now (`checked` keeps it alive),
+        # its shape and dtype changed only by assigning them, in place, over the same bytes
         types = self.static_types
         for i in _changed(inputs, getattr(self._tls, "checked", ())):
             x, t = inputs[i], types[i]
@@ -330,9 +333,11 @@ class Plan:
         else:
             for what, freed in self.schedule:
                 if type(what) is int:  # a run of compiled steps, launched by one call
-                    for bi, spec in frame.run_alloc[what]:
+                    fresh = []
+                    for bi, spec, places in frame.run_alloc[what]:
                         if vals[bi] is None:
                             vals[bi] = np.empty(*spec) if spec else self.allocate(self.buffers[bi], bindings, None)
+                            fresh += places
                     entries, pick = frame.run_fill[what]
                     arrays, last = pick(vals), None
                     for j in _changed(arrays, frame.held[what]):
@@ -341,6 +346,10 @@ class Plan:
                             address = _ptr(last)
                         ptrs, n = entries[j]
                         ptrs[n] = address
+                    if fresh:
+                        arrays = list(arrays)
+                        for j in fresh:
+                            arrays[j] = None
                     frame.held[what] = arrays
                     self._launch(*frame.launch[what])
                 else:
