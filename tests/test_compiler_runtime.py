@@ -73,6 +73,28 @@ def test_replayed_plan_reads_the_arrays_of_each_call_and_keeps_no_result_alive()
     assert result() is None
 
 
+def test_repeat_feeds_a_result_back_as_an_argument():
+    """jit._repeat: n calls as one loop in C, result feed[0] becoming tensor argument feed[1]
+    and scalar argument advance[0] growing by advance[1] after each call, against the same
+    recurrence in numpy; the `ref` backend has no such loop (None: the caller loops)."""
+    w = rng.standard_normal((5, 5)).astype(np.float32)
+    step = dtm.jit(lambda ids, pos, w: ((ids * 7 + pos * 3) % 11, w.sum(0) + pos), backend="cpu")
+    ids, pos = np.array([[2, 9]], np.int64), np.array(4, np.int64)
+    (last, tail), ran = step._repeat(6, (dtm.from_numpy(ids), dtm.from_numpy(pos), dtm.tensor(w)),
+                                     feed=(0, 0), advance=(1, 2))
+    want, x, p = [], np.array([[2, 9]]), 4
+    for _ in range(6):
+        x = (x * 7 + p * 3) % 11
+        want.append(x)
+        p += 2
+    np.testing.assert_array_equal(ran, np.stack(want))
+    np.testing.assert_array_equal(last.numpy(), want[-1])
+    np.testing.assert_allclose(tail.numpy(), w.sum(0) + 4 + 5 * 2, rtol=1e-5)  # the last call's pos
+    assert int(pos) == 4 + 6 * 2 and (ids == want[-1]).all()  # the arguments' arrays, written in place
+    ref = dtm.jit(lambda ids, pos: (ids + pos) % 11, backend="ref")
+    assert ref._repeat(3, (dtm.from_numpy(ids.copy()), dtm.from_numpy(pos.copy())), feed=(0, 0), advance=(1, 1)) is None
+
+
 SYM = parse("""dtm 1.0
 
 func @f(%x: f32[B, T], %b: f32[T]) -> (f32[B, T], f32[B], f32[T, B]) {

@@ -65,6 +65,32 @@ def test_greedy_continuation_matches_transformers(tmp_path):
     np.testing.assert_array_equal(got.numpy(), want)
 
 
+def test_greedy_tokens_run_many_to_a_runtime_call(tmp_path, monkeypatch):
+    """Greedy decoding without an eos id runs up to REPEAT tokens per call of the runtime
+    (Plan.repeat, each token's ids fed to the next step in C). Its tokens are transformers'
+    and those of the token-a-time loop, which an eos id that never comes keeps generate on."""
+    from dtm.runtime import cpu
+
+    hf = hf_checkpoint(tmp_path, seed=3, weight_std=0.3, **SMALL)
+    model = GPT2.from_pretrained(str(tmp_path))
+    prompt = np.array([[5, 17, 42, 8]], dtype=np.int64)
+    runs = []
+    repeat = cpu.Plan.repeat
+    monkeypatch.setattr(cpu.Plan, "repeat", lambda self, inputs, times, *a, **kw:
+                        runs.append(times) or repeat(self, inputs, times, *a, **kw))
+    got = model.generate(prompt, max_new_tokens=40).numpy()
+    assert runs == [16, 16, 7]  # the prompt's step, then 39 tokens in three calls
+    with torch.no_grad():
+        want = hf.generate(torch.from_numpy(prompt), max_new_tokens=40, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones_like(torch.from_numpy(prompt))).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got[0, 4:].tolist())) > 3  # not one token repeated: positions and caches matter
+    unseen = next(t for t in range(SMALL["vocab_size"]) if t not in got[0])
+    stepwise = model.generate(prompt, max_new_tokens=40, eos_token_id=unseen).numpy()
+    assert runs == [16, 16, 7]
+    np.testing.assert_array_equal(stepwise, got)
+
+
 # Three prompts of 3, 6 and 5 tokens, left-padded to 6 (pad id 0, never attended).
 PADDED = np.array([[0, 0, 0, 5, 17, 42], [7, 3, 9, 1, 4, 2], [0, 11, 12, 13, 14, 15]], dtype=np.int64)
 PADDED_MASK = (np.arange(6)[None] >= np.array([3, 0, 1])[:, None]).astype(np.int64)

@@ -15,7 +15,9 @@ different memory: a result planned over its dead operand (memory.plan_memory), o
 donated input (the executor), is written in place, the window alone.
 
 `dtm_run_steps` launches n steps one after another, from one call: the executor's loop
-over consecutive compiled steps, without a Python round trip per step.
+over consecutive compiled steps, without a Python round trip per step. `dtm_run_steps_repeat`
+launches them again and again, each time's result fed to the next as an input (Plan.repeat:
+greedy decoding, a token a time, without Python between tokens).
 """
 
 KIND = {"i8": 0, "i16": 1, "i32": 2, "i64": 3, "u8": 4, "u16": 5, "u32": 6, "u64": 7, "bool": 4}
@@ -90,5 +92,18 @@ void dtm_move_dynamic_update_slice(void **bufs, const int64_t *a) {
 /* n steps in order: step i is fns[i](bufs[i], args[i]) */
 void dtm_run_steps(int64_t n, void **fns, void ***bufs, int64_t **args) {
   for (int64_t i = 0; i < n; i++) ((dtm_step_fn)fns[i])(bufs[i], args[i]);
+}
+
+/* The same steps `times` times (a greedy decoding loop): after each time, the `nbytes` of
+   `out` are copied into `in` and into the next row of `record`, and the int64 at `count`
+   grows by `by`. */
+void dtm_run_steps_repeat(int64_t times, int64_t n, void **fns, void ***bufs, int64_t **args, const void *out,
+                          void *in, int64_t nbytes, char *record, int64_t *count, int64_t by) {
+  for (int64_t t = 0; t < times; t++) {
+    dtm_run_steps(n, fns, bufs, args);
+    memcpy(in, out, (size_t)nbytes);
+    memcpy(record + t * nbytes, out, (size_t)nbytes);
+    *count += by;
+  }
 }
 """

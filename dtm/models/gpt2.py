@@ -34,6 +34,9 @@ from .sampling import check_sampling, sample, warp_logits
 # Weights HF keeps in Conv1D layout, [in, out]: transposed to and from Linear's [out, in].
 _CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 _QKV = ("attn.c_attn.weight", "attn.c_attn.bias")  # rows reordered head by head (module docstring)
+# greedy decoding runs at most this many tokens per call of the runtime (Plan.repeat): a
+# Ctrl-C or a progress line waits for no more than that
+REPEAT = 16
 
 
 def from_hf_layout(name: str, w: np.ndarray, n_head: int) -> np.ndarray:
@@ -292,7 +295,24 @@ class GPT2(nn.Module):
         out = [ids]
         unfinished = np.ones(B, dtype=bool)
         step_input, pos = ids, 0
-        for i in range(max_new_tokens):
+        # greedy, unpadded, with no eos: after the prompt's step, runs of up to REPEAT tokens are
+        # each one call of the runtime (jit._repeat), each token's ids fed to the next step there
+        loop = not do_sample and pad is None and eos is None
+        i = 0
+        while i < max_new_tokens:
+            if loop and i > 0:
+                n = min(REPEAT, max_new_tokens - i)
+                got = step._repeat(n, (from_numpy(np.array(step_input)), from_numpy(np.array(pos, np.int64)), *kv),
+                                   feed=(0, 0), advance=(1, 1))
+                if got is not None:
+                    (_, *kv), ran = got
+                    out.extend(ran)
+                    step_input, pos, i = ran[-1], pos + n, i + n
+                    if progress:
+                        print(f"\rgenerating: {i}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
+                    continue
+                loop = False  # (a backend that cannot: a token a time)
+            i += 1
             last, *kv = step(from_numpy(step_input), from_numpy(np.array(pos, np.int64)), *extra, *kv)
             pos += step_input.shape[1]
             if do_sample:
@@ -306,7 +326,7 @@ class GPT2(nn.Module):
             out.append(nxt)
             step_input = nxt
             if progress:
-                print(f"\rgenerating: {i + 1}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
+                print(f"\rgenerating: {i}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
             if not unfinished.any():
                 break
         if progress:

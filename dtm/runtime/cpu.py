@@ -221,8 +221,9 @@ class Plan:
         # called with ctypes objects only (_Frame.launch), so without argtypes to convert
         # them: 1.1 us a call instead of 1.5
         self._launch = B.runtime_library("move").dtm_run_steps if self.runs else None
+        self._repeat = B.runtime_library("move").dtm_run_steps_repeat if self.runs else None
         if self._launch is not None:
-            self._launch.restype = None
+            self._launch.restype = self._repeat.restype = None
         self.frees = [[buf_index[id(b)] for b in f] for f in program.frees] if program.frees else \
             [[] for _ in program.steps]
         self.fb_args = {id(s): ([buf_index[id(b)] for b in s.inputs], [buf_index[id(b)] for b in s.outputs])
@@ -312,6 +313,51 @@ class Plan:
         up: a dynamic_update_slice whose operand is such an input, read by nothing after it,
         writes its window into the input's own array, which it returns as its result (a KV
         cache updated in place); the caller must not use what it donated afterwards."""
+        inputs, bindings, frame, vals, originals = self._values(inputs, donated)
+        if self.debug:
+            self._run_steps(frame, vals, originals, bindings, ctx)
+        else:
+            for what, freed in self.schedule:
+                if type(what) is int:  # a run of compiled steps, launched by one call
+                    self._fill(frame, vals, what, bindings)
+                    self._launch(*frame.launch[what])
+                else:
+                    ctx = self._other(what, vals, originals, bindings, ctx)
+                for bi in freed:
+                    vals[bi] = None
+        return self._results(inputs, frame, vals, originals)
+
+    def repeat(self, inputs: Sequence[np.ndarray], times: int, feed: tuple[int, int], advance: tuple[int, int],
+               donated: frozenset = frozenset()) -> tuple[list[np.ndarray], np.ndarray] | None:
+        """The function run `times` times by one call of the runtime (dtm_run_steps_repeat):
+        after each run, result feed[0] is copied into input feed[1] (a decoding step's next
+        ids), and the int64 scalar input advance[0] grows by advance[1] (its position); both
+        inputs are arrays the caller owns, written in place. Returns the last run's results
+        and result feed[0] of every run, stacked [times, ...]. None, running nothing, when
+        the plan is more than one run of compiled steps or those inputs do not fit."""
+        if len(self.schedule) != 1 or type(self.schedule[0][0]) is not int or self.in_place or self.debug:
+            return None
+        out_bi, kind = self.returns[feed[0]]
+        into, count = inputs[feed[1]], inputs[advance[0]]
+        if kind != "output" or not all(type(a) is np.ndarray and a.flags.c_contiguous and a.flags.writeable
+                                       for a in (into, count)) or count.dtype != np.int64 or count.shape != ():
+            return None
+        inputs, bindings, frame, vals, originals = self._values(inputs, donated)
+        what = self.schedule[0][0]
+        self._fill(frame, vals, what, bindings)
+        out = vals[out_bi]
+        if out.dtype != into.dtype or out.shape != into.shape or any(
+                x is into or x is count for i, x in enumerate(inputs) if i not in (feed[1], advance[0])):
+            return None
+        record = np.empty((times, *out.shape), out.dtype)
+        self._repeat(ctypes.c_int64(times), *frame.launch[what], ctypes.c_void_p(_ptr(out)), ctypes.c_void_p(_ptr(into)),
+                     ctypes.c_int64(out.nbytes), ctypes.c_void_p(_ptr(record)), ctypes.c_void_p(_ptr(count)),
+                     ctypes.c_int64(advance[1]))
+        return self._results(inputs, frame, vals, originals), record
+
+    def _values(self, inputs: Sequence[np.ndarray], donated: frozenset) -> tuple[list, dict, _Frame, list, dict]:
+        """A run's inputs as arrays, its symbol bindings, frame, values by buffer (the
+        parameters', the donated inputs' results) and the parameters' arrays as given."""
         inputs = [x if type(x) is np.ndarray else np.asarray(x) for x in inputs]
         bindings = self._bind(inputs)
         frame = self._frame(bindings)
@@ -328,35 +374,29 @@ class Plan:
             vals[value] = vals[target]
         if donated and self.donatable:
             self._donate(inputs, donated, originals, vals)
-        if self.debug:
-            self._run_steps(frame, vals, originals, bindings, ctx)
-        else:
-            for what, freed in self.schedule:
-                if type(what) is int:  # a run of compiled steps, launched by one call
-                    fresh = []
-                    for bi, spec, places in frame.run_alloc[what]:
-                        if vals[bi] is None:
-                            vals[bi] = np.empty(*spec) if spec else self.allocate(self.buffers[bi], bindings, None)
-                            fresh += places
-                    entries, pick = frame.run_fill[what]
-                    arrays, last = pick(vals), None
-                    for j in _changed(arrays, frame.held[what]):
-                        if arrays[j] is not last:  # (a step's position is read by 36 of its kernels)
-                            last = arrays[j]
-                            address = _ptr(last)
-                        ptrs, n = entries[j]
-                        ptrs[n] = address
-                    if fresh:
-                        arrays = list(arrays)
-                        for j in fresh:
-                            arrays[j] = None
-                    frame.held[what] = arrays
-                    self._launch(*frame.launch[what])
-                else:
-                    ctx = self._other(what, vals, originals, bindings, ctx)
-                for bi in freed:
-                    vals[bi] = None
-        return self._results(inputs, frame, vals, originals)
+        return inputs, bindings, frame, vals, originals
+
+    def _fill(self, frame: _Frame, vals: list, what: int, bindings: dict) -> None:
+        """Before run `what` of compiled steps: its fresh arrays allocated, and the pointers
+        whose arrays changed since its last launch filled in."""
+        fresh = []
+        for bi, spec, places in frame.run_alloc[what]:
+            if vals[bi] is None:
+                vals[bi] = np.empty(*spec) if spec else self.allocate(self.buffers[bi], bindings, None)
+                fresh += places
+        entries, pick = frame.run_fill[what]
+        arrays, last = pick(vals), None
+        for j in _changed(arrays, frame.held[what]):
+            if arrays[j] is not last:  # (a step's position is read by 36 of its kernels)
+                last = arrays[j]
+                address = _ptr(last)
+            ptrs, n = entries[j]
+            ptrs[n] = address
+        if fresh:
+            arrays = list(arrays)
+            for j in fresh:
+                arrays[j] = None
+        frame.held[what] = arrays
 
     def _donate(self, inputs: list, donated: frozenset, originals: dict, vals: list) -> None:
         """Results written in place of donated inputs (see run): only an array this run may

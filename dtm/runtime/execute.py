@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..compiler.spmd import resolve_free
 from ..errors import ErrorCode as E, user_error
 from ..ir.module import Module
@@ -42,6 +44,20 @@ def run(module: Module, func: str, inputs: Sequence[Any], backend: str | None = 
     layouts = [sh.placements if sh is not None else (Replicate(),) * mesh.ndim
                for _, sh in mine.funcs[func].result_types]
     return [Shards(mesh, pl, [o[i] if o is not None else None for o in outs]) for i, pl in enumerate(layouts)]
+
+
+def repeat(module: Module, func: str, inputs: Sequence[Any], times: int, feed: tuple[int, int],
+           advance: tuple[int, int], backend: str | None = None,
+           donated: frozenset = frozenset()) -> tuple[list[Any], np.ndarray] | None:
+    """Run @func `times` times by one call, each run's result feed[0] the next run's input
+    feed[1] and the scalar input advance[0] grown by advance[1] after each (the `cpu`
+    backend's Plan.repeat: greedy decoding). Returns the last run's results and result
+    feed[0] of every run, stacked; None, running nothing, where the backend or the program
+    cannot (a mesh, another backend), and the caller runs it `times` times itself."""
+    b = get_backend(backend)
+    if module.meshes or getattr(b, "name", None) != "cpu":
+        return None
+    return b.plan(module, func).repeat(inputs, times, feed, advance, donated=donated)
 
 
 def prepare(dtypes: set[str], backend: str | None = None) -> None:

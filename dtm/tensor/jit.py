@@ -139,6 +139,12 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         return execute.local_view(traced.module, "main", rank)
 
     def __call__(self, *args) -> Any:
+        traced, values = self._bind(args)
+        results = execute.run(traced.module, "main", values, self.backend, donated=self.donate)
+        return self._outputs(traced, results)
+
+    def _bind(self, args: tuple) -> tuple[_Traced, list]:
+        """The trace for `args` and the values its program reads, checked."""
         traced, fresh = self._trace(args)
         if not fresh:  # (the trace itself did this call's bookkeeping)
             for hook in traced.hooks:
@@ -150,8 +156,9 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
             if message:
                 raise error(code, f"{message}, in the op traced at {line}")
         prepare_in_place(traced.targets)
-        values = [t._buffer for t in tensors]
-        results = execute.run(traced.module, "main", values, self.backend, donated=self.donate)
+        return traced, [t._buffer for t in tensors]
+
+    def _outputs(self, traced: _Traced, results: list) -> Any:
         # a result of a static type is wrapped as it is (from_numpy would find the type again:
         # a decoding step's 25 results took 0.2 ms of a 24 ms token that way)
         outs = [Tensor(t, buffer=r) if type(r) is Shards or (static and type(r) is np.ndarray and r.flags.c_contiguous)
@@ -160,3 +167,19 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
             leaf.grad = g
         outs = outs[:traced.n_out]
         return tuple(outs) if traced.out_is_tuple else outs[0]
+
+    def _repeat(self, times: int, args: tuple, feed: tuple[int, int], advance: tuple[int, int]):
+        """The function called `times` times as one compiled loop (execute.repeat): after
+        each call its result feed[0] becomes its tensor argument feed[1], and its int64
+        scalar argument advance[0] grows by advance[1]; both arguments' arrays are written
+        in place. Returns the last call's results and result feed[0] of each call, stacked
+        [times, ...]; None, calling nothing, where the backend cannot (the caller then calls
+        `times` times). The values of arguments that eager ops would check (an embedding's
+        ids) are checked once, before the first call: what is fed back is the caller's to
+        keep in range (a greedy step's argmax is)."""
+        traced, _ = self._trace(args)
+        if traced.graded or traced.targets or traced.hooks:
+            return None
+        traced, values = self._bind(args)
+        got = execute.repeat(traced.module, "main", values, times, feed, advance, self.backend, donated=self.donate)
+        return None if got is None else (self._outputs(traced, got[0]), got[1])
