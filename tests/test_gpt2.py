@@ -66,29 +66,41 @@ def test_greedy_continuation_matches_transformers(tmp_path):
 
 
 def test_greedy_tokens_run_many_to_a_runtime_call(tmp_path, monkeypatch):
-    """Greedy decoding without an eos id runs up to REPEAT tokens per call of the runtime
-    (Plan.repeat, each token's ids fed to the next step in C). Its tokens are transformers'
-    and those of the token-a-time loop, which an eos id that never comes keeps generate on."""
+    """Greedy decoding runs up to REPEAT tokens per call of the runtime (Plan.repeat, each
+    token's ids fed to the next step in C, rows that produced an eos id padded there). Its
+    tokens are transformers' and those of the token-a-time loop (Plan.repeat refused)."""
     from dtm.runtime import cpu
 
     hf = hf_checkpoint(tmp_path, seed=3, weight_std=0.3, **SMALL)
     model = GPT2.from_pretrained(str(tmp_path))
-    prompt = np.array([[5, 17, 42, 8]], dtype=np.int64)
+    prompt = np.array([[5, 17, 42, 8], [9, 1, 77, 30]], dtype=np.int64)
     runs = []
     repeat = cpu.Plan.repeat
     monkeypatch.setattr(cpu.Plan, "repeat", lambda self, inputs, times, *a, **kw:
                         runs.append(times) or repeat(self, inputs, times, *a, **kw))
+
+    def hf_greedy(**kw):
+        with torch.no_grad():
+            return hf.generate(torch.from_numpy(prompt), max_new_tokens=40, do_sample=False,
+                               attention_mask=torch.ones_like(torch.from_numpy(prompt)), **kw).numpy()
+
     got = model.generate(prompt, max_new_tokens=40).numpy()
     assert runs == [16, 16, 7]  # the prompt's step, then 39 tokens in three calls
-    with torch.no_grad():
-        want = hf.generate(torch.from_numpy(prompt), max_new_tokens=40, do_sample=False, pad_token_id=0,
-                           attention_mask=torch.ones_like(torch.from_numpy(prompt))).numpy()
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, hf_greedy(pad_token_id=0))
     assert len(set(got[0, 4:].tolist())) > 3  # not one token repeated: positions and caches matter
-    unseen = next(t for t in range(SMALL["vocab_size"]) if t not in got[0])
-    stepwise = model.generate(prompt, max_new_tokens=40, eos_token_id=unseen).numpy()
-    assert runs == [16, 16, 7]
-    np.testing.assert_array_equal(stepwise, got)
+    # an eos id row 0 produces at its 10th new token and row 1 later or never: row 0 is padded
+    # from then on, and decoding stops where transformers' does
+    eos = int(got[0, 4 + 9])
+    later = [t for t in range(4 + 10, 44) if got[1, t] == eos]
+    runs.clear()
+    with_eos = model.generate(prompt, max_new_tokens=40, eos_token_id=eos, pad_token_id=7).numpy()
+    np.testing.assert_array_equal(with_eos, hf_greedy(eos_token_id=eos, pad_token_id=7))
+    assert (with_eos[0, 4 + 10:] == 7).all() and with_eos.shape[1] == (later[0] + 1 if later else 44)
+    assert runs and sum(runs) >= with_eos.shape[1] - 5
+    monkeypatch.setattr(cpu.Plan, "repeat", lambda *a, **kw: None)  # the token-a-time loop
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=40).numpy(), got)
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=40, eos_token_id=eos, pad_token_id=7).numpy(),
+                                  with_eos)
 
 
 # Three prompts of 3, 6 and 5 tokens, left-padded to 6 (pad id 0, never attended).

@@ -96,14 +96,34 @@ void dtm_run_steps(int64_t n, void **fns, void ***bufs, int64_t **args) {
 
 /* The same steps `times` times (a greedy decoding loop): after each time, the `nbytes` of
    `out` are copied into `in` and into the next row of `record`, and the int64 at `count`
-   grows by `by`. */
-void dtm_run_steps_repeat(int64_t times, int64_t n, void **fns, void ***bufs, int64_t **args, const void *out,
-                          void *in, int64_t nbytes, char *record, int64_t *count, int64_t by) {
+   grows by `by`. With `n_eos` > 0, `out` holds int64 ids, one a row, first made as
+   transformers makes them: a row no longer `alive` gets `pad`, and a row that produced one
+   of the `eos` ids is alive no more; the loop stops after a time that leaves no row alive.
+   Returns the times run. */
+int64_t dtm_run_steps_repeat(int64_t times, int64_t n, void **fns, void ***bufs, int64_t **args, void *out,
+                             void *in, int64_t nbytes, char *record, int64_t *count, int64_t by,
+                             const int64_t *eos, int64_t n_eos, int64_t pad, uint8_t *alive) {
   for (int64_t t = 0; t < times; t++) {
     dtm_run_steps(n, fns, bufs, args);
+    int any = 1;
+    if (n_eos > 0) {
+      int64_t *ids = out;
+      any = 0;
+      for (int64_t r = 0; r < nbytes / 8; r++) {
+        if (!alive[r]) {
+          ids[r] = pad;
+        } else {
+          for (int64_t e = 0; e < n_eos; e++)
+            if (ids[r] == eos[e]) alive[r] = 0;
+        }
+        any |= alive[r];
+      }
+    }
     memcpy(in, out, (size_t)nbytes);
     memcpy(record + t * nbytes, out, (size_t)nbytes);
     *count += by;
+    if (!any) return t + 1;
   }
+  return times;
 }
 """

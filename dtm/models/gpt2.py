@@ -295,21 +295,26 @@ class GPT2(nn.Module):
         out = [ids]
         unfinished = np.ones(B, dtype=bool)
         step_input, pos = ids, 0
-        # greedy, unpadded, with no eos: after the prompt's step, runs of up to REPEAT tokens are
-        # each one call of the runtime (jit._repeat), each token's ids fed to the next step there
-        loop = not do_sample and pad is None and eos is None
+        # greedy and unpadded: after the prompt's step, runs of up to REPEAT tokens are each one
+        # call of the runtime (jit._repeat), each token's ids fed to the next step there, and
+        # rows that produced an eos id padded there
+        loop = not do_sample and pad is None
         i = 0
         while i < max_new_tokens:
             if loop and i > 0:
-                n = min(REPEAT, max_new_tokens - i)
-                got = step._repeat(n, (from_numpy(np.array(step_input)), from_numpy(np.array(pos, np.int64)), *kv),
-                                   feed=(0, 0), advance=(1, 1))
+                alive = unfinished.astype(np.uint8)
+                got = step._repeat(min(REPEAT, max_new_tokens - i),
+                                   (from_numpy(np.array(step_input)), from_numpy(np.array(pos, np.int64)), *kv),
+                                   feed=(0, 0), advance=(1, 1), stop=None if eos is None else (eos, pad_token_id, alive))
                 if got is not None:
                     (_, *kv), ran = got
                     out.extend(ran)
-                    step_input, pos, i = ran[-1], pos + n, i + n
+                    step_input, pos, i = ran[-1], pos + len(ran), i + len(ran)
+                    unfinished = alive.astype(bool)
                     if progress:
                         print(f"\rgenerating: {i}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
+                    if not unfinished.any():
+                        break
                     continue
                 loop = False  # (a backend that cannot: a token a time)
             i += 1

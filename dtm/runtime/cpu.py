@@ -223,7 +223,7 @@ class Plan:
         self._launch = B.runtime_library("move").dtm_run_steps if self.runs else None
         self._repeat = B.runtime_library("move").dtm_run_steps_repeat if self.runs else None
         if self._launch is not None:
-            self._launch.restype = self._repeat.restype = None
+            self._launch.restype, self._repeat.restype = None, ctypes.c_int64
         self.frees = [[buf_index[id(b)] for b in f] for f in program.frees] if program.frees else \
             [[] for _ in program.steps]
         self.fb_args = {id(s): ([buf_index[id(b)] for b in s.inputs], [buf_index[id(b)] for b in s.outputs])
@@ -328,19 +328,24 @@ class Plan:
         return self._results(inputs, frame, vals, originals)
 
     def repeat(self, inputs: Sequence[np.ndarray], times: int, feed: tuple[int, int], advance: tuple[int, int],
-               donated: frozenset = frozenset()) -> tuple[list[np.ndarray], np.ndarray] | None:
+               donated: frozenset = frozenset(),
+               stop: tuple[np.ndarray, int, np.ndarray] | None = None) -> tuple[list[np.ndarray], np.ndarray] | None:
         """The function run `times` times by one call of the runtime (dtm_run_steps_repeat):
         after each run, result feed[0] is copied into input feed[1] (a decoding step's next
         ids), and the int64 scalar input advance[0] grows by advance[1] (its position); both
-        inputs are arrays the caller owns, written in place. Returns the last run's results
-        and result feed[0] of every run, stacked [times, ...]. None, running nothing, when
-        the plan is more than one run of compiled steps or those inputs do not fit."""
+        inputs are arrays the caller owns, written in place. `stop` = (eos ids, pad id, alive
+        flags, a uint8 a row, updated in place): result feed[0], int64 ids one a row, gets
+        the pad id in rows no longer alive, a row that produced an eos id is alive no more,
+        and the runs stop when no row is. Returns the last run's results and result feed[0]
+        of every run, stacked [runs, ...]. None, running nothing, when the plan is more than
+        one run of compiled steps or those inputs do not fit."""
         if len(self.schedule) != 1 or type(self.schedule[0][0]) is not int or self.in_place or self.debug:
             return None
         out_bi, kind = self.returns[feed[0]]
         into, count = inputs[feed[1]], inputs[advance[0]]
+        owned = (into, count) if stop is None else (into, count, stop[0], stop[2])
         if kind != "output" or not all(type(a) is np.ndarray and a.flags.c_contiguous and a.flags.writeable
-                                       for a in (into, count)) or count.dtype != np.int64 or count.shape != ():
+                                       for a in owned) or count.dtype != np.int64 or count.shape != ():
             return None
         inputs, bindings, frame, vals, originals = self._values(inputs, donated)
         what = self.schedule[0][0]
@@ -349,11 +354,17 @@ class Plan:
         if out.dtype != into.dtype or out.shape != into.shape or any(
                 x is into or x is count for i, x in enumerate(inputs) if i not in (feed[1], advance[0])):
             return None
+        if stop is not None and (out.dtype != np.int64 or stop[0].dtype != np.int64 or stop[2].dtype != np.uint8
+                                 or stop[2].size != out.size or not stop[0].size):
+            return None
+        eos, pad, alive = stop if stop is not None else (_EMPTY, 0, _EMPTY)
         record = np.empty((times, *out.shape), out.dtype)
-        self._repeat(ctypes.c_int64(times), *frame.launch[what], ctypes.c_void_p(_ptr(out)), ctypes.c_void_p(_ptr(into)),
-                     ctypes.c_int64(out.nbytes), ctypes.c_void_p(_ptr(record)), ctypes.c_void_p(_ptr(count)),
-                     ctypes.c_int64(advance[1]))
-        return self._results(inputs, frame, vals, originals), record
+        ran = self._repeat(ctypes.c_int64(times), *frame.launch[what], ctypes.c_void_p(_ptr(out)),
+                           ctypes.c_void_p(_ptr(into)), ctypes.c_int64(out.nbytes), ctypes.c_void_p(_ptr(record)),
+                           ctypes.c_void_p(_ptr(count)), ctypes.c_int64(advance[1]), ctypes.c_void_p(_ptr(eos)),
+                           ctypes.c_int64(eos.size if stop is not None else 0), ctypes.c_int64(pad),
+                           ctypes.c_void_p(_ptr(alive)))
+        return self._results(inputs, frame, vals, originals), record[:ran]
 
     def _values(self, inputs: Sequence[np.ndarray], donated: frozenset) -> tuple[list, dict, _Frame, list, dict]:
         """A run's inputs as arrays, its symbol bindings, frame, values by buffer (the

@@ -47,17 +47,18 @@ def run(module: Module, func: str, inputs: Sequence[Any], backend: str | None = 
 
 
 def repeat(module: Module, func: str, inputs: Sequence[Any], times: int, feed: tuple[int, int],
-           advance: tuple[int, int], backend: str | None = None,
-           donated: frozenset = frozenset()) -> tuple[list[Any], np.ndarray] | None:
+           advance: tuple[int, int], backend: str | None = None, donated: frozenset = frozenset(),
+           stop: tuple[np.ndarray, int, np.ndarray] | None = None) -> tuple[list[Any], np.ndarray] | None:
     """Run @func `times` times by one call, each run's result feed[0] the next run's input
-    feed[1] and the scalar input advance[0] grown by advance[1] after each (the `cpu`
-    backend's Plan.repeat: greedy decoding). Returns the last run's results and result
-    feed[0] of every run, stacked; None, running nothing, where the backend or the program
-    cannot (a mesh, another backend), and the caller runs it `times` times itself."""
+    feed[1] and the scalar input advance[0] grown by advance[1] after each, until `stop`
+    says (eos ids, pad id, alive rows: the `cpu` backend's Plan.repeat, greedy decoding).
+    Returns the last run's results and result feed[0] of every run, stacked; None, running
+    nothing, where the backend or the program cannot (a mesh, another backend), and the
+    caller runs it itself."""
     b = get_backend(backend)
     if module.meshes or getattr(b, "name", None) != "cpu":
         return None
-    return b.plan(module, func).repeat(inputs, times, feed, advance, donated=donated)
+    return b.plan(module, func).repeat(inputs, times, feed, advance, donated=donated, stop=stop)
 
 
 def prepare(dtypes: set[str], backend: str | None = None) -> None:

@@ -168,18 +168,20 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         outs = outs[:traced.n_out]
         return tuple(outs) if traced.out_is_tuple else outs[0]
 
-    def _repeat(self, times: int, args: tuple, feed: tuple[int, int], advance: tuple[int, int]):
+    def _repeat(self, times: int, args: tuple, feed: tuple[int, int], advance: tuple[int, int],
+                stop: tuple[np.ndarray, int, np.ndarray] | None = None):
         """The function called `times` times as one compiled loop (execute.repeat): after
         each call its result feed[0] becomes its tensor argument feed[1], and its int64
         scalar argument advance[0] grows by advance[1]; both arguments' arrays are written
-        in place. Returns the last call's results and result feed[0] of each call, stacked
-        [times, ...]; None, calling nothing, where the backend cannot (the caller then calls
-        `times` times). The values of arguments that eager ops would check (an embedding's
+        in place. `stop`: (eos ids, pad id, alive rows), as Plan.repeat takes them. Returns
+        the last call's results and result feed[0] of each call, stacked [calls, ...]; None,
+        calling nothing, where the backend cannot (the caller then calls it itself). The values of arguments that eager ops would check (an embedding's
         ids) are checked once, before the first call: what is fed back is the caller's to
         keep in range (a greedy step's argmax is)."""
         traced, _ = self._trace(args)
         if traced.graded or traced.targets or traced.hooks:
             return None
         traced, values = self._bind(args)
-        got = execute.repeat(traced.module, "main", values, times, feed, advance, self.backend, donated=self.donate)
+        got = execute.repeat(traced.module, "main", values, times, feed, advance, self.backend, donated=self.donate,
+                             stop=stop)
         return None if got is None else (self._outputs(traced, got[0]), got[1])
