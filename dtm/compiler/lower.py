@@ -276,10 +276,9 @@ class KernelBuilder:
         """acc combined by fn (add, mul, max or min) with x over the loops: one vectorised
         loop nest. A float max or min is NaN when any element is."""
         dt = x.type.dtype
-        depth = 0
-        for var, extent in axes_loops:
+        depth = len(axes_loops)
+        for var, _ in axes_loops:
             self.push((var,))
-            depth += 1
         val = self.ev(x, full_ix)
         reduction = None
         if fn in ("add", "mul") or not dt.is_float:
@@ -298,13 +297,16 @@ class KernelBuilder:
             keep = L.Op("gt" if fn == "max" else "lt", (acc, val), _BOOL)
             self.emit(L.Assign(acc, L.Op("where", (keep, acc, val), dt)))
             reduction = ((fn, acc.name), ("max", nan.name))
-        for var, extent in reversed(axes_loops):
-            body = self.pop()
-            self.emit(L.Loop(var, Const(0, INDEX), extent, body, reduction=reduction))
-            reduction = None
+        self.close_loops(axes_loops, reduction)
         if dt.is_float and fn in ("max", "min"):
             any_nan = L.Op("ne", (nan, Const(0, nan.dtype)), _BOOL)
             self.emit(L.Assign(acc, L.Op("where", (any_nan, Const(math.nan, dt), acc), dt)))
+
+    def close_loops(self, axes_loops: list, reduction: tuple | None) -> None:
+        """The loops opened for axes_loops, innermost first, it marked with `reduction`."""
+        for var, extent in reversed(axes_loops):
+            self.emit(L.Loop(var, Const(0, INDEX), extent, self.pop(), reduction=reduction))
+            reduction = None
 
     def arg_passes(self, op: Op, full_ix: tuple, axes_loops: list) -> Var:
         """argmax / argmin as two loops that vectorise: the extreme value (as reduce_max or
@@ -320,7 +322,7 @@ class KernelBuilder:
         first = Var(self.fresh("arg"), it)
         self.emit(L.Let(first, Const(none, it)))
         self.bind_name(first.name)
-        for var, extent in axes_loops:
+        for var, _ in axes_loops:
             self.push((var,))
         val = self.ev(x, full_ix)
         hit = L.Op("eq", (val, best), _BOOL)
@@ -329,11 +331,7 @@ class KernelBuilder:
             hit = L.Op("logical_or", (hit, both_nan), _BOOL)
         pos = L.Op("cast", (full_ix[op.attrs["axis"]],), it)
         self.emit(L.Assign(first, L.Op("min", (first, L.Op("where", (hit, pos, Const(none, it)), it)), it)))
-        reduction = (("min", first.name),)
-        for var, extent in reversed(axes_loops):
-            body = self.pop()
-            self.emit(L.Loop(var, Const(0, INDEX), extent, body, reduction=reduction))
-            reduction = None
+        self.close_loops(axes_loops, (("min", first.name),))
         self.emit(L.Assign(first, L.Op("where", (L.Op("eq", (first, Const(none, it)), _BOOL), Const(0, it), first), it)))
         return first
 

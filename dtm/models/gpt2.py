@@ -301,35 +301,30 @@ class GPT2(nn.Module):
         loop = not do_sample and pad is None
         i = 0
         while i < max_new_tokens:
+            got = None
             if loop and i > 0:
                 alive = unfinished.astype(np.uint8)
                 got = step._repeat(min(REPEAT, max_new_tokens - i),
                                    (from_numpy(np.array(step_input)), from_numpy(np.array(pos, np.int64)), *kv),
                                    feed=(0, 0), advance=(1, 1), stop=None if eos is None else (eos, pad_token_id, alive))
-                if got is not None:
-                    (_, *kv), ran = got
-                    out.extend(ran)
-                    step_input, pos, i = ran[-1], pos + len(ran), i + len(ran)
-                    unfinished = alive.astype(bool)
-                    if progress:
-                        print(f"\rgenerating: {i}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
-                    if not unfinished.any():
-                        break
-                    continue
-                loop = False  # (a backend that cannot: a token a time)
-            i += 1
-            last, *kv = step(from_numpy(step_input), from_numpy(np.array(pos, np.int64)), *extra, *kv)
-            pos += step_input.shape[1]
-            if do_sample:
-                u = rng.random(B) if rng is not None else rand(B, dtype="f64").numpy()
-                nxt = sample(warp_logits(last.numpy(), temperature, top_k, top_p), u)
+                loop = got is not None  # (a backend that cannot: a token a time)
+            if got is not None:
+                (_, *kv), ran = got
+                unfinished = alive.astype(bool)
             else:
-                nxt = last.numpy()
-            if eos is not None:
-                nxt = np.where(unfinished[:, None], nxt, np.int64(pad_token_id))
-                unfinished &= ~np.isin(nxt[:, 0], eos)
-            out.append(nxt)
-            step_input = nxt
+                last, *kv = step(from_numpy(step_input), from_numpy(np.array(pos, np.int64)), *extra, *kv)
+                if do_sample:
+                    u = rng.random(B) if rng is not None else rand(B, dtype="f64").numpy()
+                    nxt = sample(warp_logits(last.numpy(), temperature, top_k, top_p), u)
+                else:
+                    nxt = last.numpy()
+                if eos is not None:
+                    nxt = np.where(unfinished[:, None], nxt, np.int64(pad_token_id))
+                    unfinished &= ~np.isin(nxt[:, 0], eos)
+                ran = [nxt]
+            out.extend(ran)
+            pos += step_input.shape[1] * len(ran)
+            step_input, i = ran[-1], i + len(ran)
             if progress:
                 print(f"\rgenerating: {i}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
             if not unfinished.any():

@@ -52,6 +52,7 @@ from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
 
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
 _EMPTY_PTR = _EMPTY.ctypes.data
+_NO_IDS = np.zeros(0, np.int64)  # Plan.repeat without eos ids
 STATS = {"plans": 0}
 _RUNTIME_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}  # the runtime library's types
 
@@ -357,12 +358,12 @@ class Plan:
         if stop is not None and (out.dtype != np.int64 or stop[0].dtype != np.int64 or stop[2].dtype != np.uint8
                                  or stop[2].size != out.size or not stop[0].size):
             return None
-        eos, pad, alive = stop if stop is not None else (_EMPTY, 0, _EMPTY)
+        eos, pad, alive = stop if stop is not None else (_NO_IDS, 0, _EMPTY)
         record = np.empty((times, *out.shape), out.dtype)
         ran = self._repeat(ctypes.c_int64(times), *frame.launch[what], ctypes.c_void_p(_ptr(out)),
                            ctypes.c_void_p(_ptr(into)), ctypes.c_int64(out.nbytes), ctypes.c_void_p(_ptr(record)),
                            ctypes.c_void_p(_ptr(count)), ctypes.c_int64(advance[1]), ctypes.c_void_p(_ptr(eos)),
-                           ctypes.c_int64(eos.size if stop is not None else 0), ctypes.c_int64(pad),
+                           ctypes.c_int64(eos.size), ctypes.c_int64(pad),
                            ctypes.c_void_p(_ptr(alive)))
         return self._results(inputs, frame, vals, originals), record[:ran]
 

@@ -175,9 +175,10 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         scalar argument advance[0] grows by advance[1]; both arguments' arrays are written
         in place. `stop`: (eos ids, pad id, alive rows), as Plan.repeat takes them. Returns
         the last call's results and result feed[0] of each call, stacked [calls, ...]; None,
-        calling nothing, where the backend cannot (the caller then calls it itself). The values of arguments that eager ops would check (an embedding's
-        ids) are checked once, before the first call: what is fed back is the caller's to
-        keep in range (a greedy step's argmax is)."""
+        calling nothing, where the backend cannot (the caller then calls it itself). The
+        values of arguments that eager ops would check (an embedding's ids) are checked
+        once, before the first call: what is fed back is the caller's to keep in range (a
+        greedy step's argmax is)."""
         traced, _ = self._trace(args)
         if traced.graded or traced.targets or traced.hooks:
             return None
