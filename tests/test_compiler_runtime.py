@@ -376,6 +376,21 @@ def test_products_of_a_few_rows_match_numpy(a_t, b_t):
         np.testing.assert_allclose(got, (a.T if a_t else a) @ (b.T if b_t else b), rtol=1e-12, atol=1e-12)
 
 
+def test_a_rows_product_by_dot_products_does_not_depend_on_the_other_rows():
+    """A Linear's product of one row and of a few (a token, a prompt, a batch) sums each dot
+    product in the same order, so a row's result is the same bits in any company; and both
+    match numpy in float64."""
+    N, K = 300, 770
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    product = dtm.jit(lambda x, w: x @ w.transpose(0, 1))
+    alone = product(dtm.tensor(x[:1]), dtm.tensor(w)).numpy()
+    for M in (2, 5, 16):
+        got = product(dtm.tensor(x[:M]), dtm.tensor(w)).numpy()
+        np.testing.assert_array_equal(got[:1], alone, err_msg=f"{M} rows")
+        np.testing.assert_allclose(got, x[:M].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(K))
+
+
 @pytest.mark.parametrize("a_t", [False, True], ids=["A", "At"])
 def test_a_square_product_split_by_columns_runs_its_epilogue_on_every_block(a_t):
     """A square product wider than WHOLE_ROWS is split between threads by columns (each

@@ -44,6 +44,8 @@ contiguous (a Linear's weight), the next four columns prefetched; rows of B adde
 L2-sized block of C when its rows are. Both are bound by memory. A product of a few rows (a
 short prompt, a batch of sequences decoding) goes the same way (`gemv_few`), each vector of
 B read once for all the rows: packing B for them cost a batch of two 2.6x one row's time.
+The dot products' vectors are summed lane by lane in a tree of shuffles (`lane_sums`), the
+same tree for one row and for a few, so a row's result does not depend on its company.
 """
 
 import re
@@ -58,7 +60,7 @@ void dtm_rt_gemm_f64(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, 
 int dtm_rt_version_f32(void);
 int dtm_rt_version_f64(void);"""
 
-VERSION = 15
+VERSION = 16
 # the widest product whose epilogue is always given whole rows (when it has more than one row):
 # below every NC, and never split by columns between threads
 WHOLE_ROWS = 256
@@ -228,6 +230,7 @@ static void add_rows_SUF(int64_t M, int64_t K, const T *A, int64_t rsa, int64_t 
   }
 }
 
+LANE_SUMS
 /* C[0, j0:j1] = A[0, :] @ B[:, j0:j1]: a matrix-vector product, without packing. */
 static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb, int64_t csb, T *C,
                      int64_t j0, int64_t j1, dtm_epilogue_fn epi, const void *ctx, int64_t bt) {
@@ -253,10 +256,11 @@ static void gemv_SUF(int64_t K, const T *A, int64_t csa, const T *B, int64_t rsb
         s2 += a * *(const V##u *)(b2 + k);
         s3 += a * *(const V##u *)(b3 + k);
       }
-      T r0 = 0, r1 = 0, r2 = 0, r3 = 0;
-      for (int i = 0; i < VW; i++) { r0 += s0[i]; r1 += s1[i]; r2 += s2[i]; r3 += s3[i]; }
-      for (; k < K; k++) { r0 += A[k] * b0[k]; r1 += A[k] * b1[k]; r2 += A[k] * b2[k]; r3 += A[k] * b3[k]; }
-      C[j] = r0; C[j + 1] = r1; C[j + 2] = r2; C[j + 3] = r3;
+      V sums[4] = {s0, s1, s2, s3};
+      T r[4];
+      lane_sums4_SUF(sums, r);
+      for (; k < K; k++) { r[0] += A[k] * b0[k]; r[1] += A[k] * b1[k]; r[2] += A[k] * b2[k]; r[3] += A[k] * b3[k]; }
+      memcpy(C + j, r, sizeof(r));
     }
     for (; j < j1; j++) {
       const T *b = B + j * csb;
@@ -293,13 +297,18 @@ static void gemv_few_SUF(int64_t M, int64_t K, const T *A, int64_t rsa, int64_t 
                 *a3 = A + dtm_min(i0 + 3, M - 1) * rsa;
         V s00 = {0}, s01 = {0}, s02 = {0}, s03 = {0}, s10 = {0}, s11 = {0}, s12 = {0}, s13 = {0};
         V s20 = {0}, s21 = {0}, s22 = {0}, s23 = {0}, s30 = {0}, s31 = {0}, s32 = {0}, s33 = {0};
+        /* the next four columns, as gemv does, spread over the passes (a pass per four rows)
+           so that memory streams while each pass computes */
+        int64_t passes = (M + 3) / 4, pass = i0 / 4;
+        int64_t first = 4 + 4 * pass / passes, npf = 4 + 4 * (pass + 1) / passes - first;
+        const T *pf = b0 + first * csb;
         int64_t k = 0;
         for (; k + VW <= K; k += VW) {
-          if (i0 == 0) {  /* the next four columns, as gemv does */
-            __builtin_prefetch(b0 + 4 * csb + k, 0, 1);
-            __builtin_prefetch(b1 + 4 * csb + k, 0, 1);
-            __builtin_prefetch(b2 + 4 * csb + k, 0, 1);
-            __builtin_prefetch(b3 + 4 * csb + k, 0, 1);
+          __builtin_prefetch(pf + k, 0, 1);
+          if (npf > 1) __builtin_prefetch(pf + csb + k, 0, 1);
+          if (npf > 2) {
+            __builtin_prefetch(pf + 2 * csb + k, 0, 1);
+            __builtin_prefetch(pf + 3 * csb + k, 0, 1);
           }
           V c0 = *(const V##u *)(b0 + k), c1 = *(const V##u *)(b1 + k), c2 = *(const V##u *)(b2 + k),
             c3 = *(const V##u *)(b3 + k);
@@ -312,14 +321,15 @@ static void gemv_few_SUF(int64_t M, int64_t K, const T *A, int64_t rsa, int64_t 
           r = *(const V##u *)(a3 + k);
           s30 += r * c0; s31 += r * c1; s32 += r * c2; s33 += r * c3;
         }
-        V sums[4][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23}, {s30, s31, s32, s33}};
+        V sums[16] = {s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33};
+        T acc[16];
+        lane_sums16_SUF(sums, acc);
         const T *rows[4] = {a0, a1, a2, a3}, *cols[4] = {b0, b1, b2, b3};
         for (int r = 0; r < 4 && i0 + r < M; r++)
           for (int c = 0; c < 4; c++) {
-            T acc = 0;
-            for (int l = 0; l < VW; l++) acc += sums[r][c][l];
-            for (int64_t kk = k; kk < K; kk++) acc += rows[r][kk] * cols[c][kk];
-            C[(i0 + r) * ldc + j + c] = acc;
+            T a = acc[4 * r + c];
+            for (int64_t kk = k; kk < K; kk++) a += rows[r][kk] * cols[c][kk];
+            C[(i0 + r) * ldc + j + c] = a;
           }
       }
     }
@@ -503,10 +513,36 @@ static void micro_rows_SUF(int64_t kc, const T *A, int64_t rsa, const T *restric
 """
 
 
+def _lane_sums(width: int, count: int) -> str:
+    """`lane_sums<count>`: the sums of the lanes of each of `count` vectors of `width` lanes,
+    in order, by a tree of shuffles and adds (log2(width) levels, where a lane at a time took
+    `width` scalar adds a vector): at each level, pairs of adjacent vectors become one (a lone
+    vector pairs with itself), each group of partial sums halved by adding its second half to
+    its first."""
+    lines = [f"static inline void lane_sums{count}_SUF(const V *v, T *out) {{"]
+    cur, group, level = [f"v[{i}]" for i in range(count)], width, 0
+    while group > 1:
+        half = group // 2
+        lo = [g * group + i for g in range(width // group) for i in range(half)]
+        hi = [g * group + half + i for g in range(width // group) for i in range(half)]
+        lo, hi = lo + [width + x for x in lo], hi + [width + x for x in hi]
+        pairs = [(cur[p], cur[p + 1] if p + 1 < len(cur) else cur[p]) for p in range(0, len(cur), 2)]
+        cur = []
+        for p, (a, b) in enumerate(pairs):
+            cur.append(f"l{level}_{p}")
+            lines.append(f"  V {cur[-1]} = __builtin_shufflevector({a}, {b}, {', '.join(map(str, lo))})"
+                         f" + __builtin_shufflevector({a}, {b}, {', '.join(map(str, hi))});")
+        group, level = half, level + 1
+    for p, name in enumerate(cur):
+        lines.append(f"  memcpy(out + {p * width}, &{name}, {min(width, count - p * width)} * sizeof(T));")
+    return "\n".join(lines) + "\n}\n"
+
+
 def _instance(suffix: str, ctype: str, vec: str, width: int, nc: int, mr: int, kc: int = 256) -> str:
     """The product for one element type and vector width: the template with its names filled
     in, an mr x (2 * width) register tile, packed panels of B kc deep and nc wide."""
-    text = _TEMPLATE.replace("MICRO_KERNEL", _micro(mr)).replace("V##u", vec + "u").replace("NC_SUF", str(nc))
+    text = _TEMPLATE.replace("MICRO_KERNEL", _micro(mr)).replace("LANE_SUMS", _lane_sums(width, 4) + _lane_sums(width, 16))
+    text = text.replace("V##u", vec + "u").replace("NC_SUF", str(nc))
     text = re.sub(r"\bKC\b", f"KC_{suffix}", text.replace("MR", f"MR_{suffix}"))
     text = text.replace("SUF", suffix).replace("VW", str(width))
     return f"#define MR_{suffix} {mr}\n#define KC_{suffix} {kc}\n" + re.sub(r"\bV\b", vec, re.sub(r"\bT\b", ctype, text))
