@@ -495,6 +495,28 @@ def test_a_replaced_version_is_removed_at_once_when_small_else_in_the_background
         assert _same_bits(s.get_array("k"), np.arange(12))
 
 
+def test_a_replaced_version_is_removed_whole_by_its_files_or_by_what_is_there(tmp_path):
+    """A small replaced version goes file by file, by the names its layout gives, with its
+    nested chunk directories; known to the store that wrote it, or read from its zarr.json by
+    another; one that holds a file its layout does not name is removed whole all the same."""
+    with dtm.store.open(tmp_path / "s", chunk_bytes=64) as s:
+        s.put("k", np.ones((9, 5), np.float32))          # chunks c/0/0, c/1/0, c/2/0: nested directories
+        old = s._files.path(s.info("k").dir)
+        assert sorted(os.listdir(f"{old}/c")) == ["0", "1", "2"]
+        s.put("k", np.zeros((9, 5), np.float32))
+        assert not os.path.exists(old)
+    with dtm.store.open(tmp_path / "s") as other:         # the writer's layout is not known here
+        old = other._files.path(other.info("k").dir)
+        other.put("k", np.arange(3))
+        assert not os.path.exists(old)
+        old = other._files.path(other.info("k").dir)
+        open(f"{old}/stray", "wb").close()
+        other.put("k", np.arange(4))
+        assert not os.path.exists(old)
+        assert os.listdir(tmp_path / "s" / "data" / "k") == [other.info("k").dir.rsplit("/", 1)[1]]
+        assert _same_bits(other.get_array("k"), np.arange(4))
+
+
 def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypatch):
     st.put("k", np.arange(3))
     stale = st.info("k")
