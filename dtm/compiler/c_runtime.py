@@ -541,7 +541,8 @@ def _lane_sums(width: int, count: int) -> str:
 def _instance(suffix: str, ctype: str, vec: str, width: int, nc: int, mr: int, kc: int = 256) -> str:
     """The product for one element type and vector width: the template with its names filled
     in, an mr x (2 * width) register tile, packed panels of B kc deep and nc wide."""
-    text = _TEMPLATE.replace("MICRO_KERNEL", _micro(mr)).replace("LANE_SUMS", _lane_sums(width, 4) + _lane_sums(width, 16))
+    text = _TEMPLATE.replace("MICRO_KERNEL", _micro(mr))
+    text = text.replace("LANE_SUMS", _lane_sums(width, 4) + _lane_sums(width, 16))
     text = text.replace("V##u", vec + "u").replace("NC_SUF", str(nc))
     text = re.sub(r"\bKC\b", f"KC_{suffix}", text.replace("MR", f"MR_{suffix}"))
     text = text.replace("SUF", suffix).replace("VW", str(width))
