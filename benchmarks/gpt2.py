@@ -74,8 +74,7 @@ def dtm_engine(backend: str, n_layer: int, weights: dict[str, np.ndarray], narro
 
     os.environ["DTM_BACKEND"] = backend
     model = GPT2(GPT2Config(n_layer=n_layer), init=False).eval()
-    for name, p in model.named_parameters():
-        p._set_value(weights[name])
+    model.load_state_dict({name: weights[name] for name, _ in model.named_parameters()})
     if narrow:
         dtm.quant.quantize(model, narrow)
     forward = dtm.jit(lambda ids: model(ids)[:, -1])
@@ -147,8 +146,7 @@ def accuracy(n_new: int, n_layer: int) -> None:
 
     def model_of(narrow):
         model = GPT2(GPT2Config(n_layer=n_layer), init=False).eval()
-        for name, p in model.named_parameters():
-            p._set_value(weights[name])
+        model.load_state_dict({name: weights[name] for name, _ in model.named_parameters()})
         return dtm.quant.quantize(model, narrow) if narrow else model
 
     f32 = model_of(None)

@@ -61,8 +61,7 @@ def dtm_step(model: str, weights: dict, jitted: bool):
     fields = MODELS[model][0]
     m = GPT2(GPT2Config(**fields), init=False)
     m.train()
-    for name, p in m.named_parameters():
-        p._set_value(weights[name])
+    m.load_state_dict({name: weights[name] for name, _ in m.named_parameters()})
     opt = dtm.optim.AdamW(m.parameters(), lr=LR)
 
     def step(x, y):

@@ -13,6 +13,7 @@ from .. import functional as F
 from .. import quant
 from ..errors import ErrorCode
 from ..ir.types import TensorType
+from ..runtime import buffers
 from ..tensor import Tensor, as_dtype, bfloat16, error, float16, float32, float64, no_grad, rand, randn, zeros, ones
 from .functional import cross_entropy, dropout, embedding, mse_loss
 from .weights import load_safetensors, save_safetensors
@@ -174,7 +175,7 @@ class Module:
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
                 raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t._type} here, {arr.shape} in the state")
-            t._set_value(np.array(arr, dtype=t.numpy().dtype, copy=True))
+            t._set_value(buffers.copy(arr, t.numpy().dtype))  # (a weight read often: on huge pages)
 
     def save(self, path: str) -> None:
         save_safetensors(self.state_dict(), path)
@@ -224,7 +225,7 @@ def narrow_parameter(storage: np.ndarray, dtype, shape: tuple[int, ...]) -> Narr
 
 
 def _narrow(weight: Tensor, dtype, name: str) -> NarrowParameter:
-    return narrow_parameter(quant.quantize_weight(weight.numpy(), dtype, name), dtype, weight.shape)
+    return narrow_parameter(buffers.copy(quant.quantize_weight(weight.numpy(), dtype, name)), dtype, weight.shape)
 
 
 def is_narrow(t: Tensor) -> bool:

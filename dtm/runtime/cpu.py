@@ -49,6 +49,7 @@ from ..ref import quant
 from ..ref.context import RefContext
 from ..ref.interpreter import bind_symbols, check_array, evaluate, resolve_attrs, resolve_type
 from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
+from . import buffers
 
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
 _EMPTY_PTR = _EMPTY.ctypes.data
@@ -133,7 +134,7 @@ class _Frame:
     def __init__(self, plan: "Plan", bindings: dict, key):
         prog = plan.program
         self.key = key
-        self.slots = [np.empty(max(int(evaluate(n, bindings)), 64), np.uint8) for n in prog.slots]
+        self.slots = [buffers.empty(max(int(evaluate(n, bindings)), 64), np.uint8) for n in prog.slots]
         self.base: list = [None] * len(plan.buffers)
         for i, b in enumerate(plan.buffers):
             if b.kind == "const":
