@@ -66,15 +66,23 @@ def random_weights(**config) -> dict[str, np.ndarray]:
 
 
 
+def load_weights(model, weights: dict[str, np.ndarray]) -> None:
+    """Load `weights` into the DTM `model` as a user would (load_state_dict copies each
+    into memory of the model's own), taking them out of `weights` one by one, so that the
+    process never holds the model twice (its peak RSS is measured)."""
+    for name, _ in list(model.named_parameters()):
+        model.load_state_dict({name: weights.pop(name)}, strict=False)
+
+
 def dtm_engine(backend: str, n_layer: int, weights: dict[str, np.ndarray], narrow: str | None = None):
     """(prefill, decode) closures on a DTM GPT-2 running on `backend` (weights quantized to
-    `narrow` when given)."""
+    `narrow` when given); `weights` is emptied (load_weights)."""
     import dtm
     from dtm.models.gpt2 import GPT2, GPT2Config
 
     os.environ["DTM_BACKEND"] = backend
     model = GPT2(GPT2Config(n_layer=n_layer), init=False).eval()
-    model.load_state_dict({name: weights[name] for name, _ in model.named_parameters()})
+    load_weights(model, weights)
     if narrow:
         dtm.quant.quantize(model, narrow)
     forward = dtm.jit(lambda ids: model(ids)[:, -1])

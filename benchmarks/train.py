@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from gpt2 import random_weights  # this folder is on sys.path when run as a script
+from gpt2 import load_weights, random_weights  # this folder is on sys.path when run as a script
 
 MODELS = {  # GPT2Config fields, batch, context
     "char": (dict(vocab_size=65, n_positions=64, n_embd=128, n_layer=4, n_head=4), 16, 64),
@@ -61,7 +61,7 @@ def dtm_step(model: str, weights: dict, jitted: bool):
     fields = MODELS[model][0]
     m = GPT2(GPT2Config(**fields), init=False)
     m.train()
-    m.load_state_dict({name: weights[name] for name, _ in m.named_parameters()})
+    load_weights(m, weights)
     opt = dtm.optim.AdamW(m.parameters(), lr=LR)
 
     def step(x, y):
