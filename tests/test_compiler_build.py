@@ -303,3 +303,61 @@ def test_a_trace_starts_the_runtime_libraries(tmp_path):
     env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path), DTM_RUNTIME_DIR=str(tmp_path / "runtime"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# --- the bound on the cache (kernel_cache.py) -------------------------------------------------
+
+def _key(i: int) -> str:
+    return f"{i:040x}"
+
+
+def _fake_key(d, i: int, size: int, used: float) -> None:
+    for suffix, n in (("so", size), ("c", 100), ("sha256", 64)):
+        p = d / f"{_key(i)}.{suffix}"
+        p.write_bytes(b"x" * n)
+        os.utime(p, (used, used))
+
+
+def test_the_cache_sheds_its_least_recently_used_kernels_past_its_bound(tmp_path):
+    from dtm.compiler import kernel_cache as K
+
+    now = 1_000_000_000.0
+    for i in range(10):  # key i last used i hours (and a minute) ago: 9 is the oldest
+        _fake_key(tmp_path, i, 10_000, now - 3600 * i - 60)
+    (tmp_path / "store").mkdir()                         # the default tensor store lives here
+    (tmp_path / "store" / "index.sqlite").write_bytes(b"y" * 500_000)
+    (tmp_path / "notes.txt").write_bytes(b"z" * 500_000)  # not a build's file
+    dead = tmp_path / f".{_key(42)}.abc.so.tmp"           # a build that died, long ago
+    dead.write_bytes(b"t")
+    os.utime(dead, (now - 7200, now - 7200))
+    fresh = tmp_path / f".{_key(43)}.abc.so.tmp"          # a build in flight
+    fresh.write_bytes(b"t")
+    os.utime(fresh, (now, now))
+    each = 10_000 + 100 + 64
+    assert K.trim(tmp_path, limit=20 * each, now=now) == []          # within the bound: nothing goes
+    removed = K.trim(tmp_path, limit=8 * each, now=now)
+    assert removed == [_key(9), _key(8), _key(7), _key(6)]          # down to 3/4 of the bound, oldest first
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in left if n.endswith(".so") and not n.startswith(".")] == [f"{_key(i)}.so" for i in range(6)]
+    assert not any(n.startswith((_key(9), _key(6))) for n in left)  # whole keys: object, source, checksum
+    assert "notes.txt" in left and (tmp_path / "store" / "index.sqlite").exists() and fresh.exists()
+    assert not dead.exists()
+    # a key used within MIN_AGE_S stays even past the bound (another process may be loading it)
+    assert K.trim(tmp_path, limit=1, now=now, min_age_s=3600 * 3) == [_key(5), _key(4), _key(3)]
+    assert {p.name[:40] for p in tmp_path.glob("*.so")} == {_key(0), _key(1), _key(2)}
+
+
+def test_a_cache_hit_marks_the_kernel_used_and_the_bound_is_read_from_the_environment(tmp_path, monkeypatch):
+    from dtm.compiler import kernel_cache as K
+
+    monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
+    src = SRC % uuid.uuid4().hex
+    so = B.build(src, "k")
+    assert (tmp_path / K.MARKER).exists()                 # the compile had this cache looked at
+    os.utime(so, (1e9, 1e9))
+    B._intact.discard(so)                                 # as a new process finds it
+    assert B.build(src, "k") == so and so.stat().st_mtime > 1e9 + 3600
+    for text, want in (("0", 0), ("500M", 500 << 20), ("2G", 2 << 30), ("1.5GiB", int(1.5 * (1 << 30))),
+                       ("123456", 123456), ("", K.DEFAULT_MAX_BYTES), ("lots", K.DEFAULT_MAX_BYTES)):
+        monkeypatch.setenv("DTM_CACHE_MAX", text)
+        assert K.max_bytes() == want, text

@@ -14,7 +14,8 @@ atomically, after a successful compile and before the object is renamed into pla
 object that does not match it (truncated, emptied, damaged on disk: loading it would crash
 the process) is rebuilt, with one warning. The kernel's source is kept beside it (`<key>.c`); a failed
 compile raises DTMError E0806 naming that file and quoting the compiler. The compiler is
-$CC, else `cc`, else `gcc`. Loading uses ctypes, which releases the GIL during each call.
+$CC, else `cc`, else `gcc`. The cache is bounded ($DTM_CACHE_MAX, kernel_cache.py): the least
+recently used objects go first. Loading uses ctypes, which releases the GIL during each call.
 A program's kernels compile a few per translation unit, the units in parallel; the runtime
 library its products call starts compiling when its passes start (`prebuild_runtime`).
 """
@@ -35,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
-from . import c_move, c_narrow
+from . import c_move, c_narrow, kernel_cache
 from .c_runtime import SOURCES as _GEMM_SOURCES
 from .render_c import render_unit, vector_math_decls
 
@@ -193,6 +194,7 @@ def build(source: str, name: str = "kernel", flags: tuple | None = None, libs: t
             _intact.add(so)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    kernel_cache.trim_later(d)  # the cache grew: keep it within its bound
     return so
 
 
@@ -222,6 +224,10 @@ def _checked(so: Path, digest: Path, name: str) -> bool:
         return False
     with _lock:
         _intact.add(so)
+    try:
+        os.utime(so)  # used now: the cache's bound removes the least recently used first (kernel_cache.py)
+    except OSError:  # (a cache shared read-only)
+        pass
     return True
 
 
