@@ -475,6 +475,28 @@ def test_a_store_behind_an_fsspec_url_keeps_a_ref_per_key_as_the_spec_says():
     assert json.loads(fs.cat_file(f"/{name}/{info.dir}/zarr.json"))["attributes"]["dtm"]["dtype"] == "i32"
 
 
+def test_a_memory_store_writes_what_fsspec_itself_lists_and_reads():
+    """memory:// writes fsspec's dict of files directly (its file API walked every parent
+    of a path): fsspec's own find / cat_file / info see exactly the current version's files
+    and the ref, after puts that replace, and nothing after a delete."""
+    fsspec = pytest.importorskip("fsspec")
+    name = uuid.uuid4().hex
+    s = dtm.store.open(f"memory://{name}", chunk_bytes=64)
+    fs = fsspec.filesystem("memory")
+    for x in (np.arange(40, dtype=np.float32).reshape(10, 4), np.arange(3, dtype=np.int64)):
+        info = s.put("a/b", x)
+        layout = s._layout(info)
+        files = ["zarr.json", *(layout.chunk_key(i) for i in layout.chunks())]
+        assert len(files) == 1 + (3 if x.ndim == 2 else 1)      # (64-byte chunks: 10 rows of 16 bytes in 3)
+        assert sorted(fs.find(f"/{name}")) == sorted([f"/{name}/data/a/b/@ref", *(f"/{name}/{info.dir}/{f}" for f in files)])
+        assert fs.info(f"/{name}/{info.dir}/zarr.json")["type"] == "file"
+        assert _same_bits(s.get_array("a/b"), x)
+    raw = fs.cat_file(f"/{name}/{info.dir}/c/0")               # a chunk as fsspec reads it: bytes, then CRC32C
+    assert raw[:-4] == np.arange(3, dtype=np.int64).tobytes() and len(raw) == 3 * 8 + 4
+    s.delete("a/b")
+    assert fs.find(f"/{name}") == []
+
+
 def test_a_replaced_version_is_removed_at_once_when_small_else_in_the_background(tmp_path, monkeypatch):
     """A put that replaces a small tensor removes the old version before it returns; one of
     REMOVE_LATER_BYTES or more goes to the reaper thread (unlinking large files is slow), and

@@ -24,7 +24,7 @@ import weakref
 
 from .errors import (ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreCorrupt, StoreError, StoreIOError,
                      StoreTypeError)
-from .files import FsspecFiles, LocalFiles
+from .files import FsspecFiles, LocalFiles, MemoryFiles
 from .format import DEFAULT_CHUNK_BYTES
 from .index import SqliteIndex
 from ..errors import ErrorCode
@@ -78,7 +78,9 @@ def _open_fsspec(url: str, chunk_bytes: int) -> Store:
         fs, root = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:
         raise StoreIOError(f"fsspec cannot open the store: {e}", url) from None
-    files = FsspecFiles(fs, root)
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    files = MemoryFiles(fs, root) if isinstance(fs, MemoryFileSystem) else FsspecFiles(fs, root)
     return Store(url, files, RefIndex(files), chunk_bytes)
 
 

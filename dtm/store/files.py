@@ -32,15 +32,16 @@ class LocalFiles:
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if os.sep == "/" else os.path.join(self.root, *rel.split("/"))
 
-    def make_dirs(self, rel: str, subdirs: Iterable[str]) -> None:
-        """Create the directory `rel` (and what is missing above it) and `subdirs` in it,
-        so that the writes into them find them (a write that does not makes them itself)."""
+    def make_dirs(self, rel: str, names: Iterable[str]) -> None:
+        """Create the directory `rel` (and what is missing above it) and those its files
+        `names` (relative paths) sit in, so that the writes of those files find them (a
+        write that does not makes them itself)."""
         top = self.path(rel)
         try:
             os.mkdir(top)
         except FileNotFoundError:
             os.makedirs(top, exist_ok=True)
-        for sub in sorted(subdirs, key=len):
+        for sub in sorted(dirs_of(names), key=len):
             os.mkdir(f"{top}/{sub}")
 
     def write(self, rel: str, parts: Iterable[memoryview | bytes]) -> None:
@@ -67,12 +68,12 @@ class LocalFiles:
         finally:
             os.close(fd)
 
-    def sync_tree(self, rel: str, subdirs: Iterable[str] = ()) -> None:
-        """fsync the directories `subdirs` (relative to `rel`, all that hold new files),
+    def sync_tree(self, rel: str, names: Iterable[str] = ()) -> None:
+        """fsync the directories that the new files `names` (relative to `rel`) sit in,
         `rel`, then its ancestors up to the root, so the new files' names are as durable as
         their bytes."""
         top = self.path(rel)
-        for sub in sorted(subdirs, key=len, reverse=True):
+        for sub in sorted(dirs_of(names), key=len, reverse=True):
             _fsync_dir(f"{top}/{sub}")
         _fsync_dir(top)
         d = os.path.dirname(top)
@@ -184,10 +185,10 @@ class FsspecFiles:
         """Write the object `rel` whole, replacing any earlier one in one step."""
         self.fs.pipe_file(self.path(rel), data)
 
-    def make_dirs(self, rel: str, subdirs: Iterable[str]) -> None:
+    def make_dirs(self, rel: str, names: Iterable[str]) -> None:
         """Nothing to make: an object store has no directories."""
 
-    def sync_tree(self, rel: str, subdirs: Iterable[str] = ()) -> None:
+    def sync_tree(self, rel: str, names: Iterable[str] = ()) -> None:
         """Nothing to sync: each object was durable when its write returned."""
 
     def read_bytes(self, rel: str) -> bytes:
@@ -233,9 +234,39 @@ class FsspecFiles:
             return
         for name in found:
             try:
-                self.fs.rm_file(self.path(f"{rel}/{name}"))
+                self.remove(f"{rel}/{name}")
             except FileNotFoundError:
                 pass
 
     def drain(self) -> None:
         """Nothing queued: removals here are done when they return."""
+
+
+class MemoryFiles(FsspecFiles):
+    """fsspec's memory file system (`memory://`), written and read through its dict of files
+    (`fs.store`, path -> MemoryFile) rather than its file API: the same objects, at the paths
+    any fsspec user of the same file system finds them, at a dict's cost (its `pipe_file`
+    checks that no parent of the path is a file, a walk up the path: two thirds of a small
+    put's time went there)."""
+
+    def __init__(self, fs: Any, root: str):
+        super().__init__(fs, root)
+        from fsspec.implementations.memory import MemoryFile  # (fsspec: only stores behind URLs need it)
+        self._file = MemoryFile
+
+    def replace(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        self._file(self.fs, path, data).commit()  # what the file API does once its checks pass
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            return self.fs.store[self.path(rel)].getvalue()
+        except KeyError:
+            raise FileNotFoundError(self.path(rel)) from None
+
+    def remove(self, rel: str) -> None:
+        try:
+            del self.fs.store[self.path(rel)]
+        except KeyError:
+            raise FileNotFoundError(self.path(rel)) from None
+

@@ -20,7 +20,7 @@ from ..runtime.mesh import Shards
 from . import format as fmt
 from . import sharded
 from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError, StoreTypeError
-from .files import FsspecFiles, LocalFiles, dirs_of
+from .files import FsspecFiles, LocalFiles
 from .index import Entry, SqliteIndex
 from .refindex import RefIndex
 from .keys import check_key, version_dir
@@ -131,7 +131,7 @@ class Store:
         self._index.check_quota(key, layout.nbytes)
         rel = version_dir(key, secrets.randbits(64))
         with self._writing(key, rel):
-            self._files.make_dirs(rel, dirs_of(layout.chunk_key(i) for i in layout.chunks()))
+            self._files.make_dirs(rel, (layout.chunk_key(i) for i in layout.chunks()))
             crc = 0
             for i in layout.chunks():
                 crc = self._write_chunk(rel, layout, i, data[_slices(layout.chunk_box(i))])
@@ -151,7 +151,7 @@ class Store:
         the index switch (the commit point), the removal of the version it replaced."""
         with self._writing(key, rel):
             self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
-            self._files.sync_tree(rel, dirs_of(layout.chunk_key(i) for i in layout.chunks()))
+            self._files.sync_tree(rel, (layout.chunk_key(i) for i in layout.chunks()))
             entry, old = self._index.commit(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
         if len(self._layouts) >= _LAYOUTS_KEPT:
             self._layouts.clear()
