@@ -38,9 +38,12 @@ def empty(shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
         return np.empty(shape, dtype)
     # a private anonymous mapping (a shared one is shmem, which gets no huge pages here),
     # one huge page longer than the array so that it can start on a boundary
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=_PRIVATE[0] | _PRIVATE[1])
-    if _ADVICE is not None:
-        region.madvise(_ADVICE)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=_PRIVATE[0] | _PRIVATE[1])
+        if _ADVICE is not None:
+            region.madvise(_ADVICE)
+    except OSError:  # no mapping to be had (a limit on them): numpy's memory, or its MemoryError
+        return np.empty(shape, dtype)
     raw = np.frombuffer(region, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     return raw[start:start + nbytes].view(dtype).reshape(shape)
