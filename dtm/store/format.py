@@ -43,7 +43,8 @@ _ZARR_TYPE = {
 class Layout:
     """How a tensor of `dtype`/`shape` is stored: the storage array's numpy dtype (little-
     endian), its shape, and the shape of its chunks, a regular grid over the storage array
-    (spec 9.2.3). Chunk ids are tuples, one index per storage dim (`()` for a scalar)."""
+    (spec 9.2.3). Chunk ids are tuples, one index per storage dim (`()` for a scalar). Its
+    sizes are worked out once (`plan` hands the same Layout to every put of a type)."""
 
     dtype: DType
     shape: tuple[int, ...]
@@ -51,20 +52,20 @@ class Layout:
     storage_shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.storage_shape) * self.storage_dtype.itemsize
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, ...]:
         """Chunks along each dim (0 along a zero-size dim: such a tensor has no chunks)."""
         return tuple(-(-n // c) for n, c in zip(self.storage_shape, self.chunk_shape))
 
-    @property
+    @functools.cached_property
     def nchunks(self) -> int:
         return math.prod(self.grid)
 
-    @property
+    @functools.cached_property
     def chunk_data_bytes(self) -> int:
         """Bytes of one encoded chunk before its CRC: Zarr stores edge chunks whole, padded."""
         return math.prod(self.chunk_shape) * self.storage_dtype.itemsize
@@ -97,6 +98,7 @@ def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
     return _quant_storage_shape(TensorType(dtype, shape))
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(dtype: DType, shape: tuple[int, ...], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Layout:
     """The layout of a tensor put whole: chunks split the first dim only, as few as
     `chunk_bytes` allows, of near-equal rows so the padded edge chunk wastes at most one row
