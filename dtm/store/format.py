@@ -85,6 +85,10 @@ class Layout:
         """The chunk's key in Zarr's default encoding: `c/i/j/...`, or `c` for a scalar."""
         return "/".join(["c", *map(str, i)])
 
+    def chunk_keys(self) -> Iterator[str]:
+        """Every chunk's key (its file's path in the version directory), in row-major order."""
+        return (self.chunk_key(i) for i in self.chunks())
+
     def chunk_box(self, i: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """The [start, stop) of the tensor that chunk i holds along each storage dim."""
         return tuple((k * c, min((k + 1) * c, n)) for k, c, n in zip(i, self.chunk_shape, self.storage_shape))

@@ -86,10 +86,6 @@ class Store:
         self._files = files
         self._index = index
         self._chunk_bytes = chunk_bytes
-        # version directory -> layout, for the versions this process wrote: a version is
-        # written once, under a fresh random name, and never changed, so the put that
-        # replaces it knows its files without reading its zarr.json
-        self._layouts: dict[str, fmt.Layout] = {}
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -131,7 +127,7 @@ class Store:
         self._index.check_quota(key, layout.nbytes)
         rel = version_dir(key, secrets.randbits(64))
         with self._writing(key, rel):
-            self._files.make_dirs(rel, (layout.chunk_key(i) for i in layout.chunks()))
+            self._files.make_dirs(rel, layout.chunk_keys())
             crc = 0
             for i in layout.chunks():
                 crc = self._write_chunk(rel, layout, i, data[_slices(layout.chunk_box(i))])
@@ -151,11 +147,8 @@ class Store:
         the index switch (the commit point), the removal of the version it replaced."""
         with self._writing(key, rel):
             self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
-            self._files.sync_tree(rel, (layout.chunk_key(i) for i in layout.chunks()))
+            self._files.sync_tree(rel, layout.chunk_keys())
             entry, old = self._index.commit(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
-        if len(self._layouts) >= _LAYOUTS_KEPT:
-            self._layouts.clear()
-        self._layouts[rel] = layout
         if old is not None:
             self._drop(old)
         return entry
@@ -164,10 +157,8 @@ class Store:
         """Remove the version `old` names, which no key names any more: its zarr.json and
         its chunks."""
         def names() -> list[str]:
-            layout = self._layouts.pop(old.dir, None)
-            if layout is None:
-                layout, _ = fmt.parse_metadata(self._files.read_bytes(f"{old.dir}/zarr.json"))
-            return [layout.chunk_key(i) for i in layout.chunks()] + ["zarr.json"]
+            layout, _ = fmt.parse_metadata(self._files.read_bytes(f"{old.dir}/zarr.json"))  # (parsed once per text)
+            return [*layout.chunk_keys(), "zarr.json"]
         self._files.remove_version(old.dir, names, old.nbytes)
 
     @contextlib.contextmanager
@@ -355,10 +346,6 @@ class Store:
         for d in garbage:
             self._files.remove_tree(d)
         return garbage
-
-
-# the most layouts of versions it wrote a Store keeps (then it forgets them all and starts again)
-_LAYOUTS_KEPT = 4096
 
 
 def as_tensor(key: str, stored: DType, a: np.ndarray) -> Any:
