@@ -6,7 +6,7 @@ docs/spec/dtm-spec.md for the normative spec."""
 from . import ir
 from .errors import DTMError, ErrorCode, TensorError
 from .ir.version import PACKAGE_VERSION as __version__
-from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, float8_e5m2, float16, float32, float64,
+from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, float8_e4m3fn, float8_e5m2, float16, float32, float64,
                      from_dlpack, from_numpy, full, full_like, int8, int16, int32, int64, is_grad_enabled, jit,
                      manual_seed, no_grad, ones, ones_like, promote_types, rand, rand_like, randn, randn_like, realize,
                      result_type, tensor, uint8, uint16, uint32, uint64, zeros, zeros_like)

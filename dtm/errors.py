@@ -90,6 +90,7 @@ class ErrorCode(str, enum.Enum):
     GRAPH_FREED = "E0807"
     INDEX_OUT_OF_RANGE = "E0808"
     DIVISION_BY_ZERO = "E0809"
+    OUT_OF_MEMORY = "E0810"
     # E09xx: the wire protocol
     BAD_MAGIC = "E0901"
     UNSUPPORTED_PROTOCOL_VERSION = "E0902"
@@ -147,6 +148,14 @@ class DTMError(Exception):
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
 
+    def in_context(self, prefix: str) -> "DTMError":
+        """This error, of the same class and with the same fields, its message led by
+        `prefix` (where an executor met it: "@main op 3 (gather)")."""
+        message = f"{prefix}: {self.message}"
+        e = type(self).__new__(type(self), message)  # (copy.copy would call __init__ with args alone)
+        e.__dict__.update(self.__dict__, message=message)
+        return e
+
 
 class TensorError(DTMError):
     """A mistake in tensor code (shape, dtype, argument), reported at the user's own line:
@@ -189,6 +198,12 @@ def user_line() -> str | None:
     return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else None
 
 
+def tensor_error(code: ErrorCode, message: str, where: str | None) -> TensorError:
+    """A fault of the user's tensor code found at `where` ("file:line"), of the Python
+    exception kind the code has (an IndexError for an index out of range)."""
+    return _PYTHON_KIND.get(code, TensorError)(code, message, where)
+
+
 def user_error(code: ErrorCode, message: str) -> TensorError:
     """A mistake in the user's tensor code, reported at the user's own line."""
-    return _PYTHON_KIND.get(code, TensorError)(code, message, user_line())
+    return tensor_error(code, message, user_line())

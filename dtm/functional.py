@@ -11,15 +11,16 @@ from __future__ import annotations
 import builtins
 import math
 from collections import namedtuple
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import ErrorCode, user_line
 from .ir.dtypes import numpy_dtype
 from .ir.types import TensorType
-from .tensor import (DEFAULT_FLOAT, STATE, Tensor, apply, as_dtype, bool_, error, float32, int64, is_grad_enabled,
-                     normalize_dim, rand, result_type, tensor)
+from .tensor import (DEFAULT_FLOAT, STATE, Tensor, apply, as_dtype, bool_, capture, error, float32, int64,
+                     is_grad_enabled, normalize_dim, rand, result_type, tensor)
+from .tensor.dtypes import check_fits, convert_scalar
 from .tensor.jit import value_fault
 
 # --- helpers ------------------------------------------------------------------------------
@@ -30,18 +31,6 @@ def _scalar(value: Any, dtype) -> Tensor:
     return apply("full", type=TensorType(dtype, ()), value=value)
 
 
-def _convert_scalar(value, dtype):
-    """A Python scalar as a value of `dtype`, as torch converts it: True is 1 in a number
-    tensor, an int wraps into an unsigned or narrow dtype (u8 tensor * -1 -> 255 * x), and
-    a float rounds to the dtype, overflowing to an infinity (f16 tensor * 1e6 -> inf)."""
-    if dtype is bool_:
-        return bool(value)
-    if dtype.is_float:
-        with np.errstate(over="ignore"):
-            return float(np.array(value, np.float64).astype(numpy_dtype(dtype)))
-    return int(np.array(int(value)).astype(numpy_dtype(dtype)))
-
-
 def as_tensor(x: Any, dtype=None) -> Tensor:
     """A Tensor from a Tensor, a Python or numpy scalar (a rank-0 constant of `dtype`, else
     the scalar's promotion type), or array data (lists and arrays keep their own dtype)."""
@@ -49,7 +38,7 @@ def as_tensor(x: Any, dtype=None) -> Tensor:
         return x if dtype is None or x.dtype is dtype else cast(x, dtype)
     if isinstance(x, (bool, int, float, np.generic)):
         d = dtype if dtype is not None else result_type(x)
-        return _scalar(_convert_scalar(x.item() if isinstance(x, np.generic) else x, d), d)
+        return _scalar(convert_scalar(x.item() if isinstance(x, np.generic) else x, d), d)
     return tensor(x, dtype=dtype)
 
 
@@ -105,28 +94,94 @@ def _value_source(t: Tensor) -> Tensor:
     return t
 
 
-def _check_values(t: Tensor, code: ErrorCode, fault: Callable[[np.ndarray], str | None]) -> None:
-    """Raise `code` at the user's line when `fault(values)` names a fault in t's values:
-    now, when they are known (data, a realized result, through _value_source); on every
-    call of the compiled program, when they are an argument of the function dtm.jit is
-    tracing. A value still to be computed is not computed to check it (no extra program
-    run per op), and the IR op's own total semantics apply to it (spec 1.6)."""
+class ValueCheck(NamedTuple):
+    """What an op asks of an operand's values where torch raises when they fail. `fault`
+    reads values already known: the message, or None. `mask` marks with IR ops the values
+    still to be computed that fail (bool, the operand's shape), or is None when no value of
+    the operand's dtype can; `message` is then the error's text, `{value}` standing for the
+    first failing value."""
+
+    code: ErrorCode
+    fault: Callable[[np.ndarray], str | None]
+    mask: Callable[[Tensor], Tensor | None]
+    message: str
+
+
+def _checked(t: Tensor, check: ValueCheck) -> Tensor:
+    """t, its values checked as torch checks them, at the user's line: values already
+    known now (data, a realized result, through _value_source); a dtm.jit argument's on
+    every call of the compiled program; values still to be computed by a `check` op in the
+    program (spec 3.14), which stops it before anything reads them. Use the tensor this
+    returns: the check travels with it."""
     src = _value_source(t)
     if src._buffer is not None:
-        message = value_fault(src._buffer, fault)
+        message = value_fault(src._buffer, check.fault)
         if message:
-            raise error(code, message)
-        return
+            raise error(check.code, message)
+        return t
     trace = STATE.trace
     if trace is not None and id(src) in trace.placeholders:
-        trace.checks.append((src, code, fault, user_line()))
+        trace.checks.append(([src], None, check.code, check.fault, user_line()))
+        return t
+    sources = _small_function_of_known(t, trace.placeholders) if trace is not None else None
+    if sources is not None:
+        derive, _ = capture([t], params=sources)
+        trace.checks.append((sources, derive, check.code, check.fault, user_line()))
+        return t
+    bad = check.mask(t)
+    if bad is None:
+        return t
+    return apply("check", t, bad, code=check.code.value, message=check.message, where=user_line() or "")
 
 
-def _index_fault(what: str, n: int, wrap: bool) -> Callable[[np.ndarray], str | None]:
-    """The check of indices into a dim of size n, as torch's: -n <= index < n where
-    negative indices count from the end (x[idx]), else 0 <= index < n (index_select,
-    gather, embedding)."""
+_SMALL_OPS, _SMALL_ELEMENTS = 16, 4096  # a computation cheap enough to evaluate in numpy before each call
+
+
+def _small_function_of_known(t: Tensor, placeholders: set) -> list[Tensor] | None:
+    """The dtm.jit arguments and known tensors t is computed from, when t is a small
+    computation of them alone (a decoding step's positions, `pos + arange(T)`): its check
+    can then be made on each call before the program runs, instead of inside it. None
+    otherwise (a distributed t, an intermediate of the traced function, a large one)."""
+    sources: list[Tensor] = []
+    seen: set[int] = set()
+    stack, ops, elements = [t], 0, 0
+    while stack:
+        u = stack.pop()
+        if id(u) in seen:
+            continue
+        seen.add(id(u))
+        if u._mesh is not None or not all(type(d) is int for d in u.shape):
+            return None
+        elements += u.numel()
+        known = u._buffer is not None or id(u) in placeholders
+        if known:
+            sources.append(u)
+        else:
+            ops += 1
+            stack.extend(u._inputs)
+        if (u._op is None and not known) or ops > _SMALL_OPS or elements > _SMALL_ELEMENTS:
+            return None
+    return sources
+
+
+def _outside(t: Tensor, low: int, high: int) -> Tensor | None:
+    """Where integer t is outside [low, high), compared in t's own dtype (None when no value
+    of that dtype is: a bound beyond the dtype's range is never crossed)."""
+    info = np.iinfo(numpy_dtype(t.dtype))
+    parts = []
+    if low > info.min:
+        parts.append(apply("lt", t, _scalar(low, t.dtype)))
+    if high <= info.max:
+        parts.append(apply("ge", t, _scalar(high, t.dtype)))
+    return parts[0] if len(parts) == 1 else apply("logical_or", *parts) if parts else None
+
+
+def _index_check(what: str, n: int, wrap: bool) -> ValueCheck:
+    """Indices into a dim of size n, as torch checks them: -n <= index < n where negative
+    indices count from the end (x[idx]), else 0 <= index < n (index_select, gather,
+    embedding)."""
     low = -n if wrap else 0
+    message = f"{what}: index {{value}} is out of range for a dim of size {n} (expected {low} <= index < {n})"
 
     def fault(v: np.ndarray) -> str | None:
         if v.size <= 16:  # a decoding step's ids: a Python loop costs less than numpy's four calls
@@ -134,21 +189,23 @@ def _index_fault(what: str, n: int, wrap: bool) -> Callable[[np.ndarray], str | 
         else:
             bad = (v >= n) if v.dtype.kind == "u" else (v < low) | (v >= n)
             first = v[bad].flat[0] if bad.any() else None
-        if first is None:
-            return None
-        return f"{what}: index {first} is out of range for a dim of size {n} (expected {low} <= index < {n})"
-    return fault
+        return None if first is None else message.replace("{value}", str(first))
+    return ValueCheck(ErrorCode.INDEX_OUT_OF_RANGE, fault, lambda t: _outside(t, low, n), message)
 
 
-def _check_divisor(op: str, b: Any, d) -> None:
-    """Integer division and remainder by zero raise, as in torch; floats give inf / NaN."""
+def _check_divisor(op: str, b: Any, d) -> Any:
+    """b, checked: integer division and remainder by zero raise, as in torch; floats give
+    inf / NaN."""
     if d.is_float:
-        return
-    fault = f"{op}: integer division by zero (the divisor {{}} holds a 0; torch raises ZeroDivisionError too)"
+        return b
+    message = f"{op}: integer division by zero (the divisor {{}} holds a 0; torch raises ZeroDivisionError too)"
     if isinstance(b, Tensor):
-        _check_values(b, ErrorCode.DIVISION_BY_ZERO, lambda v: fault.format(b._type) if not v.all() else None)
-    elif isinstance(b, (bool, int, np.integer)) and int(b) == 0:
-        raise error(ErrorCode.DIVISION_BY_ZERO, fault.format(repr(b)))
+        text = message.format(b._type)
+        return _checked(b, ValueCheck(ErrorCode.DIVISION_BY_ZERO, lambda v: text if not v.all() else None,
+                                      lambda t: apply("eq", t, _scalar(0, t.dtype)), text))
+    if isinstance(b, (bool, int, np.integer)) and int(b) == 0:
+        raise error(ErrorCode.DIVISION_BY_ZERO, message.format(repr(b)))
+    return b
 
 
 # --- elementwise --------------------------------------------------------------------------
@@ -216,7 +273,7 @@ def div(a, b, rounding_mode: str | None = None) -> Tensor:
         d = d if d.is_float else DEFAULT_FLOAT
         return _arithmetic("div", a, b, d)
     if rounding_mode == "trunc":
-        _check_divisor("div", b, d)
+        b = _check_divisor("div", b, d)
         return _binary("div", a, b, d) if not d.is_float else trunc(_binary("div", a, b, d))
     if rounding_mode == "floor":
         return floor_divide(a, b)
@@ -229,7 +286,7 @@ def trunc(x: Tensor) -> Tensor:
 
 def floor_divide(a, b) -> Tensor:
     d = result_type(a, b)
-    _check_divisor("floor_divide", b, d)
+    b = _check_divisor("floor_divide", b, d)
     a, b = as_tensor(a, d), as_tensor(b, d)
     if d.is_float:
         return _floor_divide_float(a, b)
@@ -259,7 +316,7 @@ def _floor_divide_float(a: Tensor, b: Tensor) -> Tensor:
 def remainder(a, b) -> Tensor:
     """Python's modulo: the result has the sign of the divisor (torch.remainder)."""
     d = result_type(a, b)
-    _check_divisor("remainder", b, d)
+    b = _check_divisor("remainder", b, d)
     a, b = as_tensor(a, d), as_tensor(b, d)
     r = apply("mod", a, b)
     zero = _scalar(0, d)
@@ -268,7 +325,7 @@ def remainder(a, b) -> Tensor:
 
 
 def fmod(a, b) -> Tensor:
-    _check_divisor("fmod", b, result_type(a, b))
+    b = _check_divisor("fmod", b, result_type(a, b))
     return _binary("mod", a, b)
 
 
@@ -290,16 +347,22 @@ def pow(a, b) -> Tensor:  # noqa: A001
 
 
 def _int_pow(a, b, d) -> Tensor:
-    """Integer pow (the IR's pow is float only). A constant exponent multiplies by repeated
-    squaring: exact, and wrapping on overflow as torch does. A tensor exponent computes in
-    f64 and rounds, exact while the result stays below 2**53 (a negative exponent gives
-    0, 1 or -1, the integer quotient torch gives)."""
+    """Integer pow (the IR's pow is float only), as torch's. A number exponent must fit the
+    dtype and not be negative (torch raises: "Integers to negative integer powers are not
+    allowed", whatever the base); with a tensor base it multiplies by repeated squaring:
+    exact, and wrapping on overflow as torch does. Otherwise pow computes in f64 and rounds,
+    exact while the result stays below 2**53; a negative tensor exponent gives torch's
+    integer quotient: 1 for a base of 1, 1 or -1 for -1, else 0."""
+    if not isinstance(b, Tensor):
+        b = int(b)
+        check_fits("pow", b, d)
+        if b < 0:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, "pow: integers to negative integer powers are not allowed")
     if isinstance(b, Tensor) or not isinstance(a, Tensor):
-        f64 = as_dtype("f64")
-        return cast(apply("round", _binary("pow", a, b, f64)), d)
-    b = int(b)
-    if b < 0:
-        raise error(ErrorCode.ATTRIBUTE_VALUE, "pow: integers to negative integer powers are not allowed")
+        p = apply("round", _binary("pow", a, b, as_dtype("f64")))
+        if isinstance(b, Tensor):  # f64 gives 0 to a negative power an infinity; torch gives 0
+            p = where(logical_and(eq(a, 0), lt(b, 0)), 0.0, p)
+        return cast(p, d)
     base, out = as_tensor(a, d), None
     while b:
         if b & 1:
@@ -360,9 +423,18 @@ def logical_xor(a, b) -> Tensor:
     return apply("logical_xor", cast(as_tensor(a), bool_), cast(as_tensor(b), bool_))
 
 
+def _fill_value(op: str, value: Any, dtype) -> Tensor:
+    """`value` as a tensor of `dtype`, to be stored in one (where's operands, clamp's
+    bounds, masked_fill, x[i] = v): a Python number that does not fit the dtype raises
+    E0410, as torch raises (arithmetic with one wraps instead: i8 tensor + 1000)."""
+    if isinstance(value, (bool, int, float, np.generic)):
+        check_fits(op, value.item() if isinstance(value, np.generic) else value, dtype)
+    return as_tensor(value, dtype)
+
+
 def where(cond, x, y) -> Tensor:
     d = result_type(x, y)
-    return apply("where", cast(as_tensor(cond), bool_), as_tensor(x, d), as_tensor(y, d))
+    return apply("where", cast(as_tensor(cond), bool_), _fill_value("where", x, d), _fill_value("where", y, d))
 
 
 def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
@@ -370,6 +442,7 @@ def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
     maximum/minimum, so a value equal to a bound keeps its whole gradient, as in torch
     (maximum would split it at the tie)."""
     x = as_tensor(x, result_type(x, *(b for b in (min, max) if b is not None)))
+    min, max = (b if b is None else _fill_value("clamp", b, x.dtype) for b in (min, max))
     if min is not None:
         x = where(lt(x, min), min, x)
     if max is not None:
@@ -391,9 +464,7 @@ def silu(x: Tensor) -> Tensor:
 
 def masked_fill(x: Tensor, mask, value) -> Tensor:
     """torch.masked_fill: the value takes x's dtype (2.5 fills an int tensor with 2)."""
-    if not isinstance(value, Tensor) and not x.dtype.is_float:
-        value = np.array(value).astype(numpy_dtype(x.dtype)).item()
-    return where(mask, as_tensor(value, x.dtype), x)
+    return where(mask, _fill_value("masked_fill", value, x.dtype), x)
 
 
 # --- reductions ---------------------------------------------------------------------------
@@ -452,6 +523,21 @@ def _extremum(op: str, x: Tensor, axes: tuple[int, ...], keepdim: bool) -> Tenso
     return apply(op, x, axes=axes, keepdims=keepdim)
 
 
+def _nonempty(name: str, x: Tensor, dim) -> None:
+    """max, min, argmax and argmin have no identity, so over no elements torch raises
+    (E0403 here) rather than give -inf or index 0: over a dim of size 0, or over all of a
+    tensor with no elements. A dim of size 0 that is not reduced leaves an empty result."""
+    if dim is None:
+        if x.numel() == 0:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"{name}(): {x._type} has no elements, and the {name} of none is "
+                        "not defined (torch raises too); give dim= to reduce over dims of nonzero size")
+        return
+    for a in _axes(dim, x.ndim):
+        if x.shape[a] == 0:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"{name}(): dim {a} of {x._type} has size 0, and the {name} of no "
+                        "elements is not defined (torch raises too)")
+
+
 def _minmax(op: str, arg: str, x: Tensor, dim, keepdim: bool):
     if dim is None:
         return _extremum(op, x, tuple(range(x.ndim)), False)
@@ -465,20 +551,24 @@ def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
     """max(x) is the maximum; max(x, dim) is (values, indices), as in torch."""
     if isinstance(dim, Tensor):
         return maximum(x, dim)
+    _nonempty("max", x, dim)
     return _minmax("reduce_max", "argmax", x, dim, keepdim)
 
 
 def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
     if isinstance(dim, Tensor):
         return minimum(x, dim)
+    _nonempty("min", x, dim)
     return _minmax("reduce_min", "argmin", x, dim, keepdim)
 
 
 def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    _nonempty("amax", x, dim)
     return _extremum("reduce_max", x, _axes(dim, x.ndim), keepdim)
 
 
 def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    _nonempty("amin", x, dim)
     return _extremum("reduce_min", x, _axes(dim, x.ndim), keepdim)
 
 
@@ -492,10 +582,12 @@ def _arg(op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
 
 
 def argmax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    _nonempty("argmax", x, dim)
     return _arg("argmax", x, dim, keepdim)
 
 
 def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    _nonempty("argmin", x, dim)
     return _arg("argmin", x, dim, keepdim)
 
 
@@ -685,7 +777,7 @@ def take(x: Tensor, index: Tensor, axis: int, wrap: bool = True) -> Tensor:
     if not index.dtype.is_int:
         raise error(ErrorCode.DTYPE_MISMATCH, f"indices must be an integer tensor, found {index.dtype}")
     n = x.shape[axis]
-    _check_values(index, ErrorCode.INDEX_OUT_OF_RANGE, _index_fault(f"index along dim {axis}", n, wrap))
+    index = _checked(index, _index_check(f"index along dim {axis}", n, wrap))
     index = cast(index, int64)
     if wrap:
         index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
@@ -708,7 +800,7 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
     for a in range(x.ndim - 2, -1, -1):
         strides[a] = strides[a + 1] * x.shape[a + 1]
     n = x.shape[d]
-    _check_values(index, ErrorCode.INDEX_OUT_OF_RANGE, _index_fault(f"gather along dim {d}", n, False))
+    index = _checked(index, _index_check(f"gather along dim {d}", n, False))
     # Unchecked (pending) negative indices still wrap, so a flat index stays within its row.
     index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
     flat = apply("mul", index, _scalar(strides[d], int64))
@@ -761,7 +853,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias (weight is [out, in], as in torch)."""
+    """x @ weight.T + bias (weight is [out, in], as in torch). Operands of two dtypes are
+    promoted (torch refuses them), the weight before its transpose: a bf16 weight's product
+    then reads the weight itself (the compiler's narrow weights)."""
+    weight = as_tensor(weight, result_type(x, weight))
     y = matmul(x, transpose(weight, 0, 1))
     return add(y, bias) if bias is not None else y
 
@@ -904,8 +999,7 @@ def _advanced(x: Tensor, advanced: list[tuple[int, Tensor]]) -> Tensor:
         if not t.dtype.is_int:
             raise error(ErrorCode.DTYPE_MISMATCH, f"tensors used as indices must be integer or bool tensors, "
                         f"found {t.dtype}")
-        _check_values(t, ErrorCode.INDEX_OUT_OF_RANGE, _index_fault(f"index into dim {a}", x.shape[a], True))
-    idx = [cast(t, int64) for _, t in advanced]
+    idx = [cast(_checked(t, _index_check(f"index into dim {a}", x.shape[a], True)), int64) for a, t in advanced]
     shape = np.broadcast_shapes(*[t.shape for t in idx])
     adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
     rest = [a for a in range(x.ndim) if a not in axes]
@@ -937,9 +1031,9 @@ def setitem(x: Tensor, index, value) -> Tensor:
     if isinstance(index, Tensor) and index.dtype is bool_ and index.shape == x.shape[:index.ndim] and (
             not isinstance(value, Tensor) or value.ndim == 0):
         mask = reshape(index, index.shape + (1,) * (x.ndim - index.ndim))
-        return where(mask, as_tensor(value, x.dtype), x)
+        return where(mask, _fill_value("setitem", value, x.dtype), x)
     positions = getitem(reshape(_iota((x.numel(),), 0), x.shape), index)
-    value = as_tensor(value, x.dtype)
+    value = _fill_value("setitem", value, x.dtype)
     extra = value.ndim - positions.ndim
     if extra > 0 and value.shape[:extra] == (1,) * extra:  # torch drops leading size-1 dims
         value = reshape(value, value.shape[extra:])
@@ -1036,7 +1130,7 @@ for _name, _fn in _METHODS.items():
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
-    "annotations", "builtins", "namedtuple", "np", "Any", "Sequence", "ErrorCode", "TensorType", "Tensor",
-    "apply", "as_dtype", "bool_", "error", "float32", "int64", "is_grad_enabled", "result_type", "numpy_dtype",
+    "annotations", "builtins", "namedtuple", "NamedTuple", "np", "Any", "Sequence", "ErrorCode", "TensorType", "Tensor",
+    "apply", "as_dtype", "bool_", "capture", "error", "float32", "int64", "is_grad_enabled", "result_type", "numpy_dtype",
     "normalize_dim", "tensor",
-    "DEFAULT_FLOAT", "MinMax", "Callable", "STATE", "user_line", "value_fault")]
+    "DEFAULT_FLOAT", "MinMax", "Callable", "STATE", "user_line", "value_fault", "ValueCheck")]

@@ -201,6 +201,9 @@ case("reduce_min_ties_all", lambda f, x: f.reduce_min(x, axes=[0, 1]), lambda x:
      lambda rng, dt: [rng.integers(0, 2, (3, 4)).astype(dt)])
 case("reduce_sum_scalar_loss", lambda f, x: f.reduce_sum(f.mul(x, x), axes=[0, 1]), lambda x: (x * x).sum(),
      normal((3, 4)), seed="ones")
+for _axis in (0, 1, 2):
+    case(f"cumsum{_axis}", lambda f, x, a=_axis: f.cumsum(x, axis=a), lambda x, a=_axis: torch.cumsum(x, a),
+         normal((3, 4, 5)))
 
 # --- movement ----------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dtm.errors import ErrorCode
 from dtm.ir import REGISTRY, Builder, TensorType, parse
 from dtm.ir.dtypes import from_numpy
 from dtm.ir.types import Literal
@@ -260,6 +261,8 @@ def test_reduce(dtype):
                 bt.add(name, x, axes=axes, keepdims=keep, rtol=rtol)
         e = randn((2, 0, 3), dtype) if dtype.kind == "f" else randint((2, 0, 3), dtype)
         bt.add(name, e, axes=[1])
+        none = randn((3, 0), dtype) if dtype.kind == "f" else randint((3, 0), dtype)
+        bt.add(name, none, axes=[0])  # down no columns (a block of 0 columns divided by 0 once)
         if dtype.kind == "f":
             bt.add(name, special(dtype).reshape(2, 7), axes=[1], keepdims=True, rtol=rtol)
     bt.check()
@@ -302,6 +305,20 @@ def test_argsort():
             for desc in (False, True):
                 bt.add("argsort", x, axis=axis, descending=desc)
         bt.add("argsort", randn((0, 3), dtype) if dtype.kind == "f" else randint((0, 3), dtype), axis=0)
+    bt.check()
+
+
+@covers("cumsum")
+def test_cumsum():
+    """Along the last dim (one running sum per row) and down the others (blocks of columns),
+    over axes of size 0 and 1, long enough for several column blocks; integers wrap."""
+    bt = Batch()
+    for dtype in [F32, F64, np.dtype(np.int8), np.dtype(np.uint16), np.dtype(np.int64)]:
+        for shape in [(3, 5, 7), (2, 130, 3), (4, 1, 150), (0, 3, 2), (5, 0, 1)]:
+            x = randn(shape, dtype) if dtype.kind == "f" else randint(shape, dtype)
+            for axis in range(3):
+                bt.add("cumsum", x, axis=axis)
+    bt.add("cumsum", special(F32, 40).reshape(2, 20), axis=1)  # NaN and infinities carry on
     bt.check()
 
 
@@ -473,6 +490,32 @@ func @f(%x: f32[4, 2]) -> (f32[4, 2], f32[4, 2], f32[4, 2], f32[4, 2], f32[4, 2]
 }
 """)
     check(m, [randn((4, 2))])
+
+
+@covers("check")
+def test_check():
+    """A check passes its operand through, fused or not, and stops the run with the same
+    error on both backends when a fault is set."""
+    m = parse("""dtm 1.0
+
+func @f(%x: i64[2, 3], %y: f32[2, 3]) -> (i64[2, 3], f32[2, 3]) {
+  %k = full {value = 5} : i64[]
+  %a = add %x, %k : i64[2, 3]
+  %bad = ge %a, %k : bool[2, 3]
+  %c = check %a, %bad {code = "E0808", message = "index {value} is too large", where = "job.py:7"} : i64[2, 3]
+  %ay = cast %c {to = f32} : f32[2, 3]
+  %z = mul %ay, %y : f32[2, 3]
+  return %c, %z
+}
+""")
+    check(m, [-np.arange(6, dtype=np.int64).reshape(2, 3) - 1, randn((2, 3))])
+    x = -np.arange(6, dtype=np.int64).reshape(2, 3) - 1
+    x[1, 1] = 2
+    for backend in ("ref", "cpu"):
+        with pytest.raises(IndexError) as e:
+            get_backend(backend).run(m, "f", [x, randn((2, 3))])
+        assert e.value.code is ErrorCode.INDEX_OUT_OF_RANGE and e.value.where == "job.py:7"
+        assert "index 7 is too large" in e.value.message, e.value.message
 
 
 def test_every_registry_op_has_a_case():

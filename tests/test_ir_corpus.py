@@ -105,6 +105,7 @@ func @reduce(%x: f32[B, 3, 4], %i: i32[5, 6]) -> (f32[B], i64[B, 1, 4]) {
   %e = argmax %x {axis = 1, keepdims = true} : i64[B, 1, 4]
   %f = argmin %i {axis = 0} : i64[6]
   %g = argsort %x {axis = 2, descending = true} : i64[B, 3, 4]
+  %h = cumsum %i {axis = 1} : i32[5, 6]
   return %a, %e
 }
 """,
@@ -165,6 +166,8 @@ func @sgd(%w: f32[4, 4], %g: f32[4, 4], %lr: f32[]) -> (f32[4, 4]) {
   assign %w, %n
   %k = store_get {key = "weights/w\\"1\\"\\n"} : f32[4, 4]
   store_put %n {key = "weights/w"}
+  %bad = ne %n, %n : bool[4, 4]
+  %c = check %n, %bad {code = "E0808", message = "a NaN: {value}", where = "sgd.py:3"} : f32[4, 4]
   return %n
 }
 """,

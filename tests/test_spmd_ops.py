@@ -175,7 +175,8 @@ def compare(got: np.ndarray, want: np.ndarray, what: str, tol=None) -> None:
 @dataclass
 class Case:
     op: str
-    inputs: list  # (type text, kind) with kind: "any", "pos", "nonzero", "bool", ("index", n), "small"
+    inputs: list  # (type text, kind) with kind: "any", "pos", "nonzero", "bool", ("index", n), "small",
+                  # "false" (a bool all false: a check's fault)
     attrs: dict = field(default_factory=dict)
     type: str | None = None  # a declared result type
     id: str = ""
@@ -185,7 +186,7 @@ def array(rng, spec) -> np.ndarray:
     t = ir.tensor_type(spec[0])
     kind, shape, dt = spec[1], tuple(t.shape), numpy_dtype(t.dtype)
     if t.dtype.name == "bool":
-        return rng.integers(0, 2, shape).astype(bool)
+        return np.zeros(shape, bool) if kind == "false" else rng.integers(0, 2, shape).astype(bool)
     if isinstance(kind, tuple):  # indices into a dim of kind[1], a few out of range (clamped)
         return rng.integers(-1, kind[1] + 1, shape).astype(dt)
     if t.dtype.is_int:
@@ -242,6 +243,9 @@ case("argmax", [F], attrs=dict(axis=1))
 case("argmin", ["f64[5, 3]"], attrs=dict(axis=0, keepdims=True))
 case("argsort", [F], attrs=dict(axis=1))
 case("argsort", ["f64[5, 3]"], attrs=dict(axis=0, descending=True), id="argsort-desc")
+case("cumsum", [F], attrs=dict(axis=1))
+case("cumsum", ["i64[5, 3]"], attrs=dict(axis=0), id="cumsum-int")
+case("check", [F, ("bool[3, 5]", "false")], attrs=dict(code="E0808", message="index {value}"))
 case("reshape", [F], attrs=dict(shape=[15]))
 case("reshape", ["f64[6, 5]"], attrs=dict(shape=[2, 3, 5]))
 case("reshape", ["f64[4, 6]"], attrs=dict(shape=[2, 2, 3, 2]))

@@ -140,6 +140,119 @@ def test_jit_checks_index_arguments_on_every_call(backend):
     raised_here(e, ErrorCode.INDEX_OUT_OF_RANGE, "5", "2 classes")
 
 
+# --- values still to be computed: the `check` op (issue 37) ----------------------------------
+
+# Each case computes its bad operand inside the program, so the front end cannot know it
+# when it records the op; torch raises on the same computation, and so must DTM when the
+# program runs, at the line that recorded the op. (Before the `check` op they clamped: row 9
+# for index 20, [3.] for index 7, [0, 0] for a zero divisor, a row of zeros for class 5.)
+IDX, ZERO = ErrorCode.INDEX_OUT_OF_RANGE, ErrorCode.DIVISION_BY_ZERO
+COMPUTED = {  # the program (M: dtm or torch, x: a 4 x 2 table), the error, the value it names
+    "embedding": (lambda M, x: M.nn.functional.embedding(M.tensor([1, 2]) * 10, x), IDX, "10"),
+    "index": (lambda M, x: M.arange(4)[M.tensor([3]) + M.tensor([4])], IDX, "7"),
+    "index_select": (lambda M, x: x.index_select(0, M.tensor([2, 1]) * 2), IDX, "4"),
+    "gather": (lambda M, x: M.gather(x, 1, M.tensor([[0], [1], [1], [0]]) * 2), IDX, "2"),
+    "floor_divide": (lambda M, x: M.tensor([5, 6]) // (M.tensor([1, 2]) - M.tensor([1, 2])), ZERO, ""),
+    "remainder": (lambda M, x: M.tensor([5, 6]) % (M.tensor([1, 2]) - 1), ZERO, ""),
+    "one_hot": (lambda M, x: M.nn.functional.one_hot(M.tensor([1]) + 4, 3), IDX, "5"),
+    "cross_entropy": (lambda M, x: M.nn.functional.cross_entropy(x, M.tensor([1, 0, 1, 0]) * 3), IDX, "3"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPUTED))
+def test_computed_bad_values_raise_like_torch(backend, case):
+    fn, code, value = COMPUTED[case]
+    with pytest.raises((IndexError, RuntimeError)):  # torch: RuntimeError("ZeroDivisionError") for //
+        fn(torch, torch.tensor(ROWS))
+    with pytest.raises(TensorError) as e:
+        fn(dtm, dtm.tensor(ROWS)).numpy()
+    raised_here(e, code, value, "check")
+    assert isinstance(e.value, IndexError if code is IDX else ZeroDivisionError)
+
+
+@pytest.mark.parametrize("case", ["embedding", "index", "index_select", "gather", "one_hot", "floor_divide"])
+def test_computed_good_values_match_torch(backend, case):
+    """The same programs with values in range: the check passes and changes nothing."""
+    good = {
+        "embedding": lambda M, x: M.nn.functional.embedding(M.tensor([1, 2]) * 2 - 1, x),
+        "index": lambda M, x: M.arange(4)[M.tensor([3, 0]) - M.tensor([7, 4])],  # -4 and -4 wrap
+        "index_select": lambda M, x: x.index_select(0, M.tensor([2, 1]) + 1),
+        "gather": lambda M, x: M.gather(x, 1, M.tensor([[0], [1], [1], [0]]) * 1),
+        "one_hot": lambda M, x: M.nn.functional.one_hot(M.tensor([1, 0]) + 1, 3),
+        "floor_divide": lambda M, x: M.tensor([5, -6]) // (M.tensor([1, 2]) + 1),
+    }[case]
+    np.testing.assert_array_equal(good(dtm, dtm.tensor(ROWS)).numpy(), good(torch, torch.tensor(ROWS)).numpy())
+
+
+def test_jit_checks_computed_indices_on_every_call(backend):
+    """Inside dtm.jit an index computed from an argument is checked by the compiled program
+    itself, on each call, at the line that traced it."""
+    step = dtm.jit(lambda ids, table: F.embedding(ids * 2, table))
+    table = dtm.tensor(ROWS)
+    np.testing.assert_array_equal(step(dtm.tensor([0, 1]), table).numpy(), ROWS[[0, 2]])
+    with pytest.raises(IndexError) as e:
+        step(dtm.tensor([1, 2]), table)
+    raised_here(e, ErrorCode.INDEX_OUT_OF_RANGE, "index 4 ", "size 4")
+    np.testing.assert_array_equal(step(dtm.tensor([1, 0]), table).numpy(), ROWS[[2, 0]])
+
+
+def test_a_failed_check_stops_a_training_step_before_its_updates(backend):
+    """A jitted step whose embedding ids are computed: with a bad id it raises, and neither
+    the weights nor the optimizer's state change (nothing half-written)."""
+    dtm.manual_seed(0)
+    emb = nn.Embedding(4, 2)
+    opt = dtm.optim.AdamW(emb.parameters(), lr=0.1)
+
+    @dtm.jit
+    def step(ids):
+        opt.zero_grad()
+        loss = (emb(ids + 1) ** 2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step(dtm.tensor([0, 1]))
+    before = emb.weight.numpy().copy()
+    with pytest.raises(IndexError) as e:
+        step(dtm.tensor([0, 3]))
+    raised_here(e, ErrorCode.INDEX_OUT_OF_RANGE, "index 4 ")
+    np.testing.assert_array_equal(emb.weight.numpy(), before)
+    step(dtm.tensor([2, 1]))
+    assert not np.array_equal(emb.weight.numpy(), before)
+
+
+def test_gradient_through_a_checked_index_matches_torch(backend):
+    w = np.arange(8, dtype=np.float32).reshape(4, 2) / 8
+    dw = dtm.tensor(w, requires_grad=True)
+    tw = torch.tensor(w, requires_grad=True)
+    (F.embedding(dtm.tensor([0, 1, 1]) * 2 + 1, dw) ** 2).sum().backward()
+    (torch.nn.functional.embedding(torch.tensor([0, 1, 1]) * 2 + 1, tw) ** 2).sum().backward()
+    np.testing.assert_allclose(dw.grad.numpy(), tw.grad.numpy(), rtol=1e-6)
+
+
+def test_where_a_jitted_step_checks_computed_values():
+    """A u8 index into a dim of 300 can never be out of range: nothing is checked. An index
+    computed from arguments alone (a step's positions) is checked before each call; one
+    computed from a larger intermediate (an argmax over 10,000 values) by a `check` op in
+    the program. Both raise when an index is out of range."""
+    table = dtm.tensor(np.arange(600, dtype=np.float32).reshape(300, 2))
+    rows = np.zeros((2, 5000), np.float32)
+    rows[0, 7], rows[1, 299] = 1, 1
+
+    def checks(f, *args) -> int:
+        return str(dtm.jit(f).ir(*args)).count(" = check ")
+    assert checks(lambda x: F.embedding(x.argmax(-1).to(dtm.uint8), table), dtm.tensor(rows)) == 0
+    assert checks(lambda ids: F.embedding(ids * 2 + 1, table), dtm.tensor([1, 2])) == 0
+    inside = lambda x: F.embedding((x * 2).argmax(-1) * 2, table)  # noqa: E731 - x * 2: 10,000 values
+    assert checks(inside, dtm.tensor(rows)) == 1
+    rows[1, 299], rows[1, 149] = 0, 1
+    np.testing.assert_array_equal(dtm.jit(inside)(dtm.tensor(rows)).numpy(), table.numpy()[[14, 298]])
+    rows[1, 149], rows[1, 150] = 0, 1
+    with pytest.raises(IndexError) as e:
+        dtm.jit(inside)(dtm.tensor(rows))
+    raised_here(e, ErrorCode.INDEX_OUT_OF_RANGE, "index 300 ", "check")
+
+
 # --- integer division by zero ----------------------------------------------------------------
 
 INTS = [7, -7, 3]
@@ -204,7 +317,7 @@ def test_too_large_to_allocate_raises_before_allocating(make):
     (torch would try to allocate and fail, or be killed.)"""
     with pytest.raises(TensorError) as e:
         make()
-    raised_here(e, ErrorCode.INVALID_DIM, "GiB", "memory free")
+    raised_here(e, ErrorCode.OUT_OF_MEMORY, "GiB", "memory free")
 
 
 def test_sizes_as_torch_takes_them():

@@ -74,13 +74,26 @@ class BuildError(DTMError):
     """The C compiler is missing or failed."""
 
 
-def _made(d: Path) -> Path:
-    d.mkdir(parents=True, exist_ok=True)
+def _made(d: Path, variable: str) -> Path:
+    """Directory d, made when it is missing; E0806 naming it and the environment variable
+    that sets it when it cannot be (a path under a file, a directory we may not write)."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BuildError(E.BUILD_FAILED, f"the kernel cache directory {d} cannot be made: {e.strerror or e}; "
+                         f"set {variable} to a directory this process can write") from None
     return d
 
 
+def _unwritable(d: Path, name: str, e: OSError) -> BuildError:
+    """E0806 for a build that cannot write into its cache directory d (read-only, full)."""
+    return BuildError(E.BUILD_FAILED, f"cannot write kernel {name} into the kernel cache directory {d}: "
+                      f"{e.strerror or e}; set DTM_CACHE_DIR (DTM_RUNTIME_DIR for the runtime libraries) to a "
+                      "directory this process can write")
+
+
 def cache_dir() -> Path:
-    return _made(Path(os.environ.get("DTM_CACHE_DIR") or Path.home() / ".cache" / "dtm"))
+    return _made(Path(os.environ.get("DTM_CACHE_DIR") or Path.home() / ".cache" / "dtm"), "DTM_CACHE_DIR")
 
 
 def runtime_dir() -> Path:
@@ -88,7 +101,7 @@ def runtime_dir() -> Path:
     and the vector-math probe are built: $DTM_RUNTIME_DIR, else the kernel cache. Apart, a
     kernel cache can be emptied without building them again (benchmarks/train.py)."""
     where = os.environ.get("DTM_RUNTIME_DIR")
-    return _made(Path(where)) if where else cache_dir()
+    return _made(Path(where), "DTM_RUNTIME_DIR") if where else cache_dir()
 
 
 def compiler() -> str:
@@ -172,8 +185,11 @@ def build(source: str, name: str = "kernel", flags: tuple | None = None, libs: t
             STATS["hits"] += 1
         return so
     src = d / f"{key}.c"
-    _write_atomic(src, source.encode())
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".so.tmp")
+    try:
+        _write_atomic(src, source.encode())
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".so.tmp")
+    except OSError as e:
+        raise _unwritable(d, name, e) from None
     os.close(fd)
     cmd = [cc, *flags, "-o", tmp, str(src), *libs]
     try:
@@ -187,8 +203,11 @@ def build(source: str, name: str = "kernel", flags: tuple | None = None, libs: t
         if out.returncode != 0:
             raise BuildError(E.BUILD_FAILED, f"compiling kernel {name} failed: {_why(out, len(source))} "
                              f"(source: {src}; command: {' '.join(cmd)})")
-        _write_atomic(digest, _sha256(Path(tmp)).encode())
-        os.replace(tmp, so)
+        try:
+            _write_atomic(digest, _sha256(Path(tmp)).encode())
+            os.replace(tmp, so)
+        except OSError as e:
+            raise _unwritable(d, name, e) from None
         with _lock:
             STATS["compiles"] += 1
             _intact.add(so)

@@ -51,6 +51,7 @@ def _layer_norm(e: Emitter, op: Op) -> None:
     last = x.type.rank - 1
     count = e.full(float(x.type.shape[-1]), _scalar(x))
     eps = e.full(op.attrs["eps"], _scalar(x))
+    inf, nan = e.full(math.inf, _scalar(x)), e.full(math.nan, _scalar(x))
     total = e("reduce_sum", x, axes=[last], keepdims=True)
     mean = e("div", total, count)
     d = e("sub", x, mean)
@@ -58,7 +59,12 @@ def _layer_norm(e: Emitter, op: Op) -> None:
     sqsum = e("reduce_sum", sq, axes=[last], keepdims=True)
     var = e("div", sqsum, count)
     ve = e("add", var, eps)
-    sd = e("sqrt", ve)
+    root = e("sqrt", ve)
+    # a row whose squares overflowed (var + eps infinite) is NaN, as torch's kernel gives
+    # for [1e38, -1e38, 1e38]: d / inf would be 0 for every element, which passes for a
+    # normalised row (spec 3.9, layer_norm)
+    over = e("eq", ve, inf)
+    sd = e("where", over, nan, root)
     if len(op.operands) == 1:
         e("div", d, sd, result=y)
         return

@@ -8,7 +8,8 @@ slice, flip) or selects (pad, concat); a reduction computed by this kernel is it
 accumulator; the matrix product of a matmul kernel is read back from the output buffer.
 A batched product whose B is shared along its last batch dims and whose A rows continue
 across them (a weight applied to a batch of sequences) is one product with those dims as
-rows: B is packed once, and the epilogue recovers each row's batch index.
+rows: B is packed once, and the epilogue recovers each row's batch index. A running sum
+(cumsum) is a sequential loop along its axis that stores each sum so far (`build_scan`).
 Results are memoised per (value, index) and each new temporary is declared in the outermost
 loop whose variables it reads (loop-invariant code motion), so a value a pass reads per row
 is computed once per row.
@@ -30,7 +31,7 @@ from ..ir.symbolic import Dim, SymDim, dim_add, dim_mul, dim_prod
 from . import loopir as L
 from .loopir import INDEX, Const, Sym, Var
 from .program import Buffer, FallbackStep, KernelStep, MoveStep, Program, is_move, writes_into
-from .schedule import Group, Schedule, gemm_dtype
+from .schedule import Group, Schedule, gemm_dtype, narrow_weight
 from .views import contiguous_strides, reshape_groups, strided_view
 
 class LoweringError(AssertionError):
@@ -402,6 +403,8 @@ class KernelBuilder:
             body = self.build_gemm()
         elif g.kind == "convert":
             body = self.build_convert()
+        elif g.kind == "scan":
+            body = self.build_scan()
         else:
             body = self.build_loops()
         dims = sorted(_free_dims(body) - {p.name for p in self.params})
@@ -595,6 +598,78 @@ class KernelBuilder:
             self.emit(L.Loop(col, *cols, self.pop(), simd=True))
         self.emit(L.Loop(var, start, stop, self.pop()))
 
+    def build_scan(self) -> list:
+        """A running sum along axis a of the domain F: for each index of the other dims (one
+        parallel loop), a sequential loop along a adds each element into an accumulator (f64
+        for floats, as the spec's cumsum says) and stores the sum so far, rounded to the
+        result's dtype: the same code for any length of the axis. When a is not the last
+        dim, the last one is cut into blocks of COLUMN_BLOCK columns, each block with an
+        array of accumulators and its column loop, contiguous and vectorised, inside the
+        step along a (as build_columns sums down columns)."""
+        g = self.group
+        F, (axis,) = g.domain, g.axes
+        y = g.stores[0]
+        last = len(F) - 1
+        columns = axis != last and F[last] not in (0, 1)  # (with no columns, no loop runs)
+        full_ix = tuple(Sym(f"i{k}") if k == axis or F[k] != 1 else Const(0, INDEX) for k in range(len(F)))
+        outer = [k for k in range(len(F)) if k != axis and F[k] != 1 and not (columns and k == last)]
+        extent = L.dim_expr(dim_prod([F[k] for k in outer]))
+        flat: L.Expr = Sym("o")
+        self.push(("o",))
+        if columns:
+            block = min(COLUMN_BLOCK, F[last]) if isinstance(F[last], int) else COLUMN_BLOCK
+            width = L.dim_expr(F[last])
+            blocks = L.idiv(L.iadd(width, Const(block - 1, INDEX)), Const(block, INDEX))
+            self.emit(L.Bind("jb", L.imul(L.imod(flat, blocks), Const(block, INDEX))))
+            self.bind_name("jb")
+            flat, extent = L.idiv(flat, blocks), L.imul(extent, blocks)
+        for b in _batch_binds(tuple(f"i{k}" for k in outer), tuple(F[k] for k in outer), flat):
+            self.emit(b)
+            self.bind_name(b.name)
+        if columns:
+            self.scan_columns(y, full_ix, block, (Sym("jb"), L.imin(L.iadd(Sym("jb"), block), width)))
+        else:
+            self.scan_line(y, full_ix)
+        par = None if extent == Const(1, INDEX) else L.dim_expr(dim_prod(F))
+        self.emit(L.Loop("o", Const(0, INDEX), extent, self.pop(), parallel=par))
+        return self.pop_root()
+
+    def scan_add(self, y: Value, acc: L.Expr, full_ix: tuple) -> L.Expr:
+        """The running sum of cumsum y at full_ix: acc, the sum before it, plus the operand."""
+        dt = _scan_acc(y)
+        x = self.producer[y].operands[0]
+        return L.Op("add", (acc, _converted(self.ev(x, full_ix), dt)), dt)
+
+    def scan_line(self, y: Value, full_ix: tuple) -> None:
+        """build_scan along the axis at one index of the other dims: one running sum."""
+        F, (axis,) = self.group.domain, self.group.axes
+        acc = self.accumulator("reduce_sum", _scan_acc(y))
+        self.push((f"i{axis}",))
+        self.emit(L.Assign(acc, self.scan_add(y, acc, full_ix)))
+        self.emit(L.Store(self.param(y, output=True), L.flat_index(full_ix, F), _converted(acc, y.type.dtype)))
+        self.emit(L.Loop(f"i{axis}", Const(0, INDEX), L.dim_expr(F[axis]), self.pop()))
+
+    def scan_columns(self, y: Value, full_ix: tuple, block: int, cols: tuple) -> None:
+        """build_scan down the columns `cols` of the last dim: an array of accumulators,
+        zeroed, then the sequential loop along the axis around the vectorised column loop."""
+        F, (axis,) = self.group.domain, self.group.axes
+        col = f"i{len(F) - 1}"
+        lane = L.isub(Sym(col), Sym("jb"))
+        dt = _scan_acc(y)
+        acc = self.fresh("acc")
+        self.emit(L.Array(acc, dt, block))
+        self.push((col,))
+        self.emit(L.Store(acc, lane, Const(0, dt)))
+        self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+        self.push((f"i{axis}",))
+        self.push((col,))
+        total = Var(self.fresh("sum"), dt)  # declared here: a temporary reading acc is never hoisted
+        self.emit(L.Let(total, self.scan_add(y, L.Load(acc, lane, dt), full_ix)))
+        self.emit(L.Store(acc, lane, total))
+        self.emit(L.Store(self.param(y, output=True), L.flat_index(full_ix, F), _converted(total, y.type.dtype)))
+        self.emit(L.Loop(col, *cols, self.pop(), simd=True))
+        self.emit(L.Loop(f"i{axis}", Const(0, INDEX), L.dim_expr(F[axis]), self.pop()))
+
     def reads_any(self, v: Value, values: set) -> bool:
         """Whether computing v here reads any of `values` (through what it computes inline)."""
         stack, seen = [v], set()
@@ -641,9 +716,13 @@ class KernelBuilder:
         bvars = tuple(f"b{k}" for k in range(nb))
         operands = []
         b_dtype = None
+        # Only the schedule's absorbed cast is read narrow: B's cast of a narrow weight that no
+        # kernel stored. Any other cast under an operand (A's, a stored one, f16 -> f32) was
+        # computed by its own kernel and is read as the product's dtype.
+        narrow = narrow_weight(mm, self.producer)
         for x, (base, off, st) in zip(mm.operands, views):
             cast = self.producer.get(base)
-            if cast is not None and cast.name == "cast":  # absorbed: the weight is read narrow
+            if cast is not None and cast is narrow and x is mm.operands[1] and base not in self.sched.stored:
                 base = cast.operands[0]
                 b_dtype = base.type.dtype
             name = self.param(base)
@@ -732,6 +811,16 @@ _BOOL = DTYPES["bool"]
 _NAN_FLAG = {"f32": DTYPES["i32"], "f64": DTYPES["i64"]}  # a float max/min's NaN flag, by float type
 
 
+def _scan_acc(y: Value):
+    """The dtype cumsum y accumulates in: f64 for floats (spec), else its own (integers wrap)."""
+    return DTYPES["f64"] if y.type.dtype.is_float else y.type.dtype
+
+
+def _converted(e: L.Expr, dt) -> L.Expr:
+    """e as dtype dt (a cast when it is another)."""
+    return e if e.dtype == dt else L.Op("cast", (e,), dt, (("to", dt),))
+
+
 def _init(name: str, dt):
     if name in ("reduce_sum",):
         return 0
@@ -763,7 +852,7 @@ def _down_columns(g: Group) -> bool:
     """Whether a row kernel reduces over outer dims only, keeping the last (contiguous) one."""
     F, R = g.domain, g.axes
     last = len(F) - 1
-    return (bool(g.passes) and last >= 0 and last not in R and F[last] != 1 and any(F[k] != 1 for k in R)
+    return (bool(g.passes) and last >= 0 and last not in R and F[last] not in (0, 1) and any(F[k] != 1 for k in R)
             and all(p.name in _COMBINE for p in g.passes))
 
 

@@ -30,6 +30,9 @@ Each stored value gets a kernel, one of:
     narrow weight, permute(cast(W, f32)) with W q8_0, q4_0 or bf16 (`narrow_weight`), reads
     W itself: the cast is absorbed (kind "narrow") and never stored when every reader of it
     is such a product, so the weight is read narrow, once per product (c_narrow.py);
+  - scan: a running sum (`cumsum`) along one axis F[a] of its shape F: a sequential loop
+    along the axis, the other dims in parallel; it computes its operand inline and is
+    always stored (its own kernel; reductions and products its operand reads are stored);
   - convert: a `cast` between f32 and a block type (q8_0, q4_0): quantize or dequantize,
     block by block, in C (its operand stored, contiguous). A cast between a block type and
     another float dtype goes through f32 (`decompose` splits it: exact, as the reference
@@ -61,6 +64,7 @@ NARROW_FLOATS = frozenset(("f16", "bf16", "f8e4m3", "f8e5m2"))  # held as their 
 BLOCK_TYPES = frozenset(("q8_0", "q4_0"))
 EW_CATEGORIES = (Category.UNARY, Category.BINARY, Category.COMPARE, Category.TERNARY)
 REDUCES = ("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin")
+SCANS = ("cumsum",)
 SOURCES = ("full", "iota")
 
 FULL, ROW, OTHER = "full", "row", "other"
@@ -76,7 +80,7 @@ READS_LIMIT = 4  # arrays of its size a value read by several ops may read inlin
 
 
 def op_kind(op: Op) -> str:
-    """How the compiler handles an op: ew, move, source, const, reduce, matmul or fallback."""
+    """How the compiler handles an op: ew, move, source, const, reduce, scan, matmul or fallback."""
     types = [v.type for v in op.operands] + [r.type for r in op.results]
     if op.name == "cast":
         src, dst = types[0].dtype.name, types[1].dtype.name
@@ -97,6 +101,8 @@ def op_kind(op: Op) -> str:
         return "const"
     if op.name in REDUCES:
         return "reduce"
+    if op.name in SCANS:
+        return "scan"
     if op.name == "matmul":
         return "matmul"
     return "fallback"
@@ -126,10 +132,10 @@ def row_shapes(F: tuple, R: tuple) -> tuple[tuple, tuple]:
 class Group:
     """One kernel. `stores` are the values it writes; `loads` those it reads from memory."""
 
-    kind: str                                   # elementwise | reduce | matmul | convert | fallback
+    kind: str                                   # elementwise | reduce | scan | matmul | convert | fallback
     stores: list[Value]
     domain: tuple = ()                          # F: the shape the loops run over
-    axes: tuple = ()                            # R: reduced axes of F (reduce kernels)
+    axes: tuple = ()                            # R: reduced axes of F (reduce kernels), the scanned one (scan)
     passes: list[Op] = field(default_factory=list)
     matmul: Op | None = None
     op: Op | None = None                        # the fallback op
@@ -163,7 +169,8 @@ class Schedule:
             if g.kind in ("fallback", "convert"):
                 head += f" {g.op.name}"
             else:
-                head += f" over {dom}" + (f" reducing axes {list(g.axes)}" if g.axes else "")
+                along = "along axis" if g.kind == "scan" else "reducing axes"
+                head += f" over {dom}" + (f" {along} {list(g.axes)}" if g.axes else "")
             lines.append(head)
             if g.passes:
                 lines.append("  passes: " + ", ".join(f"{names.get(p.results[0], '?')} = {p.name}" for p in g.passes))
@@ -362,6 +369,8 @@ class _Scheduler:
                     stack.append((x, _move_mode(op, mode, F, R)))
             elif kind == "narrow":  # the product reads the narrow weight itself
                 stack.append((op.operands[0], OTHER))
+            elif kind == "scan":  # read element by element along the scan: what is not inlined is stored
+                stack.append((op.operands[0], OTHER))
             # sources read nothing
         w.passes = sorted(passes, key=lambda op: g.pos[op])
         return w
@@ -423,6 +432,8 @@ class _Scheduler:
         op = self.g.producer[v]
         if self.g.kind[op] == "reduce":
             return op.operands[0].type.shape, reduce_axes(op)
+        if self.g.kind[op] == "scan":
+            return v.type.shape, (op.attrs["axis"],)
         shape = v.type.shape
         best, best_score = (shape, ()), None
         seen = set()
@@ -447,7 +458,7 @@ class _Scheduler:
             if kind in ("fallback", "convert"):
                 self.stored.update(op.results)
                 self.stored.update(v for v in op.operands if v not in g.params)
-            elif kind == "const":
+            elif kind in ("const", "scan"):  # a scan is a kernel of its own
                 self.stored.update(op.results)
             if kind in ("ew", "move"):
                 # read at two different indices (through a movement op): computed once, not once per
@@ -537,7 +548,7 @@ class _Scheduler:
                 # not a view: the value its reshapes start from is stored, and read through them
                 target = self.reshaped_from(x) if view is None else view[0]
                 if g.kind.get(g.producer.get(target)) == "narrow":
-                    continue  # the gemm reads the narrow weight the cast reads
+                    target = g.producer[target].operands[0]  # the gemm reads the narrow weight the cast reads
                 if target not in g.params and target not in self.stored:
                     self.stored.add(target)
                     added = True
@@ -554,8 +565,8 @@ class _Scheduler:
             F, R = self.domain(v)
             w = self.walk_one(v, F, R)
             need |= w.need
-            kind = "reduce" if w.passes else "elementwise"
-            grp = Group(kind, [v], F, R if w.passes else (), w.passes, None, None,
+            kind = "scan" if g.kind[op] == "scan" else "reduce" if w.passes else "elementwise"
+            grp = Group(kind, [v], F, R if kind != "elementwise" else (), w.passes, None, None,
                         sorted(w.ops, key=g.pos.get), w.loads)
             for mm, modes in w.matmuls.items():
                 reach.setdefault(mm, []).append((grp, modes))

@@ -13,11 +13,12 @@ result is bit for bit the program's):
 - products: the transpose of a matrix product nothing else reads is the product of the
   transposes, swapped (the result in the layout wanted: a Linear's weight gradient);
 - slices: a slice of a value nothing else reads is computed from slices of its operands,
-  through elementwise ops, broadcasts, permutes, reductions over other dims and matrix
-  products (rows of the product from rows of A, columns from columns of B), as far as
-  values read only there: a prefill's `logits[:, -1]` computes one row of the vocabulary
-  projection, not one per token (each element is the same expression of the same
-  operands; a product's sums in the order its kernel picks, as for any product);
+  through elementwise ops, broadcasts, permutes, reductions over other dims, the first
+  elements of a running sum, and matrix products (rows of the product from rows of A,
+  columns from columns of B), as far as values read only there: a prefill's
+  `logits[:, -1]` computes one row of the vocabulary projection, not one per token (each
+  element is the same expression of the same operands; a product's sums in the order its
+  kernel picks, as for any product);
 - selects: an elementwise op of where(c, x, k), k smaller than its result (a mask's -inf,
   a row value) and so are its other operands, is where(c, f(x), f(k)), f(k) computed at
   k's own shape: a masked softmax takes exp of -inf once per row, not once per masked
@@ -207,6 +208,9 @@ def _slice_spec(op: Op, spec: Spec) -> list[Spec] | None:
     if op.name == "argsort":  # each slice along the axis sorts on its own: any part of the others
         a = op.attrs["axis"]
         return [spec] if _whole((spec[a],), (x[a],)) else None
+    if op.name == "cumsum":  # a running sum's first k elements are those of the operand's first k
+        lo, _, step = spec[op.attrs["axis"]]
+        return [spec] if lo == 0 and step == 1 else None
     if cat is Category.REDUCE:
         axes = (op.attrs["axis"],) if "axis" in op.attrs else tuple(op.attrs["axes"])
         axes = tuple(a % len(x) for a in axes)

@@ -360,6 +360,12 @@ def _where(b, op, cts):
     return [None, unbroadcast(b, b.where(c, ct, zero), x.type), unbroadcast(b, b.where(c, zero, ct), y.type)]
 
 
+@rule("check")
+def _check(b, op, cts):
+    """The checked value itself: its cotangent passes through; the fault has none."""
+    return [cts[0], None]
+
+
 # --- reductions --------------------------------------------------------------------------
 
 @rule("reduce_sum")
@@ -405,6 +411,17 @@ def _reduce_prod(b, op, cts):
     only = b.where(b.logical_and(is_zero, b.eq(nzeros, one)), p, zero)  # one zero: it gets the rest
     d = b.where(b.eq(nzeros, zero), none, only)
     return [b.mul(d, g)]
+
+
+@rule("cumsum")
+def _cumsum(b, op, cts):
+    """Each element feeds every later running sum: the cotangent summed from the end, a
+    cumsum of it reversed along the axis (torch's cumsum_backward)."""
+    ct = cts[0]
+    if ct is None:
+        return [None]
+    axes = [op.attrs["axis"]]
+    return [b.flip(b.cumsum(b.flip(ct, axes=axes), axis=axes[0]), axes=axes)]
 
 
 # --- movement ----------------------------------------------------------------------------

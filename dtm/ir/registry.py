@@ -33,6 +33,7 @@ class Category(enum.Enum):
     P2P = "point-to-point"
     STORE = "store"
     CALL = "call"
+    CHECK = "run-time check"
 
 
 class AttrKind(enum.Enum):
@@ -157,6 +158,8 @@ for _name, _doc in [("argmax", "index of the first maximum along `axis`"),
 _op("argsort", C.REDUCE, ("x",), R.argsort_rule,
     "the indices that sort x along `axis` (stable; NaN above every number)",
     (A("axis", K.INT), A("descending", K.BOOL, False)))
+_op("cumsum", C.REDUCE, ("x",), R.scan_rule,
+    "running sum along `axis` (floats accumulate in f64, each element rounded once)", (A("axis", K.INT),))
 
 # --- movement --------------------------------------------------------------------------
 _op("reshape", C.MOVEMENT, ("x",), R.reshape_rule, "the same elements in row-major order, in a new shape",
@@ -240,6 +243,12 @@ _op("store_put", C.STORE, ("x",), R.no_result_rule, "store x under `key`, replac
     (A("key", K.STRING),), results=0, effect=True, quant_ok=True)
 _op("call", C.CALL, ("*args",), R.call_rule, "call function `callee`; results are its results",
     (A("callee", K.FUNC),), results=-1, quant_ok=True)
+
+# --- run-time checks -------------------------------------------------------------------
+_op("check", C.CHECK, ("x", "fault"), R.check_rule,
+    "x itself; a run-time error with `code` when any element of `fault` is true (a front end's check of "
+    "values computed in the program: indices, divisors)",
+    (A("code", K.STRING), A("message", K.STRING), A("where", K.STRING, "")))
 
 # The collectives (barrier included), in registry order: every layer that runs or names them
 # (the reference, L0, L1, the wire's CollectiveStart) reads this tuple.

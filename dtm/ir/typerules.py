@@ -167,6 +167,13 @@ def argsort_rule(op, ins, attrs, declared, ctx):
     return (TensorType(i64, x.shape),)
 
 
+def scan_rule(op, ins, attrs, declared, ctx):
+    x = ins[0]
+    check_class(op, x, "numeric")
+    check_axis(op, attrs["axis"], x.rank)
+    return (x,)
+
+
 # --- movement --------------------------------------------------------------------------
 
 def reshape_rule(op, ins, attrs, declared, ctx):
@@ -411,6 +418,17 @@ def sdpa_rule(op, ins, attrs, declared, ctx):
 
 
 # --- state -----------------------------------------------------------------------------
+
+def check_rule(op, ins, attrs, declared, ctx):
+    x, fault = ins
+    check_class(op, x, "any")
+    check_class(op, fault, "bool", "fault")
+    if fault.shape != x.shape:
+        fail(E.SHAPE_MISMATCH, f"check: fault must have the shape of x {x}, found {fault}")
+    if not any(c.value == attrs["code"] for c in E) or not attrs["code"].startswith("E08"):
+        fail(E.ATTRIBUTE_VALUE, f"check: code must be a run-time error code E08xx of the spec, found {attrs['code']!r}")
+    return (x,)
+
 
 def assign_rule(op, ins, attrs, declared, ctx):
     expect_type(ins[1], ins[0], "assign value")

@@ -31,11 +31,17 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
         raise error(ErrorCode.DTYPE_MISMATCH, f"cross_entropy: target must hold integer class ids, found {target.dtype}")
     n_classes = logits.shape[1]
 
+    message = (f"cross_entropy: target {{value}} is out of bounds for {n_classes} classes "
+               f"(expected 0 <= target < {n_classes}, or ignore_index={ignore_index})")
+
     def fault(v: np.ndarray) -> str | None:  # as torch: a class id in [0, C), no wrapping
         bad = ((v < 0) | (v >= n_classes)) & (v != ignore_index)
-        return (f"cross_entropy: target {v[bad].flat[0]} is out of bounds for {n_classes} classes "
-                f"(expected 0 <= target < {n_classes}, or ignore_index={ignore_index})") if bad.any() else None
-    F._check_values(target, ErrorCode.INDEX_OUT_OF_RANGE, fault)
+        return message.replace("{value}", str(v[bad].flat[0])) if bad.any() else None
+
+    def mask(t: Tensor) -> Tensor | None:
+        outside = F._outside(t, 0, n_classes)
+        return None if outside is None else F.logical_and(outside, F.ne(t, ignore_index))
+    target = F._checked(target, F.ValueCheck(ErrorCode.INDEX_OUT_OF_RANGE, fault, mask, message))
     logp = log_softmax(logits, dim=-1)
     keep = target != ignore_index
     safe = F.where(keep, target, 0)
@@ -71,7 +77,8 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
 def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
     """int64 [..., num_classes]: 1 at each id's class, else 0. With num_classes=-1 the
     classes are 0..max(tensor), which reads the ids (as torch does); a given num_classes
-    keeps it lazy, and an id outside [0, num_classes) then gives a row of zeros."""
+    keeps it lazy, and an id outside [0, num_classes) raises E0808 as torch does (when the
+    program runs, for ids it computes)."""
     if not tensor.dtype.is_int:
         raise error(ErrorCode.DTYPE_MISMATCH, f"one_hot: expected integer class ids, found {tensor.dtype}")
     if num_classes == -1:
@@ -83,6 +90,8 @@ def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
         num_classes = int(ids.max()) + 1
     elif num_classes < 0:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"one_hot: num_classes must be -1 or non-negative, found {num_classes}")
+    else:
+        tensor = F._checked(tensor, F._index_check(f"one_hot with {num_classes} classes", num_classes, False))
     return F.cast(F.eq(F.unsqueeze(tensor, -1), arange(num_classes, dtype=int64)), int64)
 
 

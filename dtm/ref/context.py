@@ -126,6 +126,10 @@ class RefContext:
     comm:    the device group; None on a single device, where only groups of one work.
     timeout: seconds a collective or recv waits before raising DTMError (TIMEOUT).
     module:  the module being run (set by `run`; `call` runs its other functions).
+    check_memory: called as check_memory(nbytes, what) before an op allocates a result of a
+             type not met earlier in the run, to refuse it when the machine lacks the memory
+             (the runtime passes its probe of free memory, a less basic layer's); None: only
+             the system's refusal, numpy's MemoryError, is reported (E0810).
     """
 
     rank: int = 0
@@ -134,6 +138,7 @@ class RefContext:
     comm: Comm | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     module: object | None = None
+    check_memory: Callable[[int, str], None] | None = None
     _mailbox: Mailbox | None = field(default=None, repr=False)
 
     def p2p(self) -> Comm:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import DTMError, ErrorCode as E
+from ..errors import DTMError, ErrorCode as E, TensorError, user_error
 from ..ir.module import Func, Module, Value
 from ..ir.symbolic import SymDim, format_dim
 from ..ir.types import TensorType
@@ -76,6 +76,8 @@ def _run(f: Func, inputs: Sequence[np.ndarray], ctx: RefContext) -> list[np.ndar
             spec = specs.get(r.type)
             if spec is None:
                 spec = specs[r.type] = _Spec(resolve_type(r.type, bindings))
+                if ctx.check_memory is not None:
+                    ctx.check_memory(quant.storage_bytes(spec.type), f"@{f.name} op {n} ({op.name})'s result {spec.type}")
             rspecs.append(spec)
         attrs = op.attrs
         if bindings:
@@ -87,7 +89,9 @@ def _run(f: Func, inputs: Sequence[np.ndarray], ctx: RefContext) -> list[np.ndar
                 if op.name in TAKES_IN_TYPES else {}
             outs = IMPLS[op.name](ctx, attrs, *args, out_types=tuple(sp.type for sp in rspecs), **kw)
         except DTMError as e:
-            raise DTMError(e.code, f"@{f.name} op {n} ({op.name}): {e.message}") from e
+            raise e.in_context(f"@{f.name} op {n} ({op.name})") from e
+        except MemoryError:
+            raise out_of_memory(f"@{f.name} op {n} ({op.name})", [sp.type for sp in rspecs]) from None
         for r, spec, x in zip(op.results, rspecs, outs):
             env[r] = spec.own(np.asarray(x), args if writes else (), op.name)
     results = []
@@ -102,6 +106,14 @@ def _call(ctx: RefContext, attrs, *args, out_types):
     """`call` runs another function of the module being run, on the same context: the
     interpreter's own op (ops.py holds the ops that need no interpreter)."""
     return tuple(run(ctx.module, attrs["callee"], args, ctx))
+
+
+def out_of_memory(where: str, types: Sequence[TensorType]) -> TensorError:
+    """E0810 at the user's line for an op whose memory the system refused: numpy's
+    MemoryError, raised where the op allocates its results or its own working arrays."""
+    nbytes = sum(quant.storage_bytes(t) for t in types)
+    return user_error(E.OUT_OF_MEMORY, f"{where}: out of memory: the system refused the memory for its results "
+                      f"{', '.join(map(str, types))} ({nbytes / 2**30:.1f} GiB, {nbytes:,} bytes) or its work on them")
 
 
 class _Spec:

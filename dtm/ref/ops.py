@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import DTMError, ErrorCode as E
+from ..errors import DTMError, ErrorCode as E, tensor_error
 from ..ir.dtypes import NARROW_FLOATS
 from ..ir.types import TensorType
 from . import philox, quant
@@ -250,6 +250,14 @@ def _argsort(ctx, attrs, x, *, out_types):
     return (np.flip(n - 1 - rev, axis).astype(np.int64),)
 
 
+@register("cumsum")
+def _cumsum(ctx, attrs, x, *, out_types):
+    """Left to right along `axis` (numpy's accumulate is sequential): floats in f64, each
+    element rounded once; integers wrap in their own dtype."""
+    acc = np.float64 if _is_float(x) else x.dtype
+    return (_as(np.cumsum(_wide(x), axis=attrs["axis"], dtype=acc), out_types[0]),)
+
+
 # --- movement ------------------------------------------------------------------------------
 
 @register("reshape")
@@ -412,11 +420,13 @@ def _log_softmax(ctx, attrs, x, *, out_types):
 
 @register("layer_norm")
 def _layer_norm(ctx, attrs, x, *affine, out_types):
-    """(x - mean) / sqrt(var + eps) over the last dim, var biased (divide by n)."""
+    """(x - mean) / sqrt(var + eps) over the last dim, var biased (divide by n); NaN for
+    a row whose squares overflowed (var + eps infinite), not the 0s of d / inf."""
     w = _wide(x)
     mean = np.mean(w, axis=-1, keepdims=True)
     var = np.mean(np.square(w - mean), axis=-1, keepdims=True)
-    y = (w - mean) / np.sqrt(var + attrs["eps"])
+    ve = var + attrs["eps"]
+    y = (w - mean) / np.where(np.isinf(ve), np.nan, np.sqrt(ve))
     if affine:
         weight, bias = affine
         y = y * _wide(weight) + _wide(bias)
@@ -465,6 +475,23 @@ def _assign(ctx, attrs, target, value, *, out_types):
                        "pass a writable array the caller owns")
     np.copyto(target, value)
     return ()
+
+
+# --- run-time checks -------------------------------------------------------------------------
+
+@register("check")
+def _check(ctx, attrs, x, fault, *, out_types):
+    """x, unless a fault is set: then the error the front end asked for, `{value}` in its
+    message replaced by the first element of x (row-major) whose fault is set."""
+    raise_fault(x, fault, attrs)
+    return (x,)
+
+
+def raise_fault(x: np.ndarray, fault: np.ndarray, attrs: dict) -> None:
+    """Raise the `check` op's error (attrs: code, message, where) when any fault is set."""
+    if fault.any():
+        message = attrs["message"].replace("{value}", str(x[fault].flat[0].item()))
+        raise tensor_error(E(attrs["code"]), message, attrs["where"] or None)
 
 
 # --- checking a value that arrives from another rank (recv) ----------------------------------

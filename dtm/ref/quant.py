@@ -23,6 +23,8 @@ that scale is the quiet NaN (f16 0x7e00), for q4_0 the first NaN's bits through 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ir.dtypes import DTYPES, DType, numpy_dtype
@@ -44,6 +46,11 @@ def storage_shape(t: TensorType) -> tuple[int, ...]:
 def storage_dtype(dtype: DType) -> np.dtype:
     """The numpy dtype holding `dtype`: uint8 bytes for the quantized block types."""
     return np.dtype(np.uint8) if dtype.is_quant else numpy_dtype(dtype)
+
+
+def storage_bytes(t: TensorType) -> int:
+    """The bytes of the numpy array holding a value of static type `t`."""
+    return math.prod(storage_shape(t)) * storage_dtype(t.dtype).itemsize
 
 
 def dtype_of_storage(nbytes: int, k: int) -> DType:

@@ -13,8 +13,10 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode
 from ..ir.module import Module
+from ..ref.context import RefContext
 from ..ref.interpreter import run as ref_run
 from .cpu import CpuBackend, Plan
+from .host import check_free
 
 
 class Backend(Protocol):
@@ -27,7 +29,8 @@ class RefBackend:
     name = "ref"
 
     def run(self, module: Module, func: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        return ref_run(module, func, inputs)
+        # each result larger than the memory free is refused before numpy allocates it
+        return ref_run(module, func, inputs, RefContext(check_memory=check_free))
 
 
 BACKENDS: dict[str, Backend] = {"ref": RefBackend(), "cpu": CpuBackend()}

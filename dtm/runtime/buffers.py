@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ErrorCode, user_error
+
 HUGE_PAGE = 2 << 20
 # arrays at least this large are aligned: a smaller one would hold less than one huge page
 ALIGN_FROM = HUGE_PAGE
@@ -30,10 +32,21 @@ _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 def empty(shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array, 2 MiB-aligned on huge pages when it is large
-    (its memory is freed with the array, like any numpy array's)."""
+    (its memory is freed with the array, like any numpy array's); E0810 at the user's line
+    when the system refuses the memory."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    try:
+        return _empty(shape, dtype, nbytes)
+    except MemoryError:
+        raise user_error(ErrorCode.OUT_OF_MEMORY, f"out of memory: the system refused {nbytes / 2**30:.1f} GiB "
+                         f"({nbytes:,} bytes) for an array of {dtype} of shape {shape}") from None
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
+    """empty's array: numpy's below ALIGN_FROM bytes, else on a 2 MiB boundary of a
+    mapping of its own."""
     if nbytes < ALIGN_FROM or None in _PRIVATE:
         return np.empty(shape, dtype)
     # a private anonymous mapping (a shared one is shmem, which gets no huge pages here),

@@ -47,9 +47,10 @@ from ..ir.symbolic import SymDim
 from ..ir.types import TensorType
 from ..ref import quant
 from ..ref.context import RefContext
-from ..ref.interpreter import bind_symbols, check_array, evaluate, resolve_attrs, resolve_type
+from ..ref.interpreter import bind_symbols, check_array, evaluate, out_of_memory, resolve_attrs, resolve_type
 from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
 from . import buffers
+from .host import check_free
 
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
 _EMPTY_PTR = _EMPTY.ctypes.data
@@ -134,6 +135,7 @@ class _Frame:
     def __init__(self, plan: "Plan", bindings: dict, key):
         prog = plan.program
         self.key = key
+        plan.check_memory(bindings)
         self.slots = [buffers.empty(max(int(evaluate(n, bindings)), 64), np.uint8) for n in prog.slots]
         self.base: list = [None] * len(plan.buffers)
         for i, b in enumerate(plan.buffers):
@@ -393,10 +395,14 @@ class Plan:
         """Before run `what` of compiled steps: its fresh arrays allocated, and the pointers
         whose arrays changed since its last launch filled in."""
         fresh = []
-        for bi, spec, places in frame.run_alloc[what]:
-            if vals[bi] is None:
-                vals[bi] = np.empty(*spec) if spec else self.allocate(self.buffers[bi], bindings, None)
-                fresh += places
+        try:
+            for bi, spec, places in frame.run_alloc[what]:
+                if vals[bi] is None:
+                    vals[bi] = np.empty(*spec) if spec else self.allocate(self.buffers[bi], bindings, None)
+                    fresh += places
+        except MemoryError:  # memory freed when the frame was made (check_memory) and taken since
+            t = self.buffers[bi].type
+            raise out_of_memory(f"@{self.func.name}", [resolve_type(t, bindings) if bindings else t]) from None
         entries, pick = frame.run_fill[what]
         arrays, last = pick(vals), None
         for j in _changed(arrays, frame.held[what]):
@@ -479,6 +485,22 @@ class Plan:
         t = resolve_type(b.type, bindings) if bindings else b.type
         return tuple(int(d) for d in quant.storage_shape(t)), _np_dtype(t)
 
+    def check_memory(self, bindings: dict) -> None:
+        """Refuse a frame whose memory the machine does not have free, before any of it is
+        allocated (host.check_free): its slots, and the temporaries outside them and the
+        results a run allocates. The error names the largest value, most often the one the
+        program was asked for (a product of 10^12 elements)."""
+        values = [b for b in self.buffers if b.kind in ("temp", "output")]
+        if not values:
+            return
+        storage = [self._storage(b, bindings) for b in values]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in storage]
+        nbytes = sum(int(evaluate(n, bindings)) for n in self.program.slots)
+        nbytes += sum(n for b, n in zip(values, sizes) if b.slot is None and b.alias is None)
+        largest = values[sizes.index(max(sizes))]
+        t = resolve_type(largest.type, bindings) if bindings else largest.type
+        check_free(nbytes, f"@{self.func.name} (its largest value {t})")
+
     def array_spec(self, b: Buffer, bindings: dict) -> tuple | None:
         """(shape, dtype) of a fresh array for buffer `b` at these symbol values: what a run
         allocates for an output, known once per frame; None for an empty one (allocate)."""
@@ -546,7 +568,9 @@ class Plan:
             with np.errstate(all="ignore"):
                 outs = IMPLS[op.name](ctx, attrs, *args, out_types=out_types, **kw)
         except DTMError as e:
-            raise DTMError(e.code, f"@{self.func.name} op {op.name} ({step.name}): {e.message}") from e
+            raise e.in_context(f"@{self.func.name} op {op.name} ({step.name})") from e
+        except MemoryError:
+            raise out_of_memory(f"@{self.func.name} op {op.name} ({step.name})", out_types) from None
         for bi, x in zip(outs_i, outs):
             x = np.asarray(x)
             if any(np.may_share_memory(x, a) for a in args):

@@ -16,7 +16,7 @@ dtype: they become the shardings of the captured IR's values (spec 2.7).
                  `backward`, and the tracing state of dtm.jit
     dtypes.py    torch's dtype names, `as_dtype`, `promote_types`
     creation.py  tensor(), from_numpy, zeros / ones / full / arange, randn / rand / randint, Generator
-    extra_ops.py ops composed from functional.py's (cumsum, einsum, topk, ...), and sort
+    extra_ops.py ops composed from functional.py's (einsum, topk, ...), sort and cumsum
     jit.py       dtm.jit
 
 The ops themselves are in dtm/functional.py, which attaches the Tensor's operators and op
@@ -28,7 +28,7 @@ from .core import (STATE, Tensor, apply, backward, capture, enable_grad, inferen
                    normalize_dim, realize, result_type)
 from .creation import (Generator, arange, from_dlpack, from_numpy, full, full_like, manual_seed, ones, ones_like, rand,
                        rand_like, randint, randn, randn_like, tensor, zeros, zeros_like)
-from .dtypes import (DEFAULT_FLOAT, as_dtype, bfloat16, bool_, float8_e4m3, float8_e5m2, float16, float32, float64,
+from .dtypes import (DEFAULT_FLOAT, as_dtype, bfloat16, bool_, float8_e4m3, float8_e4m3fn, float8_e5m2, float16, float32, float64,
                      int8, int16, int32, int64, promote_types, uint8, uint16, uint32, uint64)
 from .jit import jit
 
@@ -38,6 +38,6 @@ __all__ = [
     "enable_grad", "inference_mode", "Generator", "randint",
     "is_grad_enabled", "jit", "realize", "backward", "as_dtype", "promote_types", "result_type", "apply",
     "capture", "normalize_dim", "error", "STATE", "DEFAULT_FLOAT",
-    "float16", "bfloat16", "float32", "float64", "float8_e4m3", "float8_e5m2", "int8", "int16", "int32",
+    "float16", "bfloat16", "float32", "float64", "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "int8", "int16", "int32",
     "int64", "uint8", "uint16", "uint32", "uint64", "bool_",
 ]

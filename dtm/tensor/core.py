@@ -41,9 +41,12 @@ class Trace:
         self.updated: set[int] = set()                   # the leaves assigned so far
         self.hooks: list[Callable[[], None]] = []        # Python bookkeeping to redo before each replay
         self.graded: dict[int, Tensor] = {}              # leaves whose .grad a traced backward() set
-        # checks of argument values to make on each call (functional._check_values):
-        # (placeholder, error code, fault(values) -> message or None, the traced op's line)
-        self.checks: list[tuple[Tensor, Any, Callable[[np.ndarray], str | None], str | None]] = []
+        # checks of argument values to make on each call, before the program runs
+        # (functional._checked): (the arguments and known tensors the checked value is
+        # computed from, the module computing it from them or None when it is the one
+        # argument itself, error code, fault(values) -> message or None, the traced op's line)
+        self.checks: list[tuple[list[Tensor], Module | None, Any, Callable[[np.ndarray], str | None],
+                                str | None]] = []
 
 
 class _State(threading.local):

@@ -16,10 +16,23 @@ from ..ir import DType
 from ..ir.dtypes import numpy_dtype
 from ..ir.dtypes import from_numpy as dtype_of_numpy
 from ..ir.types import TensorType
-from ..runtime.host import available_bytes
+from ..runtime.host import check_free
 from . import dlpack
 from .core import STATE, Tensor, apply, no_grad, on_replay, result_type
-from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, int64
+from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, check_fits, convert_scalar, int64
+
+
+def _check_numbers(arr: np.ndarray, dtype: DType) -> None:
+    """Python numbers given for an integer dtype must fit it, as torch.tensor requires
+    (`fits`: checked at the smallest and the largest). A numpy array or a tensor is cast
+    instead, wrapping, and floats given for a float dtype round, to an infinity when they
+    are too large: both as in torch."""
+    if not dtype.is_int or arr.size == 0 or (arr.dtype != object and np.can_cast(arr.dtype, numpy_dtype(dtype))):
+        return
+    flat = arr.ravel()
+    ends = (min(flat.tolist()), max(flat.tolist())) if arr.dtype == object else (flat.min().item(), flat.max().item())
+    for v in ends:
+        check_fits("tensor", v, dtype)
 
 
 def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
@@ -45,6 +58,8 @@ def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
                 dtype = dtype_of_numpy(arr.dtype)
             except KeyError:
                 raise error(ErrorCode.UNKNOWN_DTYPE, f"cannot make a tensor from numpy dtype {arr.dtype}") from None
+    elif not isinstance(data, (Tensor, np.ndarray)):
+        _check_numbers(arr, dtype)
     return np.array(arr, dtype=numpy_dtype(dtype), copy=True)
 
 
@@ -64,10 +79,6 @@ def from_dlpack(obj: Any) -> Tensor:
     return Tensor.from_numpy(dlpack.to_numpy(obj))
 
 
-# Below this many bytes a new tensor is made without asking how much memory is free.
-_SMALL_BYTES = 1 << 30
-
-
 def _shape(size: Sequence, dtype: DType) -> tuple[int, ...]:
     """The shape `size` names (sizes, or one tuple or list of them), checked before any
     memory is allocated, so a bad size is an error at the user's line and not numpy's from
@@ -84,17 +95,18 @@ def _shape(size: Sequence, dtype: DType) -> tuple[int, ...]:
         if n < 0:
             raise error(ErrorCode.INVALID_DIM, f"size {k} must be >= 0, found {n} (in the shape {tuple(size)})")
         shape.append(n)
-    nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
-    if nbytes > _SMALL_BYTES:
-        free = available_bytes()
-        if free is not None and nbytes > free:
-            raise error(ErrorCode.INVALID_DIM, f"a {dtype} tensor of shape {tuple(shape)} needs {nbytes / 2**30:.1f} "
-                        f"GiB, more than the {free / 2**30:.1f} GiB of memory free")
+    check_free(math.prod(shape) * numpy_dtype(dtype).itemsize, f"a {dtype} tensor of shape {tuple(shape)}")
     return tuple(shape)
 
 
 def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    """torch.full: a value that does not fit the dtype raises (E0410), else it converts as
+    torch converts it (-1 fills a uint8 tensor with 255)."""
     d = as_dtype(dtype) if dtype is not None else result_type(fill_value)
+    if isinstance(fill_value, (bool, int, float, np.generic)):
+        fill_value = fill_value.item() if isinstance(fill_value, np.generic) else fill_value
+        check_fits("full", fill_value, d)
+        fill_value = convert_scalar(fill_value, d)
     return Tensor.from_numpy(np.full(_shape([size], d), fill_value, dtype=numpy_dtype(d)), requires_grad)
 
 
@@ -118,10 +130,25 @@ def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
     return full(t.shape, fill_value, dtype=dtype if dtype is not None else t.dtype)
 
 
+def _arange_length(start, end, step) -> int:
+    """How many values arange(start, end, step) holds, with torch's checks: a nonzero step,
+    finite bounds and a step that goes from start toward end (torch raises otherwise)."""
+    if step == 0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, "arange: step must be nonzero")
+    if not all(math.isfinite(v) for v in (start, end, step) if not isinstance(v, (int, np.integer))):
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"arange: unsupported range {start} -> {end} with step {step}")
+    if (end - start) * step < 0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"arange: the bounds {start} -> {end} run against the step {step}")
+    if all(isinstance(v, (int, np.integer)) for v in (start, end, step)):
+        return -(-(end - start) // step)  # exact for any Python int
+    return math.ceil((end - start) / step)
+
+
 def arange(start, end=None, step=1, dtype: Any = None) -> Tensor:
     if end is None:
         start, end = 0, start
     d = as_dtype(dtype) if dtype is not None else result_type(start, end, step)
+    _shape((_arange_length(start, end, step),), d)  # checked before numpy allocates it
     return Tensor.from_numpy(np.arange(start, end, step).astype(numpy_dtype(d)))
 
 

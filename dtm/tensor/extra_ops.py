@@ -1,9 +1,10 @@
 """Tensor ops a torch user reaches for beyond dtm/functional.py, each composed from the ops
 there (so every backend, the compiler's fusion and autodiff handle them with no new rule),
-except sorting, which needs the IR's `argsort`: a comparison sort has no exact composition
-of reasonable size (a rank by pairwise comparison is n^2 for a vocabulary of 50k).
+except sorting and running sums, which need the IR's `argsort` and `cumsum`: neither has an
+exact composition whose code stays small (a rank by pairwise comparison is n^2 for a
+vocabulary of 50k; a scan of log2(n) shifted adds, inlined, grew its C with n).
 
-    cumsum       a scan of log2(n) shifted adds in a wide accumulator (f64 / i64), rounded once
+    cumsum       the IR's cumsum (a loop along the dim), after torch's promotion of the dtype
     sort, topk   argsort, then gather the values
     einsum       the equation parsed into diagonals, sums, permutes, reshapes and matmuls
     multinomial  with replacement: inverse CDF; without: the exponential race (smallest E/p)
@@ -35,24 +36,13 @@ SortResult = namedtuple("SortResult", ["values", "indices"])  # torch.return_typ
 
 
 def cumsum(x: Tensor, dim: int, dtype: Any = None) -> Tensor:
-    """torch.cumsum. Integer and bool inputs sum in (and give) int64, as in torch. Floats
-    sum in f64 and round once per element: torch's CPU kernel accumulates f32 sequentially
-    in double, so f32 results agree to the last bit but for rare double-rounding cases; f64
-    results differ from torch's sequential order by about an f64 rounding of the partial sums."""
+    """torch.cumsum. Integer and bool inputs sum in (and give) int64, as in torch. The IR's
+    cumsum adds left to right, floats in f64 rounded once per element: torch's CPU kernel
+    also accumulates f32 sequentially in double, so f32 results agree to the last bit."""
     d = normalize_dim(dim, x.ndim) if x.ndim else 0
     out_dtype = as_dtype(dtype) if dtype is not None else (x.dtype if x.dtype.is_float else int64)
-    if x.ndim == 0:
-        return F.cast(x, out_dtype)
-    acc = F.cast(x, float64 if out_dtype.is_float else int64)
-    n = acc.shape[d]
-    shift = 1
-    while shift < n:  # Hillis-Steele: after the step with shift s, y[i] sums x[i-2s+1 .. i]
-        low = [0] * acc.ndim
-        low[d] = shift
-        shifted = apply("pad", F.narrow(acc, d, 0, n - shift), low=tuple(low), high=(0,) * acc.ndim, value=0)
-        acc = F.add(acc, shifted)
-        shift *= 2
-    return F.cast(acc, out_dtype)
+    x = F.cast(x, out_dtype)
+    return apply("cumsum", x, axis=d) if x.ndim else x
 
 
 # --- sorting ------------------------------------------------------------------------------
@@ -252,14 +242,16 @@ def _truth(x: Tensor) -> Tensor:
 
 
 def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001 - torch's name
-    """torch.any: is any element nonzero (uint8 input gives uint8, as in torch)."""
-    r = F.amax(_truth(x), dim, keepdim)
+    """torch.any: is any element nonzero (uint8 input gives uint8, as in torch); False
+    over no elements (the reduction's identity: amax, which raises there, is not used)."""
+    r = F._extremum("reduce_max", _truth(x), F._axes(dim, x.ndim), keepdim)
     return F.cast(r, "u8") if x.dtype.name == "u8" else r
 
 
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001 - torch's name
-    """torch.all: is every element nonzero (uint8 input gives uint8, as in torch)."""
-    r = F.amin(_truth(x), dim, keepdim)
+    """torch.all: is every element nonzero (uint8 input gives uint8, as in torch); True
+    over no elements."""
+    r = F._extremum("reduce_min", _truth(x), F._axes(dim, x.ndim), keepdim)
     return F.cast(r, "u8") if x.dtype.name == "u8" else r
 
 

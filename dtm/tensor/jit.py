@@ -23,8 +23,11 @@ rate a scheduler set) before it starts. Gradients still held when the function r
 Random draws (dropout) take their key as a parameter drawn afresh before each call, so
 every call draws new numbers, the ones the eager call would have drawn.
 The checks eager ops make on values they know (indices in range, integer divisors not
-zero: spec 3.6 `gather`) are made on each call for the arguments that reach such an
-operand directly, so a bad batch raises as it would eagerly.
+zero: spec 3.6 `gather`) are made on each call, before the program runs, for the arguments
+that reach such an operand directly or through a small computation of arguments and known
+tensors (`pos + arange(T)`: evaluated by the reference interpreter), so a bad batch raises
+as it would eagerly; other computed operands are checked inside the program (the `check`
+op, spec 3.15).
 
 As with torch.jit.trace and tinygrad's TinyJit, Python control flow is frozen at the trace:
 the signature (argument types and layouts, other arguments' values) picks a trace, and
@@ -40,6 +43,7 @@ import numpy as np
 from ..errors import ErrorCode, user_error as error
 from ..ir.module import Module
 from ..runtime import execute
+from ..ref import run as ref_run
 from ..runtime.mesh import Shards
 from .core import STATE, Tensor, Trace, capture, prepare_in_place, realize
 
@@ -61,10 +65,10 @@ class _Traced:
 
     def __init__(self, module: Module, n_args: int, captured: list[Tensor], out_is_tuple: bool, n_out: int,
                  graded: list[Tensor], targets: list[Tensor], hooks: list[Callable[[], None]],
-                 checks: list[tuple[int, Any, Callable[[np.ndarray], str | None], str | None]]):
+                 checks: list[tuple[list, Module | None, Any, Callable[[np.ndarray], str | None], str | None]]):
         self.module, self.n_args, self.captured, self.out_is_tuple = module, n_args, captured, out_is_tuple
         self.n_out, self.graded, self.targets, self.hooks = n_out, graded, targets, hooks
-        self.checks = checks  # (tensor argument's position, code, fault, traced line), see Trace.checks
+        self.checks = checks  # as Trace.checks, an argument's position in place of its placeholder
         self.result_types = [(t, t.is_static) for t, _ in module.funcs["main"].result_types]
 
 
@@ -124,7 +128,8 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         module.funcs["main"] = module.funcs.pop(next(iter(module.funcs)))
         module.funcs["main"].name = "main"
         position = {id(p): k for k, p in enumerate(tensor_args)}
-        checks = [(position[id(p)], code, fault, line) for p, code, fault, line in trace.checks]
+        checks = [([position.get(id(t), t) for t in sources], derive, code, fault, line)
+                  for sources, derive, code, fault, line in trace.checks]
         traced = _Traced(module, len(tensor_args), params[len(tensor_args):], isinstance(out, (tuple, list)),
                          len(outs), graded, [target for target, _ in trace.effects], trace.hooks, checks)
         self.cache[key] = traced
@@ -151,8 +156,9 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
                 hook()
         tensors = [a for a in args if isinstance(a, Tensor)] + traced.captured
         realize(*tensors)  # pending arguments (clipped gradients, say) as one program
-        for k, code, fault, line in traced.checks:  # what eager ops check on known values (indices)
-            message = value_fault(tensors[k]._buffer, fault)
+        for sources, derive, code, fault, line in traced.checks:  # what eager ops check on known values
+            values = [(tensors[k] if type(k) is int else k)._buffer for k in sources]
+            message = value_fault(values[0] if derive is None else ref_run(derive, "main", values)[0], fault)
             if message:
                 raise error(code, f"{message}, in the op traced at {line}")
         prepare_in_place(traced.targets)

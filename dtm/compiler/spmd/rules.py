@@ -19,8 +19,8 @@ What the rules know, by family:
   a replicated value, ...), and `partial(max|min)` through non-decreasing ones (exp, add of
   a replicated value, max, ...). A replicated operand can join partial ones for free (it
   becomes `partial(sum)` by keeping its value on coordinate 0 and zeros elsewhere).
-- reductions: a reduced sharded dim gives `partial(op)` for sum, prod, max and min; argmax
-  and argmin need their dim whole.
+- reductions: a reduced sharded dim gives `partial(op)` for sum, prod, max and min; argmax,
+  argmin, argsort and cumsum need their dim whole (cumsum carries a partial sum).
 - matmul: batch, row and column dims pass through; the contraction dim sharded on both sides
   gives `partial(sum)`.
 - movement: dims that the op leaves whole pass through (reshape: when the chunks line up);
@@ -246,11 +246,15 @@ def _arg(op: Op, cur, n) -> list[Strategy]:
             for d in range(x.rank) if d != axis]
 
 
-@rule("argsort")
-def _argsort(op: Op, cur, n) -> list[Strategy]:
-    """Each slice along `axis` sorts on its own: any other dim may be sharded."""
+@rule("argsort", "cumsum")
+def _along_axis(op: Op, cur, n) -> list[Strategy]:
+    """Each slice along `axis` is sorted or summed on its own: any other dim may be
+    sharded. A running sum is linear, so it carries a partial sum too."""
     x, axis = op.operands[0].type, op.attrs["axis"]
-    return [Strategy((Shard(d),), (Shard(d),)) for d in range(x.rank) if d != axis]
+    out = [Strategy((Shard(d),), (Shard(d),)) for d in range(x.rank) if d != axis]
+    if op.name == "cumsum" and _sums(cur[0], x):
+        out.append(Strategy((cur[0],), (cur[0],)))
+    return out
 
 
 # --- movement ----------------------------------------------------------------------------
@@ -420,6 +424,12 @@ def _store_put(op: Op, cur, n) -> list[Strategy]:
 def _assign(op: Op, cur, n) -> list[Strategy]:
     # The parameter's buffer keeps its placement; the value is brought to it.
     return [Strategy((cur[0], cur[0]), ())]
+
+
+@rule("check")
+def _check(op: Op, cur, n) -> list[Strategy]:
+    """x and its fault are pieced alike: each rank checks the elements it holds."""
+    return _pointwise(op)
 
 
 # --- composites --------------------------------------------------------------------------
