@@ -237,6 +237,40 @@ def test_no_shared_memory_is_left_when_a_rank_is_killed(tmp_path, victims, when)
     assert not left, res.stderr
 
 
+STOPPED_SCRIPT = r'''
+import os, signal, sys
+import numpy as np
+import dtm
+dtm.init(timeout=30)
+dtm.distributed.barrier()
+if dtm.rank() == 2:
+    os.kill(os.getpid(), signal.SIGSTOP)  # alive, its sockets open, silent
+if sys.argv[1] == "fail":
+    dtm.distributed.all_reduce(np.ones(4, np.float32))  # PeerLost once rank 2 is declared lost
+elif sys.argv[1] == "recv":
+    dtm.distributed.recv(2)  # the same, point to point
+'''
+
+
+@pytest.mark.parametrize("others", ["fail", "recv", "finish"])
+def test_launch_names_the_rank_that_hung(tmp_path, others):
+    """Issue 37: rank 2 stops; ranks 0 and 1 fail because of it in a collective or a recv
+    (the launcher said "rank 0 failed first") or finish ("finish": the launcher waited for
+    rank 2 forever). The report names rank 2, which the coordinator declared lost."""
+    script = _script(tmp_path, STOPPED_SCRIPT, "stopped.py")
+    start = time.monotonic()
+    res = _launch(["-n", "3", "--grace", "2", script, others],
+                  _env(DTM_HEARTBEAT_MS=200, DTM_HEARTBEAT_TIMEOUT_MS=2000), timeout=90)
+    assert time.monotonic() - start < 60, res.stderr
+    assert res.returncode == 128 + signal.SIGTERM, res.stdout + res.stderr  # ended by the launcher
+    report = next(line for line in res.stderr.splitlines() if "failed first" in line)
+    assert report.startswith("dtm launch: rank 2 failed first (killed by SIGTERM; the coordinator lost rank 2 "), report
+    assert "no Heartbeat for" in report and report.endswith("ended the other ranks [0, 1]"), report
+    if others != "finish":
+        assert all(f"[rank {r}] dtm.comm.transport.PeerLost: E1001: rank 2 was lost during" in res.stderr
+                   for r in (0, 1)), res.stderr
+
+
 def _start_loop(tmp_path, procs, n: int, coord: Coordinator) -> dict[int, int]:
     """n ranks looping all_reduce against `coord`: rank -> pid, once all are in the loop."""
     script = _script(tmp_path, LOOP_SCRIPT, "loop.py")

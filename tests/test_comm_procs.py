@@ -656,18 +656,49 @@ def test_wrong_token_and_garbage_are_dropped_and_the_mesh_still_forms():
         huge[16:24] = (1 << 40).to_bytes(8, "little")  # a length far past any limit
         _garbage(ports[0], bytes(huge))
         release(1)
-        time.sleep(1.0)  # the mesh is formed and busy now
-        _garbage(ports[0], os.urandom(64))
+        time.sleep(1.0)  # the mesh is formed and busy now: its listener is closed
+        try:
+            socket.create_connection(("127.0.0.1", ports[0]), timeout=10).close()
+            seen["late"] = "accepted"
+        except ConnectionRefusedError:
+            seen["late"] = "refused"
 
     outcomes, _ = run_mesh("tcp", 2, "served", between=poke)
-    assert seen["auth"] == ErrorCode.AUTH_FAILED.value
+    assert seen["auth"] == ErrorCode.AUTH_FAILED.value and seen["late"] == "refused"
     for r in range(2):
         status, value, logs = outcomes[r]
         assert status == "ok", value
         np.testing.assert_array_equal(value, np.full(3, 3.0, np.float32))
     logs = "\n".join(outcomes[0][2])
-    for reason in ("E0909", "E0901", "E0902", "E0904", "the mesh of 2 ranks is complete"):
+    for reason in ("E0909", "E0901", "E0902", "E0904"):
         assert reason in logs, logs
+
+
+def test_the_listener_closes_once_the_mesh_has_formed():
+    """Spec 9.6.2: once a rank has its connection with every peer, its listener is closed,
+    so a later connection is refused by the kernel at once instead of being accepted into a
+    backlog that nobody reads."""
+    from dtm.comm.tcp import connect_mesh, listen
+    listeners = [listen(), listen()]
+    addresses = [s.getsockname() for s in listeners]
+    transports: dict = {}
+
+    def form(r: int) -> None:
+        transports[r] = connect_mesh(r, 2, addresses, TOKEN, listener=listeners[r], timeout=20)
+
+    threads = [threading.Thread(target=form, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert sorted(transports) == [0, 1]
+        for address in addresses:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(address, timeout=5).close()
+    finally:
+        for t in transports.values():
+            t.close()
 
 
 def test_sever_ends_a_wait_for_a_peer_at_once():

@@ -5,6 +5,7 @@ bad input with its error code."""
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import mmap
@@ -31,6 +32,7 @@ from dtm.ref.quant import dequantize, quantize
 from dtm.store import ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreIOError, StoreTypeError
 from dtm.store import files as store_files
 from dtm.store.files import MAP_BYTES, LocalFiles
+from dtm.store.format import INLINE_BYTES, INLINE_CHUNK
 from dtm.store.keys import MAX_KEY_BYTES, MAX_SEGMENT_BYTES
 
 PLAIN = [d for d in DTYPES.values() if not d.is_quant]
@@ -52,17 +54,20 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-@pytest.fixture(params=["file", "memory"])
+@pytest.fixture(params=["file", "memory", "file-inline", "memory-inline"])
 def st(request, tmp_path):
-    # small chunks, so that most tensors here span several chunk files
-    url = str(tmp_path / "s") if request.param == "file" else f"memory://{uuid.uuid4().hex}"
-    with dtm.store.open(url, chunk_bytes=64) as s:
+    # small chunks, so that most tensors here span several chunk files; or every tensor here
+    # (all of at most INLINE_BYTES) kept inline, in its index row
+    kind, _, inline = request.param.partition("-")
+    url = str(tmp_path / "s") if kind == "file" else f"memory://{uuid.uuid4().hex}"
+    with dtm.store.open(url, chunk_bytes=64, inline_bytes=INLINE_BYTES if inline else 0) as s:
         yield s
 
 
 @pytest.fixture
 def disk(tmp_path):
-    with dtm.store.open(tmp_path / "s", chunk_bytes=64) as s:
+    """A directory store whose every tensor is a Zarr array of 64-byte chunks."""
+    with dtm.store.open(tmp_path / "s", chunk_bytes=64, inline_bytes=0) as s:
         yield s
 
 
@@ -265,16 +270,20 @@ def test_zarr_reads_a_dtm_store_key(disk, tmp_path, dtype, zarr_view):
 
 # --- atomicity ------------------------------------------------------------------------------
 
-def _version(i: int) -> np.ndarray:
-    return np.random.default_rng(i).standard_normal(4096).astype(np.float32)  # 16 KiB, 4 chunks
+def _version(i: int, mixed: bool = False) -> np.ndarray:
+    """Version i of a killed writer's tensor: 16 KiB, 4 chunks; with `mixed`, every even
+    version 16 bytes, kept inline, so that puts switch the key between the two forms."""
+    n = 4 if mixed and i % 2 == 0 else 4096
+    return np.random.default_rng(i).standard_normal(n).astype(np.float32)
 
 
-def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path):
+@pytest.mark.parametrize("mixed", [False, True], ids=["zarr", "zarr-and-inline"])
+def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path, mixed):
     rng = random.Random(17)
     for trial in range(20):
         path = str(tmp_path / f"s{trial}")
         with dtm.store.open(path, chunk_bytes=4096) as s:
-            s.put("k", _version(0))
+            s.put("k", _version(0, mixed))
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the writer: puts versions 1, 2, ... until it is killed
@@ -283,7 +292,7 @@ def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path):
                 s = dtm.store.open(path, chunk_bytes=4096)
                 for i in range(1, 1000):
                     os.write(w, i.to_bytes(4, "little"))
-                    s.put("k", _version(i))
+                    s.put("k", _version(i, mixed))
             finally:
                 os._exit(0)
         os.close(w)
@@ -301,10 +310,10 @@ def test_a_put_killed_at_any_moment_leaves_the_old_or_the_new_tensor(tmp_path):
         last = int.from_bytes(started[-4:], "little") if started else 0
         with dtm.store.open(path, chunk_bytes=4096) as s:
             got = s.get_array("k")
-            assert any(_same_bits(got, _version(i)) for i in (last - 1, last) if i >= 0), f"trial {trial}"
+            assert any(_same_bits(got, _version(i, mixed)) for i in (last - 1, last) if i >= 0), f"trial {trial}"
             assert s.verify().ok
             s.collect(older_than_s=0)                # what the killed put left
-            assert os.listdir(os.path.join(path, "data", "k")) == [s.info("k").dir.rsplit("/", 1)[1]]
+            assert _version_dirs(pathlib.Path(path), "k") == _current_dir(s, "k")
             s.put("k", _version(0))                  # the store is writable again
             assert _same_bits(s.get_array("k"), _version(0))
 
@@ -326,6 +335,116 @@ def test_a_write_error_keeps_the_earlier_tensor(disk, tmp_path, monkeypatch):
     monkeypatch.undo()
     assert _same_bits(disk.get_array("k"), np.arange(64, dtype=np.float32))
     assert os.listdir(tmp_path / "s" / "data" / "k") == [disk.info("k").dir.rsplit("/", 1)[1]]
+
+
+# --- small tensors, kept inline in the index ------------------------------------------------
+
+def test_small_tensors_take_little_disk(tmp_path):
+    """A 16-byte tensor as a Zarr array took 20 KiB of disk on ext4 (its key's directory, its
+    version directory, `c/`, zarr.json and a chunk file, a 4 KiB block each: 2 GB for 100,000
+    task outputs); kept inline it takes its index row, and no file."""
+    root = tmp_path / "s"
+    with dtm.store.open(root) as s:
+        for i in range(1000):
+            s.put(f"t/{i}", np.full(4, i, np.float32))
+    # closed: SQLite has moved its WAL into the database (an open store's WAL is up to ~4 MiB)
+    used = sum(os.lstat(os.path.join(d, n)).st_blocks * 512 for d, dirs, files in os.walk(root) for n in dirs + files)
+    assert used / 1000 < 1024, f"{used / 1000:.0f} bytes of disk per key"
+    assert [f for _, _, files in os.walk(root / "data") for f in files] == []
+
+
+def test_a_small_tensor_is_kept_inline_through_every_operation(tmp_path):
+    root = tmp_path / "s"
+    x = np.arange(4, dtype=np.float32)
+    with dtm.store.open(root) as s:
+        info = s.put("a/k", x)
+        assert info.inline and info.dir == "" and (info.nbytes, info.version) == (16, 1)
+        assert info.checksum == f"{crc32c(x.tobytes()):08x}"
+        assert not (root / "data" / "a").exists()                # no directory, no file
+        assert s.info("a/k") == info and s.keys("a/") == ["a/k"] and s.du("a/") == 16
+        assert _same_bits(s.get("a/k", dtype="f32", shape=(4,)).numpy(), x)
+        report = s.verify()
+        assert report.ok and (report.keys, report.chunks) == (1, 1)
+        big = np.arange(2048, dtype=np.float32)                  # past INLINE_BYTES: a Zarr array
+        assert not s.put("a/k", big).inline and _version_dirs(root, "a/k") == _current_dir(s, "a/k") != []
+        assert _same_bits(s.get_array("a/k"), big)
+        assert s.put("a/k", x + 1).version == 3                  # back inline: the Zarr array removed
+        assert _version_dirs(root, "a/k") == [] and _same_bits(s.get_array("a/k"), x + 1)
+        assert s.collect(older_than_s=0) == [] and _same_bits(s.get_array("a/k"), x + 1)
+        s.set_quota(20, prefix="a/")
+        with pytest.raises(QuotaExceeded):
+            s.put("a/j", x)                                      # 16 + 16 > 20
+        assert s.keys() == ["a/k"]
+        s.delete("a/k")
+        assert s.keys() == [] and s.du() == 0
+        with pytest.raises(KeyMissing):
+            s.get_array("a/k")
+
+
+def test_a_tensor_kept_inline_damaged_on_the_disk_is_a_checksum_error(tmp_path):
+    root = tmp_path / "s"
+    x = np.frombuffer(b"sixteen bytes!!!", np.uint8)            # to be found in the index's file
+    with dtm.store.open(root) as s:
+        s.put("k", x)
+        s.put("other", np.ones(3))
+    db = root / "index.sqlite"                                   # closed: its WAL moved into it
+    raw = bytearray(db.read_bytes())
+    assert raw.count(x.tobytes()) == 1
+    raw[raw.index(x.tobytes()) + 5] ^= 0x10
+    db.write_bytes(bytes(raw))
+    with dtm.store.open(root) as s:
+        with pytest.raises(ChecksumError) as e:
+            s.get_array("k")
+        assert e.value.code is ErrorCode.STORE_CHUNK_CORRUPT and (e.value.key, e.value.chunk) == ("k", INLINE_CHUNK)
+        assert "CRC32C" in str(e.value)
+        report = s.verify()
+        assert [(k, c) for k, c, _ in report.bad] == [("k", INLINE_CHUNK)] and report.keys == 2
+        assert _same_bits(s.get_array("other"), np.ones(3))     # nothing else is lost
+        with sqlite3.connect(db) as other:                       # a row whose bytes are cut short
+            other.execute("UPDATE keys SET data = substr(data, 1, 15) WHERE key = 'k'")
+        other.close()
+        with pytest.raises(ChecksumError, match="15 bytes, expected 16"):
+            s.get_array("k")
+        s.put("k", x)                                            # a put replaces the damaged tensor
+        assert s.verify().ok and _same_bits(s.get_array("k"), x)
+
+
+def test_a_schema_1_index_is_upgraded_and_an_unknown_schema_refused(tmp_path):
+    root = tmp_path / "s"
+    with dtm.store.open(root, inline_bytes=0) as s:
+        s.put("old", np.arange(3))
+    db = sqlite3.connect(root / "index.sqlite", isolation_level=None)
+    db.execute("ALTER TABLE keys DROP COLUMN data")              # as the store was before inline tensors
+    db.execute("UPDATE meta SET value = '1' WHERE name = 'schema'")
+    db.close()
+    with dtm.store.open(root) as s:
+        assert _same_bits(s.get_array("old"), np.arange(3)) and not s.info("old").inline
+        assert s.put("new", np.arange(2)).inline and _same_bits(s.get_array("new"), np.arange(2))
+    db = sqlite3.connect(root / "index.sqlite", isolation_level=None)
+    assert db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone() == ("2",)
+    db.execute("UPDATE meta SET value = '3' WHERE name = 'schema'")
+    db.close()
+    with pytest.raises(DTMError) as e:
+        dtm.store.open(root)
+    assert e.value.code is ErrorCode.STORE_CORRUPT and "schema 3" in str(e.value)
+
+
+@pytest.mark.parametrize("inline_bytes", [-1, INLINE_BYTES + 1])
+def test_inline_bytes_past_the_spec_bound_is_refused(tmp_path, inline_bytes):
+    with pytest.raises(DTMError) as e:
+        dtm.store.open(tmp_path / "s", inline_bytes=inline_bytes)
+    assert e.value.code is ErrorCode.ATTRIBUTE_VALUE
+
+
+def test_zarr_does_not_see_a_tensor_kept_inline_and_inline_bytes_0_keeps_none(tmp_path):
+    zarr = pytest.importorskip("zarr", minversion="3")
+    x = np.arange(4, dtype=np.float32)
+    with dtm.store.open(tmp_path / "s") as s:
+        assert s.put("k", x).inline
+    with dtm.store.open(tmp_path / "s", inline_bytes=0) as s:
+        info = s.put("k", x)
+        assert not info.inline
+        np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "s" / info.dir), mode="r")[...], x)
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -405,6 +524,10 @@ def test_the_spec_states_the_key_bounds():
     assert f"a segment longer than\n  {MAX_SEGMENT_BYTES} UTF-8 bytes" in SPEC_92
 
 
+def test_the_spec_states_the_inline_bound():
+    assert f"is at most **{INLINE_BYTES} bytes** in its index row" in SPEC_92
+
+
 def test_zarr_json_and_data_types_are_as_the_spec_tables_say(disk, tmp_path):
     members = re.findall(r"^\| `([a-z_]+)` \| ", SPEC_92[SPEC_92.index("| member |"):SPEC_92.index("| dtype | `data_type` |")], re.M)
     rows = re.findall(r"^\| (`[a-z0-9_]+`(?:, `[a-z0-9_]+`)*) \| (`[a-z0-9]+`(?:, `[a-z0-9]+`)*) \| ",
@@ -423,14 +546,18 @@ def test_zarr_json_and_data_types_are_as_the_spec_tables_say(disk, tmp_path):
 
 def test_the_index_is_the_sqlite_schema_the_spec_gives(disk, tmp_path):
     info = disk.put("layer0/w", np.zeros((2, 3), np.float32))
+    with dtm.store.open(tmp_path / "s") as inlining:
+        small = inlining.put("layer0/b", np.arange(3, dtype=np.int16))
     block = SPEC_92[SPEC_92.index("```text"):]
     spec_cols = re.search(r"keys\((.*?)\)\n", block, re.S).group(1)
     db = sqlite3.connect(tmp_path / "s" / "index.sqlite")
-    assert [c[1] for c in db.execute("PRAGMA table_info(keys)")] == re.findall(r"(\w+) (?:TEXT|INTEGER|REAL)", spec_cols)
+    assert [c[1] for c in db.execute("PRAGMA table_info(keys)")] == \
+        re.findall(r"(\w+) (?:TEXT|INTEGER|REAL|BLOB)", spec_cols)
     assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
-    assert db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone() == ("1",)
-    row = db.execute("SELECT * FROM keys").fetchone()
-    assert row == ("layer0/w", info.dir, "f32", "[2, 3]", 24, info.checksum, 1, info.written)
+    assert db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone() == ("2",)
+    rows = db.execute("SELECT * FROM keys ORDER BY key").fetchall()
+    assert rows == [("layer0/b", "", "i16", "[3]", 6, small.checksum, 1, small.written, b"\0\0\1\0\2\0"),
+                    ("layer0/w", info.dir, "f32", "[2, 3]", 24, info.checksum, 1, info.written, None)]
     assert info.dir.startswith("data/layer0/w/@") and re.fullmatch(r"[0-9a-f]{16}", info.dir.rsplit("@", 1)[1])
     db.close()
 
@@ -443,9 +570,10 @@ def test_a_damaged_index_is_e1105(tmp_path):
     assert e.value.code is ErrorCode.STORE_CORRUPT
 
 
-def test_an_index_locked_past_the_timeout_is_e1104_and_loses_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("inline_bytes", [0, INLINE_BYTES])
+def test_an_index_locked_past_the_timeout_is_e1104_and_loses_nothing(tmp_path, monkeypatch, inline_bytes):
     monkeypatch.setattr(dtm.store.index, "BUSY_TIMEOUT_MS", 50)
-    with dtm.store.open(tmp_path / "s") as s:
+    with dtm.store.open(tmp_path / "s", inline_bytes=inline_bytes) as s:
         s.put("k", np.arange(3))
         other = sqlite3.connect(tmp_path / "s" / "index.sqlite", isolation_level=None)
         other.execute("BEGIN IMMEDIATE")                 # another process holds the write lock
@@ -455,23 +583,40 @@ def test_an_index_locked_past_the_timeout_is_e1104_and_loses_nothing(tmp_path, m
         other.execute("ROLLBACK")
         other.close()
         assert _same_bits(s.get_array("k"), np.arange(3)) and s.info("k").version == 1
-        assert os.listdir(tmp_path / "s" / "data" / "k") == [s.info("k").dir.rsplit("/", 1)[1]]
+        assert _version_dirs(tmp_path / "s", "k") == _current_dir(s, "k")
         s.put("k", np.arange(4))
+
+
+def _version_dirs(root: pathlib.Path, key: str) -> list[str]:
+    """The version directories under `key` in the directory store at `root`."""
+    d = root / "data" / key
+    return sorted(n for n in os.listdir(d) if n.startswith("@")) if d.is_dir() else []
+
+
+def _current_dir(s, key: str) -> list[str]:
+    """The version directory of `key`'s tensor, as _version_dirs names it: none when inline."""
+    info = s.info(key)
+    return [] if info.inline else [info.dir.rsplit("/", 1)[1]]
 
 
 def test_a_store_behind_an_fsspec_url_keeps_a_ref_per_key_as_the_spec_says():
     fsspec = pytest.importorskip("fsspec")
     name = uuid.uuid4().hex
     s = dtm.store.open(f"memory://{name}")
-    info = s.put("a/b", np.arange(6, dtype=np.int32).reshape(2, 3))
-    s.set_quota(1000, prefix="a/")
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    info, small = s.put("a/b", np.repeat(x, 200, axis=0)), s.put("a/c", x)  # a Zarr array, and a tensor kept inline
+    s.set_quota(100_000, prefix="a/")
     fs = fsspec.filesystem("memory")                     # read the objects as another tool would
     ref = json.loads(fs.cat_file(f"/{name}/data/a/b/@ref"))
     members = re.findall(r"`(\w+)`", re.search(r"with the members (.*?) of the row above", SPEC_92, re.S).group(1))
     assert list(ref) == members
-    assert ref == {"dir": info.dir, "dtype": "i32", "shape": [2, 3], "nbytes": 24, "checksum": info.checksum,
-                   "version": 1, "written": info.written}
-    assert json.loads(fs.cat_file(f"/{name}/quotas.json")) == {"a/": 1000}
+    assert ref == {"dir": info.dir, "dtype": "i32", "shape": [400, 3], "nbytes": 4800, "checksum": info.checksum,
+                   "version": 1, "written": info.written, "data": None}
+    assert json.loads(fs.cat_file(f"/{name}/data/a/c/@ref")) == {
+        "dir": "", "dtype": "i32", "shape": [2, 3], "nbytes": 24, "checksum": small.checksum, "version": 1,
+        "written": small.written, "data": base64.b64encode(x.astype("<i4").tobytes()).decode("ascii")}
+    assert fs.find(f"/{name}/data/a/c") == [f"/{name}/data/a/c/@ref"]  # its ref alone
+    assert json.loads(fs.cat_file(f"/{name}/quotas.json")) == {"a/": 100_000}
     assert json.loads(fs.cat_file(f"/{name}/{info.dir}/zarr.json"))["attributes"]["dtm"]["dtype"] == "i32"
 
 
@@ -481,7 +626,7 @@ def test_a_memory_store_writes_what_fsspec_itself_lists_and_reads():
     and the ref, after puts that replace, and nothing after a delete."""
     fsspec = pytest.importorskip("fsspec")
     name = uuid.uuid4().hex
-    s = dtm.store.open(f"memory://{name}", chunk_bytes=64)
+    s = dtm.store.open(f"memory://{name}", chunk_bytes=64, inline_bytes=0)
     fs = fsspec.filesystem("memory")
     for x in (np.arange(40, dtype=np.float32).reshape(10, 4), np.arange(3, dtype=np.int64)):
         info = s.put("a/b", x)
@@ -501,7 +646,7 @@ def test_a_replaced_version_is_removed_at_once_when_small_else_in_the_background
     """A put that replaces a small tensor removes the old version before it returns; one of
     REMOVE_LATER_BYTES or more goes to the reaper thread (unlinking large files is slow), and
     is gone once it drained. The key holds the new tensor either way."""
-    with dtm.store.open(tmp_path / "s") as s:
+    with dtm.store.open(tmp_path / "s", inline_bytes=0) as s:
         later, remove_later = [], s._files.remove_later
         monkeypatch.setattr(s._files, "remove_later", lambda rel: (later.append(rel), remove_later(rel)))
         s.put("k", np.arange(10))
@@ -521,13 +666,13 @@ def test_a_replaced_version_is_removed_whole_by_its_files_or_by_what_is_there(tm
     """A small replaced version goes file by file, by the names its layout gives, with its
     nested chunk directories; known to the store that wrote it, or read from its zarr.json by
     another; one that holds a file its layout does not name is removed whole all the same."""
-    with dtm.store.open(tmp_path / "s", chunk_bytes=64) as s:
+    with dtm.store.open(tmp_path / "s", chunk_bytes=64, inline_bytes=0) as s:
         s.put("k", np.ones((9, 5), np.float32))          # chunks c/0/0, c/1/0, c/2/0: nested directories
         old = s._files.path(s.info("k").dir)
         assert sorted(os.listdir(f"{old}/c")) == ["0", "1", "2"]
         s.put("k", np.zeros((9, 5), np.float32))
         assert not os.path.exists(old)
-    with dtm.store.open(tmp_path / "s") as other:         # the writer's layout is not known here
+    with dtm.store.open(tmp_path / "s", inline_bytes=0) as other:  # the writer's layout is not known here
         old = other._files.path(other.info("k").dir)
         other.put("k", np.arange(3))
         assert not os.path.exists(old)
@@ -540,9 +685,10 @@ def test_a_replaced_version_is_removed_whole_by_its_files_or_by_what_is_there(tm
 
 
 def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypatch):
-    st.put("k", np.arange(3))
+    # (past INLINE_BYTES: the bytes of a tensor kept inline come with its row, no file to lose)
+    st.put("k", np.arange(1024))
     stale = st.info("k")
-    st.put("k", np.arange(4))                           # removes the version `stale` names
+    st.put("k", np.arange(1025))                        # removes the version `stale` names
     st._files.drain()                                   # (a large one on the reaper thread: wait for it)
     real, calls = st._index.get, []
 
@@ -551,7 +697,7 @@ def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypat
         return stale if len(calls) == 1 else real(key)
 
     monkeypatch.setattr(st._index, "get", first_stale)
-    assert _same_bits(st.get_array("k"), np.arange(4))
+    assert _same_bits(st.get_array("k"), np.arange(1025))
     calls.clear()
     st.delete("k")
     with pytest.raises(KeyMissing):
@@ -559,7 +705,7 @@ def test_a_get_that_races_a_put_reads_the_new_version_not_an_error(st, monkeypat
 
 
 def test_collect_removes_old_unnamed_version_directories_only(st):
-    st.put("a/k", np.arange(64, dtype=np.float32))
+    st.put("a/k", np.arange(2048, dtype=np.float32))  # past INLINE_BYTES: a Zarr array
     st.put("b", np.ones(2))
     current = st.info("a/k").dir
     files = st._files
@@ -569,7 +715,7 @@ def test_collect_removes_old_unnamed_version_directories_only(st):
     time.sleep(0.01)
     assert st.collect(older_than_s=0) == ["data/a/k/@00000000000000aa", "data/b/@00000000000000bb"]
     assert st.collect(older_than_s=0) == []
-    assert _same_bits(st.get_array("a/k"), np.arange(64, dtype=np.float32)) and st.verify().ok
+    assert _same_bits(st.get_array("a/k"), np.arange(2048, dtype=np.float32)) and st.verify().ok
 
 
 def test_a_closed_store_says_so(tmp_path):
@@ -587,7 +733,7 @@ def test_replacing_a_key_behind_a_url_removes_its_old_objects_by_name_without_li
     """A replaced version's objects go by the names its metadata gives: listing a prefix on
     fsspec's memory file system scans every object (a put into a store of 10,000 keys took
     43 ms that way)."""
-    s = dtm.store.open("memory://replace-by-name")
+    s = dtm.store.open("memory://replace-by-name", inline_bytes=0)
     for i in range(50):
         s.put(f"other/{i}", np.zeros(2, np.float32))
     s.put("k", np.zeros((4, 3), np.float32))

@@ -6,6 +6,7 @@ with exit status 1 and one line naming the error code, never a traceback."""
 from __future__ import annotations
 
 import pathlib
+import sqlite3
 
 import ml_dtypes
 import numpy as np
@@ -111,15 +112,21 @@ def test_export_and_import_round_trip_through_safetensors(store, tmp_path):
 
 def test_verify_names_a_corrupted_chunk(store):
     path, st = store
+    st.put("model/big", np.ones((64, 32), np.float32))  # 8 KiB: a Zarr array (model/w is kept inline)
     assert run(path, "verify").exit_code == 0
-    chunks = [p for p in (pathlib.Path(path) / "data" / "model" / "w").rglob("*")
+    chunks = [p for p in (pathlib.Path(path) / "data" / "model" / "big").rglob("*")
               if p.is_file() and p.name != "zarr.json"]
     data = bytearray(chunks[0].read_bytes())
     data[0] ^= 0xFF
     chunks[0].write_bytes(bytes(data))
     result = run(path, "verify")
-    assert result.exit_code == 1 and "model/w" in result.output and "1 bad key(s)" in result.output
-    assert_fails(run(path, "get", "model/w", "-o", str(pathlib.Path(path).parent / "w.npy")), "E1102")
+    assert result.exit_code == 1 and "model/big" in result.output and "1 bad key(s)" in result.output
+    assert_fails(run(path, "get", "model/big", "-o", str(pathlib.Path(path).parent / "big.npy")), "E1102")
+    with sqlite3.connect(pathlib.Path(path) / "index.sqlite") as db:  # a bit of model/w's row flipped
+        db.execute("UPDATE keys SET data = ? WHERE key = 'model/w'", (bytes([W.tobytes()[0] ^ 1]) + W.tobytes()[1:],))
+    result = run(path, "verify")
+    assert result.exit_code == 1 and "inline" in result.output and "2 bad key(s)" in result.output
+    assert_fails(run(path, "get", "model/w"), "E1102")
 
 
 def test_bad_input_is_one_line_with_its_code(store, tmp_path):

@@ -2,9 +2,10 @@
 after `dtm.init()`, keys on two ranks by their hash, any rank getting any key, gets from
 ranks on this machine mapped from their directories (no bytes through a socket), gets over
 the wire when that is turned off, programs' store_get / store_put on the mesh's store, and
-a rank killed with SIGKILL losing no key that had a live replica. Every value is compared
-with the numpy array the test regenerates from its seed. Run as a script, this file is one
-rank's side."""
+a rank killed with SIGKILL losing no key that had a live replica, a get from a stopped rank
+ending once the coordinator declares it lost, and the parts of killed ranks removed by `dtm
+launch` and by the next `dtm.init()` on the host. Every value is compared with the numpy
+array the test regenerates from its seed. Run as a script, this file is one rank's side."""
 
 from __future__ import annotations
 
@@ -107,6 +108,65 @@ def program_rank_main() -> None:
     pg.barrier()
 
 
+def stopped_rank_main() -> None:
+    """Three ranks; rank 2 holds two keys alone (replicas=1, asked over the wire) and the test
+    stops it (SIGSTOP) before the others get the second: rank 1 on the connection its first
+    get opened, rank 0 on a new one (its handshake waits)."""
+    import dtm
+    from dtm.store.mesh_store import placement
+
+    pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S)
+    one = dtm.store.mesh(replicas=1, share_memory=False)
+    keys = [k for k in (f"s/{i}" for i in range(100)) if placement(k, 3)[0] == 2][:2]
+    if pg.rank == 2:
+        for i, k in enumerate(keys):
+            one.put(k, value(i))
+    pg.barrier()
+    if pg.rank == 1:
+        one.get_array(keys[0])
+    print(json.dumps({"ready": pg.rank, "pid": os.getpid()}), flush=True)
+    go = pathlib.Path(os.environ["DTM_MESH_STORE"]).parent / "go"
+    deadline = time.monotonic() + TIMEOUT_S
+    while not go.exists() and time.monotonic() < deadline:  # rank 2 is stopped meanwhile
+        time.sleep(0.02)
+    start = time.monotonic()
+    try:
+        one.get_array(keys[1])
+        outcome = {"code": None}
+    except dtm.DTMError as e:
+        outcome = {"code": e.code.value, "msg": str(e), "cause": type(e.__cause__).__name__}
+    report(rank=pg.rank, waited=time.monotonic() - start, **outcome)
+    os._exit(0)  # the mesh lost a rank: no orderly shutdown to wait for
+
+
+def killed_parts_main() -> None:
+    """Two ranks under `dtm launch`: rank 1 is killed (SIGKILL), and rank 0 ended by the
+    launcher's SIGTERM, so that neither removes a part."""
+    import dtm
+
+    pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S)
+    dtm.store.mesh().put(f"k/{pg.rank}", value(pg.rank))
+    pg.barrier()
+    base = pathlib.Path(os.environ["DTM_MESH_STORE"])
+    print(json.dumps({"ready": pg.rank, "parts": sorted(p.name for p in base.glob("dtm*_store/rank-*"))}),
+          flush=True)
+    if pg.rank == 1:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    time.sleep(TIMEOUT_S)
+
+
+def sweep_main() -> None:
+    """Two ranks: what is left in $DTM_MESH_STORE once this rank has joined."""
+    import dtm
+
+    pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S)
+    base = pathlib.Path(os.environ["DTM_MESH_STORE"])
+    report(rank=pg.rank, parts=sorted(str(p.relative_to(base)) for p in base.glob("dtm*_store/rank-*")),
+           own=f"dtm{pg.session}_store/rank-{pg.rank}")
+    pg.barrier()  # both have looked before either leaves (and removes its part)
+    dtm.runtime.process_group.shutdown()
+
+
 # --- the test's side ---------------------------------------------------------------------------
 
 def _env(tmp_path, **kw) -> dict[str, str]:
@@ -180,5 +240,107 @@ def test_a_rank_killed_with_sigkill_loses_no_key_that_had_a_live_replica(tmp_pat
     assert res[1]["local_read"] == {"mapped": True, "sockets": 0, "equal": True}
 
 
+def _start(tmp_path, coord, n: int, role: str, token: str) -> list[subprocess.Popen]:
+    """n ranks of this file's `role` against `coord`, each with its own DTM_RANK."""
+    host, port = coord.address
+    return [subprocess.Popen([sys.executable, str(HERE), role], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=_env(tmp_path, DTM_COORDINATOR=f"{host}:{port}", DTM_RANK=r, DTM_WORLD_SIZE=n,
+                                      DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL=1))
+            for r in range(n)]
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()  # SIGKILL ends a stopped process too
+        p.wait(10)
+
+
+def test_a_get_from_a_stopped_rank_ends_once_the_coordinator_declares_it_lost(tmp_path):
+    """Issue 37: the get waited the store's full 120 s and failed with E0802. Now rank 2's
+    loss (no heartbeat for 2 s) shuts the get's socket down: KeyLost (E1106, its only home is
+    lost), caused by PeerLost naming rank 2, the request and the wait."""
+    from dtm.cluster import Coordinator
+
+    coord = Coordinator(3, "stopped", heartbeat_ms=200, timeout_ms=2000).start()
+    procs = _start(tmp_path, coord, 3, "stopped", "stopped")
+    res = {}
+    try:
+        pids = {}
+        for r, p in enumerate(procs):
+            line = p.stdout.readline()  # bounded: init and the barrier time out after PG_TIMEOUT_S
+            assert line, p.stderr.read()[-4000:]
+            pids[r] = json.loads(line)["pid"]
+        os.kill(pids[2], signal.SIGSTOP)  # alive, its sockets open, silent
+        (tmp_path / "go").touch()
+        for r in (0, 1):
+            out, err = procs[r].communicate(timeout=TIMEOUT_S)
+            res.update(_results(out))
+            assert r in res, out[-2000:] + err[-4000:]
+    finally:
+        _kill_all(procs)
+        coord.stop()
+    for r, d in res.items():
+        assert d["code"] == "E1106" and d["cause"] == "PeerLost", d
+        assert "rank 2 was lost during store get 's/" in d["msg"] and "this rank waited" in d["msg"], d
+        assert "no Heartbeat for" in d["msg"], d  # the coordinator's notice
+        assert d["waited"] < 30, d  # detection takes about 3 s; the store's own timeout is 120 s
+
+
+def test_dtm_launch_removes_the_parts_of_ranks_that_were_killed(tmp_path):
+    """Neither rank removes its part (one SIGKILLed, one ended by SIGTERM), and the parts are
+    in $DTM_MESH_STORE, not /dev/shm: the launcher removes them, as their owners are dead."""
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "2", "--grace", "2", "--join-timeout",
+           str(PG_TIMEOUT_S), str(HERE), "killed-parts"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "rank 1 failed first (killed by SIGKILL" in proc.stderr, proc.stderr
+    assert '"parts": ["rank-0", "rank-1"]' in proc.stdout, proc.stdout  # they were there
+    assert not list((tmp_path / "parts").iterdir()), list((tmp_path / "parts").rglob("*"))
+
+
+KILLED_OWNER = """
+import os, signal, sys
+from dtm.cluster.leftovers import claim
+from dtm.store.mesh_store import open_local
+open_local(sys.argv[1]).close()
+claim(sys.argv[1])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_next_init_on_a_host_removes_the_parts_that_killed_ranks_left(tmp_path):
+    """A part whose rank was killed with no survivor on its host to remove it goes at the
+    next dtm.init() there; a part whose owner runs (this test) stays."""
+    from dtm.cluster import Coordinator
+    from dtm.cluster.leftovers import claim
+    from dtm.store.mesh_store import open_local
+
+    parts = tmp_path / "parts"
+    dead, live = parts / "dtm0000000000000000_store" / "rank-1", parts / "dtm1111111111111111_store" / "rank-0"
+    killed = subprocess.run([sys.executable, "-c", KILLED_OWNER, str(dead)], cwd=ROOT, env=_env(tmp_path),
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert killed.returncode == -signal.SIGKILL and (dead / "owner").exists(), killed.stderr
+    open_local(str(live)).close()
+    claim(str(live))
+    coord = Coordinator(2, "sweep").start()
+    procs = _start(tmp_path, coord, 2, "sweep", "sweep")
+    res = {}
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=TIMEOUT_S)
+            res.update(_results(out))
+            assert p.returncode == 0 and r in res, out[-2000:] + err[-4000:]
+    finally:
+        _kill_all(procs)
+        coord.stop()
+    for r, d in res.items():
+        assert "dtm0000000000000000_store/rank-1" not in d["parts"], d
+        assert "dtm1111111111111111_store/rank-0" in d["parts"] and d["own"] in d["parts"], d
+    assert not dead.parent.exists() and live.exists()
+
+
 if __name__ == "__main__":
-    {"killed": killed_rank_main, "program": program_rank_main}[sys.argv[1]]()
+    {"killed": killed_rank_main, "program": program_rank_main, "stopped": stopped_rank_main,
+     "killed-parts": killed_parts_main, "sweep": sweep_main}[sys.argv[1]]()

@@ -5,9 +5,11 @@ compared with the numpy array that was put; faults are injected as raw frames.""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pathlib
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -18,7 +20,8 @@ import pytest
 import dtm
 from dtm.errors import DTMError, ErrorCode as E
 from dtm.protocol.frame import MsgType, encode_header
-from dtm.protocol.messages import Data, StoreRequest, frame_parts
+from dtm.comm.transport import PeerLost
+from dtm.protocol.messages import Data, StoreReply, StoreRequest, frame_parts
 from dtm.store import mesh_store as mesh_mod
 from dtm.store.errors import KeyLost, KeyMissing, StoreError, StoreTypeError
 from dtm.store.mesh_store import MeshStore, open_local, placement
@@ -251,3 +254,99 @@ def test_a_distributed_tensor_is_refused_not_gathered(two_ranks):
         a.put("d/x", x)
     assert e.value.code is E.INVALID_PLACEMENT and "dtm.store.open" in str(e.value)
     assert "d/x" not in a
+
+
+class _Membership:
+    """What a MeshStore reads of its rank's membership: the lost and left ranks, and the
+    watchers that the coordinator's notice of a loss wakes."""
+
+    def __init__(self):
+        self.lost: dict[int, str] = {}
+        self.left: dict[int, str] = {}
+        self._watchers = []
+
+    def watch_lost(self, fn) -> None:
+        self._watchers.append(fn)
+
+    def declare_lost(self, rank: int, notice: str) -> None:
+        self.lost[rank] = notice
+        for fn in self._watchers:
+            fn(rank, notice)
+
+
+@contextlib.contextmanager
+def _silent_peer(tmp_path, answer):
+    """Rank 0's MeshStore (replicas=1, a 30 s timeout) against a rank 1 whose service runs
+    `answer(conn)` on its first connection, then says nothing more; rank 1 is declared lost
+    1 s after the start. Yields (store, start time)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        conn = StoreConnection.accept(sock, TOKEN, rank=1, epoch=1, timeout=10)
+        answer(conn)
+        done.wait(60)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    m = _Membership()
+    pg = SimpleNamespace(rank=0, world_size=2, membership=m, nodes=("a", "b"),
+                         service_addresses=(("127.0.0.1", 1), listener.getsockname()[:2]), token=TOKEN, epoch=1,
+                         session="test")
+    st = MeshStore(pg, open_local(str(tmp_path / "rank-0")), str(tmp_path), replicas=1, share_memory=False,
+                   timeout=30)
+    timer = threading.Timer(1.0, m.declare_lost, (1, "the coordinator lost rank 1: no Heartbeat for 1.0 s"))
+    timer.start()
+    try:
+        yield st, time.monotonic()
+    finally:
+        timer.cancel()
+        done.set()
+        st.close()
+        st.local.close()
+        listener.close()
+
+
+def test_a_peer_that_stalls_mid_reply_is_left_once_it_is_declared_lost(tmp_path):
+    """Rank 1 sends a get's reply and half its bytes, then nothing: the get ends when rank 1
+    is declared lost (after 1 s), not at the store's 30 s timeout (E0802)."""
+    def half_a_reply(conn: StoreConnection) -> None:
+        req = conn.receive(time.monotonic() + 10, "test")
+        x = np.zeros(1 << 16, np.float32)
+        conn.send(StoreReply(req.id, "", "", "f32", x.shape, x.nbytes, 1, "", 0.0, ()),
+                  memoryview(x.view(np.uint8))[:x.nbytes // 2])
+
+    key = key_homed_on(1)
+    with _silent_peer(tmp_path, half_a_reply) as (st, start):
+        with pytest.raises(KeyLost) as e:
+            st.get_array(key)
+        waited = time.monotonic() - start
+    assert waited < 10, waited
+    assert e.value.code is E.STORE_KEY_LOST and e.value.lost == [1], e.value
+    cause = e.value.__cause__
+    assert isinstance(cause, PeerLost) and cause.peer == 1 and cause.op == f"store get {key!r}", cause
+    assert "this rank waited" in str(e.value) and "no Heartbeat for 1.0 s" in str(e.value), e.value
+
+
+def test_a_put_to_a_peer_that_stopped_reading_goes_to_the_next_rank_once_it_is_declared_lost(tmp_path):
+    """Rank 1 reads nothing: the put's send blocks once the socket's buffers are full, until
+    rank 1 is declared lost; the key then goes to its next rank, this one."""
+    key = key_homed_on(1)
+    x = np.ones(16 << 20, np.float32)  # 64 MiB: far past what the sockets buffer
+    result = {}
+
+    def put() -> None:
+        try:
+            result["info"] = st.put(key, x)
+        except DTMError as err:
+            result["error"] = err
+
+    with _silent_peer(tmp_path, lambda conn: None) as (st, start):
+        putter = threading.Thread(target=put, daemon=True)
+        putter.start()
+        putter.join(20)
+        waited = time.monotonic() - start
+        assert not putter.is_alive(), "the put still waits for rank 1"
+        assert "info" in result and waited < 10, (result, waited)
+        assert st.local.info(key).shape == x.shape and "rank 1 was lost during store put" in st._unreachable[1]

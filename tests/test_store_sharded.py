@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import uuid
 
 import ml_dtypes
@@ -38,7 +39,8 @@ def st(request, tmp_path):
 
 @pytest.fixture
 def disk(tmp_path):
-    with dtm.store.open(tmp_path / "s") as s:
+    """A directory store whose every tensor, small ones too, is a Zarr array."""
+    with dtm.store.open(tmp_path / "s", inline_bytes=0) as s:
         yield s
 
 
@@ -135,6 +137,25 @@ def test_scalars_empty_and_tiny_tensors(st, shape, placements):
     assert_pieces(st.get("e", mesh=dtm.Mesh(MESHES["2"])), x, MESHES["2"], [Replicate()])
 
 
+@pytest.mark.parametrize("shape,placements", [((5, 7), [Shard(1)]), ((), [Replicate()]), ((0, 3), [Shard(0)])],
+                         ids=str)
+def test_a_tensor_kept_inline_is_got_piece_by_piece(st, shape, placements):
+    x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    assert st.put("small", x).inline
+    assert_pieces(st.get("small", mesh=dtm.Mesh(MESHES["4"]), placements=placements), x, MESHES["4"], placements)
+
+
+def test_a_damaged_tensor_kept_inline_is_e1102_on_a_sharded_get(tmp_path):
+    with dtm.store.open(tmp_path / "s") as s:
+        s.put("w", np.ones((4, 4), np.float32))
+        db = sqlite3.connect(tmp_path / "s" / "index.sqlite", isolation_level=None)
+        db.execute("UPDATE keys SET data = zeroblob(64) WHERE key = 'w'")
+        db.close()
+        with pytest.raises(ChecksumError) as e:
+            s.get("w", mesh=dtm.Mesh(MESHES["2"]), placements=[Shard(0)])
+        assert e.value.code is E.STORE_CHUNK_CORRUPT and e.value.chunk == "inline"
+
+
 def test_each_piece_is_one_chunk_written_once(disk, tmp_path, monkeypatch):
     """The chunk grid follows the pieces: a short last piece is the padded edge chunk, an
     empty one has no chunk, and replicas are written once."""
@@ -198,7 +219,7 @@ def test_a_rank_reads_only_the_chunks_its_piece_overlaps(disk, monkeypatch):
 
 def test_a_tensor_put_whole_is_read_by_the_row_chunks_a_piece_needs(tmp_path, monkeypatch):
     x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
-    with dtm.store.open(tmp_path / "s", chunk_bytes=32) as s:  # 2 rows a chunk: 4 chunks
+    with dtm.store.open(tmp_path / "s", chunk_bytes=32, inline_bytes=0) as s:  # 2 rows a chunk: 4 chunks
         s.put("w", x)
         reads = spy_reads(monkeypatch)
         got = s.get("w", mesh=dtm.Mesh(MESHES["4"]), placements=[Shard(0)])

@@ -9,10 +9,14 @@ stdout and stderr forwarded line by line with a `[rank k] ` prefix.
 
 When a rank exits non-zero, the launcher ends the others (SIGTERM to their process groups,
 SIGKILL to what is left after `grace` seconds), says which rank failed first, and exits with
-that rank's status (128 + signal when it was killed). SIGINT or SIGTERM to the launcher ends
+that rank's status (128 + signal when it was killed). The rank it names is the first the
+coordinator declared lost, when the launcher runs the coordinator: a rank that hangs exits
+no sooner than its peers, which fail because of it. A lost rank that never ends (stopped)
+counts as failed once every other rank has ended. SIGINT or SIGTERM to the launcher ends
 every rank the same way. Once every rank ended, the launcher removes the shared-memory
 segment names their mesh left (a rank killed together with the resource tracker that would
-have removed them).
+have removed them), and the store parts of this host whose owner was killed
+(`leftovers.remove_orphans`).
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO
 
 from ..comm.shm import remove_segments
 from ..errors import DTMError, ErrorCode as E
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
 from .env import Axes, heartbeat_env, metrics_env, parse_address
+from .leftovers import remove_orphans, scratch_base
 from .metrics import DEFAULT_HOST
 
 log = logging.getLogger("dtm.cluster")
@@ -115,7 +120,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
             for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
                 forwards.append(_Forward(pipe, out, f"[rank {k}] ", lock))
                 forwards[-1].start()
-        failed = _watch(procs, interrupted)
+        failed = _watch(procs, interrupted, coord.lost if coord is not None else {})
     finally:
         _end(procs, grace)
         for f in forwards:
@@ -125,15 +130,18 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         if coord is not None:
             coord.stop()
             _remove_segments(coord, token)
+        for path in remove_orphans(scratch_base()):
+            log.info("dtm launch: removed %s, left by a rank that was killed", path)
     if interrupted:
         stderr.write(f"dtm launch: interrupted by {signal.Signals(interrupted[0]).name}; ended all {nprocs} ranks\n")
         return 128 + interrupted[0]
     if failed is None:
         return 0
     code = procs[failed].returncode
+    why = _status(code) + (f"; {coord.lost[failed]}" if coord is not None and failed in coord.lost else "")
     others = [k for k in range(nprocs) if k != failed]
-    stderr.write(f"dtm launch: rank {failed} failed first ({_status(code)}); ended the other ranks "
-                 f"{others}\n" if others else f"dtm launch: rank {failed} failed ({_status(code)})\n")
+    stderr.write(f"dtm launch: rank {failed} failed first ({why}); ended the other ranks "
+                 f"{others}\n" if others else f"dtm launch: rank {failed} failed ({why})\n")
     stderr.flush()
     return code if code > 0 else 128 - code
 
@@ -147,16 +155,19 @@ def _remove_segments(coord: Coordinator, token: str) -> None:
             log.info("dtm launch: removed shared memory %s that the ranks left behind", name)
 
 
-def _watch(procs: list[subprocess.Popen], interrupted: list[int]) -> int | None:
-    """Wait until every rank succeeded (None), one failed (its index), or a signal came."""
+def _watch(procs: list[subprocess.Popen], interrupted: list[int], lost: Mapping[int, str]) -> int | None:
+    """Wait until every rank succeeded (None), one failed (its index), or a signal came. A
+    rank failed when it exited non-zero, or when it was declared lost (`lost`: the
+    coordinator's, updated by its thread) and every rank not lost has ended; the one named
+    is the first declared lost (but one that exited 0 without Leave), else the first seen to
+    exit non-zero."""
     while not interrupted:
-        running = False
-        for k, p in enumerate(procs):
-            code = p.poll()
-            if code is None:
-                running = True
-            elif code != 0:
-                return k
+        codes = [p.poll() for p in procs]
+        declared = [k for k in list(lost) if codes[k] != 0]  # list(): the coordinator's thread adds to it
+        running = [k for k, code in enumerate(codes) if code is None]
+        exited = next((k for k, code in enumerate(codes) if code), None)  # non-zero: an exit code or a signal
+        if exited is not None or (running and all(k in declared for k in running)):
+            return declared[0] if declared else exited
         if not running:
             return None
         time.sleep(POLL_S)
@@ -170,6 +181,8 @@ def _end(procs: list[subprocess.Popen], grace: float) -> None:
         for p in live:
             try:
                 os.killpg(p.pid, sig)
+                if sig == signal.SIGTERM:  # a stopped rank handles it now, not at SIGKILL after `grace`
+                    os.killpg(p.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait

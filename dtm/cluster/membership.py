@@ -3,7 +3,7 @@ a heartbeat thread that reports this rank's figures and hears about lost peers.
 
     m, listener = join(("127.0.0.1", 29500), token, rank=-1, world_size=4, timeout=60)
     m.start(figures)           # heartbeats from now on
-    ... m.view, m.rank; m.on_lost = lambda rank, message: ...
+    ... m.view, m.rank; m.watch_lost(lambda rank, message: ...)
     m.leave("done")
 
 `join` connects (retrying while the coordinator is not up yet), proves the token, opens this
@@ -14,8 +14,9 @@ a mesh that did not form in time, naming the missing ranks) is raised with its c
 
 The heartbeat thread owns the control connection from `start` to `leave`. It sends a
 Heartbeat every `heartbeat_ms`, records the relayed heartbeats of every member (`peers`) and
-the coordinator's E1001 notices (`lost`, then `on_lost(rank, message)` on that thread, so
-the owner can wake whatever waits for the lost rank). A coordinator that is silent for
+the coordinator's E1001 notices (`lost`, then each function given to `watch_lost` is called
+with (rank, message) on that thread, so that whatever waits for the lost rank is woken: the
+collectives' transport and the mesh's store each watch). A coordinator that is silent for
 `timeout_ms` while it runs inside a rank (its Hello names that rank) counts as that rank
 lost, and so does one that closes its connection before that rank said Leave; otherwise
 losing the coordinator only ends failure detection on this rank.
@@ -169,7 +170,7 @@ class Membership:
         self.lost: dict[int, str] = {}            # lost rank -> the notice, in the order they came
         self.left: dict[int, str] = {}            # rank -> the reason it gave for leaving
         self.coordinator_gone: str | None = None  # why failure detection ended
-        self.on_lost: Callable[[int, str], None] | None = None
+        self._watchers: tuple[Callable[[int, str], None], ...] = ()
         self._sock, self._control = sock, control
         self._early = early
         self._cond = threading.Condition()
@@ -243,8 +244,8 @@ class Membership:
             self.lost[rank] = message
             self._cond.notify_all()
         log.warning("rank %d: %s", self.rank, message)
-        if self.on_lost is not None:
-            self.on_lost(rank, message)
+        for watcher in self._watchers:
+            watcher(rank, message)
 
     def _silent(self, silent: float) -> None:
         why = f"nothing from {self.coordinator} for {silent:.1f} s (the limit is {self.timeout_s:g} s)"
@@ -271,6 +272,12 @@ class Membership:
                         self.coordinator, why)
 
     # --- what the owner asks ---------------------------------------------------------------------
+
+    def watch_lost(self, fn: Callable[[int, str], None]) -> None:
+        """Call `fn(rank, notice)` on the heartbeat thread for each peer declared lost from
+        now on. It must not block: it wakes what waits for that peer (e.g. shuts a socket
+        down). A loss recorded before the call is in `lost`, which a watcher reads too."""
+        self._watchers = (*self._watchers, fn)  # one assignment: the heartbeat thread reads it unlocked
 
     def wait_lost(self, timeout: float, prefer: int | None = None) -> tuple[int, str] | None:
         """A lost rank and the notice about it: `prefer` if it is lost, else the first lost,

@@ -137,8 +137,8 @@ class TcpTransport(Transport):
     """Frames over established, authenticated connections (made by `connect_mesh`)."""
 
     def __init__(self, rank: int, world_size: int, conns: dict[int, tuple[socket.socket, Handshake]], *,
-                 listener: socket.socket | None = None, epoch: int = 0, timeout: float = DEFAULT_TIMEOUT_S,
-                 max_payload: int = MAX_PAYLOAD, names: Sequence[str] | None = None):
+                 epoch: int = 0, timeout: float = DEFAULT_TIMEOUT_S, max_payload: int = MAX_PAYLOAD,
+                 names: Sequence[str] | None = None):
         super().__init__(rank, world_size, timeout=timeout)
         self.epoch, self.max_payload = epoch, max_payload
         self._names = list(names) if names is not None else [f"rank {r}" for r in range(world_size)]
@@ -161,10 +161,6 @@ class TcpTransport(Transport):
             self._poller.register(c.fd, select.POLLIN)
         if self._conns:
             self.max_data = min(c.max_send for c in self._conns.values()) - DATA_HEADER.size
-        self.listener = listener
-        if listener is not None:
-            listener.setblocking(False)
-            self._poller.register(listener.fileno(), select.POLLIN)
 
     def peer_name(self, peer: int) -> str:
         return self._names[peer]
@@ -283,24 +279,11 @@ class TcpTransport(Transport):
                 return
             events = self._poller.poll(max(1, int(min(left, 1.0) * 1000)))
         for fd, ev in events:
-            c = self._by_fd.get(fd)
-            if c is None:
-                self._refuse()
-                continue
+            c = self._by_fd[fd]
             if ev & select.POLLOUT and not c.pump_writes:
                 self._flush(c, op)
             if ev & (select.POLLIN | select.POLLHUP | select.POLLERR) and not c.pump_reads:
                 self._read(c, op)
-
-    def _refuse(self) -> None:
-        """Someone connected after the mesh formed: this transport takes no new members."""
-        try:
-            sock, addr = self.listener.accept()
-        except OSError:
-            return
-        log.warning("rank %d: dropped a connection from %s:%s: the mesh of %d ranks is complete", self.rank,
-                    addr[0], addr[1], self.world_size)
-        sock.close()
 
     def _read(self, c: Connection, op: str, exact: bool = False) -> None:
         """Read and deliver everything c's socket has now; with `exact`, only up to the
@@ -596,10 +579,6 @@ class TcpTransport(Transport):
                 except OSError:
                     pass
                 self._lost(c, "this rank closed the connection")
-        if self.listener is not None:
-            self._poller.unregister(self.listener.fileno())
-            self.listener.close()
-            self.listener = None
 
 
 # --- a ring pass in C: Python's part between the pump's calls -----------------------------------
@@ -644,8 +623,7 @@ class _PumpedPass:
             if needed and c.closed is not None:
                 self._neighbour_gone(c)
         if self.watched != t._closed:  # the other sockets: a readable one ends the pump's call
-            ring.watch([c.fd for c in t._conns.values() if c.polled and c.closed is None and c is not self.cl]
-                       + ([t.listener.fileno()] if t.listener else []))
+            ring.watch([c.fd for c in t._conns.values() if c.polled and c.closed is None and c is not self.cl])
             self.watched = t._closed
         self._take_early()
 
@@ -789,9 +767,9 @@ class _PumpedPass:
 
 # --- forming the mesh -------------------------------------------------------------------------------
 
-class _Pending:
+class PendingHandshake:
     """A connection in its handshake; frames are read exactly, so bytes after the last
-    Hello stay in the socket for the transport."""
+    Hello stay in the socket for the transport (or the store connection) that takes it."""
 
     def __init__(self, sock: socket.socket, hs: Handshake, deadline: float, addr: str, target: int | None):
         self.sock, self.hs, self.deadline, self.addr, self.target = sock, hs, deadline, addr, target
@@ -809,8 +787,9 @@ def connect_mesh(rank: int, world_size: int, addresses: Sequence[tuple[str, int]
                  max_payload: int = MAX_PAYLOAD, transport_class: type = TcpTransport, **kw) -> TcpTransport:
     """Connect rank `rank` to every other rank: it listens at addresses[rank] (or on
     `listener`, already bound there), connects to each lower rank and accepts each higher
-    one, all authenticated with `token`. Returns once every connection is up; TIMEOUT
-    after `timeout` seconds naming the ranks that did not come."""
+    one, all authenticated with `token`. Returns once every connection is up, the listener
+    closed (a connection after that is refused by the kernel, never accepted and left
+    unread); TIMEOUT after `timeout` seconds naming the ranks that did not come."""
     token = token.encode() if isinstance(token, str) else token
     if len(addresses) != world_size:
         raise DTMError(E.INVALID_GROUP, f"{len(addresses)} addresses for a world of {world_size} ranks")
@@ -826,8 +805,10 @@ def connect_mesh(rank: int, world_size: int, addresses: Sequence[tuple[str, int]
         mesh.start_connects(now)
         mesh.serve(mesh.wait())
         mesh.expire()
-    return transport_class(rank, world_size, mesh.done, listener=listener, epoch=epoch, timeout=timeout,
-                           max_payload=max_payload, names=names, **kw)
+    if listener is not None:  # every peer is connected: nobody else may connect (spec 9.6.2)
+        listener.close()
+    return transport_class(rank, world_size, mesh.done, epoch=epoch, timeout=timeout, max_payload=max_payload,
+                           names=names, **kw)
 
 
 class _MeshForming:
@@ -842,7 +823,7 @@ class _MeshForming:
         self.token, self.listener, self.deadline, self.max_payload = token, listener, deadline, max_payload
         self.caps = announced_caps()
         self.done: dict[int, tuple[socket.socket, Handshake]] = {}
-        self.pending: list[_Pending] = []
+        self.pending: list[PendingHandshake] = []
         self.retry_at = {r: 0.0 for r in range(rank)}  # lower ranks to connect to, and when to try next
         if listener is not None:
             listener.setblocking(False)
@@ -868,7 +849,7 @@ class _MeshForming:
                                   socket.SOCK_STREAM)
                 s.setblocking(False)
                 err = s.connect_ex(tuple(self.addresses[r]))
-                p = _Pending(s, self._handshake("connect"), self.deadline, self.names[r], r)
+                p = PendingHandshake(s, self._handshake("connect"), self.deadline, self.names[r], r)
                 self.pending.append(p)
                 if err not in (0, errno.EINPROGRESS):
                     self._drop(p, OSError(err, "connect failed"))
@@ -906,9 +887,9 @@ class _MeshForming:
         if len(accepted) >= MAX_HANDSHAKING:
             self._drop(accepted[0], DTMError(E.TIMEOUT, f"more than {MAX_HANDSHAKING} connections in their handshake"))
         hello_by = min(self.deadline, time.monotonic() + HELLO_TIMEOUT_S)
-        self.pending.append(_Pending(s, self._handshake("accept"), hello_by, f"{addr[0]}:{addr[1]}", None))
+        self.pending.append(PendingHandshake(s, self._handshake("accept"), hello_by, f"{addr[0]}:{addr[1]}", None))
 
-    def _advance(self, p: _Pending, ev: int) -> None:
+    def _advance(self, p: PendingHandshake, ev: int) -> None:
         """Move p's handshake as far as its socket allows (`ev`: its poll events)."""
         try:
             if not p.connected:
@@ -922,7 +903,7 @@ class _MeshForming:
                 n = p.sock.send(p.out)
                 del p.out[:n]
             if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                _handshake_read(p, self.max_payload)
+                read_handshake(p)
             if p.hs.done and not p.out:
                 self._finish(p)
         except BlockingIOError:
@@ -938,7 +919,7 @@ class _MeshForming:
                 raise e.at(self.names[p.target], "forming the mesh") from None
             self._drop(p, e)
 
-    def _finish(self, p: _Pending) -> None:
+    def _finish(self, p: PendingHandshake) -> None:
         """p's handshake is over: keep the connection if the peer is the rank it should be."""
         peer, rank = p.hs.peer.rank, self.rank
         if p.target is not None and peer != p.target:
@@ -954,7 +935,7 @@ class _MeshForming:
         for p in [p for p in self.pending if p.target is None and time.monotonic() >= p.deadline]:
             self._drop(p, DTMError(E.TIMEOUT, f"no handshake within {HELLO_TIMEOUT_S:g} s"))
 
-    def _drop(self, p: _Pending, err: Exception) -> None:
+    def _drop(self, p: PendingHandshake, err: Exception) -> None:
         """Close a connection that failed; a lower rank's is tried again a little later."""
         if p.target is None:
             log.warning("rank %d: dropped the connection from %s: %s", self.rank, p.addr, err)
@@ -971,8 +952,11 @@ class _MeshForming:
             self.retry_at[p.target] = time.monotonic() + 0.05
 
 
-def _handshake_read(p: _Pending, max_payload: int) -> None:
-    """Read what the handshake needs, frame by frame, and answer."""
+def read_handshake(p: PendingHandshake) -> None:
+    """Read what the handshake needs, frame by frame, and answer: until it is done, or the
+    non-blocking socket has nothing more (BlockingIOError). Each frame is bounded by 64 KiB
+    before anything is allocated for it, whatever `max_payload` this side announces: the
+    peer has not proven the token yet. The store service drives its handshakes with it too."""
     while not p.hs.done:
         chunk = p.sock.recv(p.need())
         if not chunk:

@@ -76,7 +76,7 @@ class ProcessGroup:
     def _attach(self, comm: Communicator) -> None:
         self.comm = comm
         if self.membership is not None:
-            self.membership.on_lost = self._on_lost
+            self.membership.watch_lost(self._on_lost)
 
     def figures(self) -> Figures:
         """What this rank's heartbeats report (read on the heartbeat thread): its collectives
@@ -91,7 +91,8 @@ class ProcessGroup:
 
     def _on_lost(self, rank: int, message: str) -> None:
         # On the heartbeat thread: end whatever waits for `rank` now, not at the timeout.
-        sever = getattr(self.comm.transport, "sever", None)
+        comm = self.comm  # None once closed
+        sever = getattr(comm.transport, "sever", None) if comm is not None else None
         if sever is not None:
             sever(rank)
 

@@ -25,7 +25,7 @@ import weakref
 from .errors import (ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreCorrupt, StoreError, StoreIOError,
                      StoreTypeError)
 from .files import FsspecFiles, LocalFiles, MemoryFiles
-from .format import DEFAULT_CHUNK_BYTES
+from .format import DEFAULT_CHUNK_BYTES, INLINE_BYTES
 from .index import SqliteIndex
 from ..errors import ErrorCode
 from ..runtime import process_group
@@ -50,13 +50,15 @@ def default_path() -> str:
     return os.environ.get("DTM_STORE") or os.path.join(os.path.expanduser("~"), ".cache", "dtm", "store")
 
 
-def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Store:  # noqa: A001
+def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,  # noqa: A001
+         inline_bytes: int = INLINE_BYTES) -> Store:
     """Open (creating it if needed) the store at `url`: a path, `file://PATH`, or
     `memory://NAME`; None for the default directory. E1104 when the path is a file or not
-    writable."""
+    writable. A tensor put whole of at most `inline_bytes` is kept in its index row, which
+    Zarr readers do not see (spec 9.2.3); 0 makes every tensor a Zarr array."""
     url = default_path() if url is None else os.fspath(url)
     if "://" in url and not url.startswith("file://"):
-        return _open_fsspec(url, chunk_bytes)
+        return _open_fsspec(url, chunk_bytes, inline_bytes)
     root = os.path.abspath(os.path.expanduser(url.removeprefix("file://")))
     if os.path.exists(root) and not os.path.isdir(root):
         raise StoreIOError("the store path is not a directory", root)
@@ -66,10 +68,11 @@ def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHU
         raise StoreIOError(f"cannot create the store: {e.strerror or e}", root) from None
     if not os.access(root, os.W_OK) or not os.access(os.path.join(root, "data"), os.W_OK):
         raise StoreIOError("the store directory is not writable", root)
-    return Store("file://" + root, LocalFiles(root), SqliteIndex(os.path.join(root, "index.sqlite")), chunk_bytes)
+    return Store("file://" + root, LocalFiles(root), SqliteIndex(os.path.join(root, "index.sqlite")), chunk_bytes,
+                 inline_bytes)
 
 
-def _open_fsspec(url: str, chunk_bytes: int) -> Store:
+def _open_fsspec(url: str, chunk_bytes: int, inline_bytes: int) -> Store:
     """A store behind any other fsspec URL, with the user's own fsspec back ends and
     credentials: `memory://NAME` (fsspec's process-local memory file system), `s3://...`."""
     import fsspec  # only stores behind URLs need it
@@ -81,7 +84,7 @@ def _open_fsspec(url: str, chunk_bytes: int) -> Store:
     from fsspec.implementations.memory import MemoryFileSystem
 
     files = MemoryFiles(fs, root) if isinstance(fs, MemoryFileSystem) else FsspecFiles(fs, root)
-    return Store(url, files, RefIndex(files), chunk_bytes)
+    return Store(url, files, RefIndex(files), chunk_bytes, inline_bytes)
 
 
 def mesh(*, replicas: int | None = None, share_memory: bool = True) -> MeshStore:

@@ -68,11 +68,13 @@ class StoreCorrupt(StoreError):
 
 class KeyLost(StoreError, KeyError):
     """Every rank that may have held the key is lost (E1106): no live rank of the mesh
-    holds it, and some of the ranks it was placed on are gone."""
+    holds it, and some of the ranks it was placed on are gone. `detail`: how a rank was lost
+    while this read waited for it, when one was."""
 
-    def __init__(self, key: str, lost: list[int]):
+    def __init__(self, key: str, lost: list[int], detail: str = ""):
         super().__init__(ErrorCode.STORE_KEY_LOST,
-                         f"no live rank holds {key!r}; the ranks it was placed on that are lost: {lost}", key)
+                         f"no live rank holds {key!r}; the ranks it was placed on that are lost: {lost}"
+                         + (f" ({detail})" if detail else ""), key)
         self.lost = lost
 
 

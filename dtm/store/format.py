@@ -29,6 +29,12 @@ from .crc import checksum
 FORMAT_VERSION = 1
 CRC_BYTES = 4
 DEFAULT_CHUNK_BYTES = 1 << 30  # one chunk up to 1 GiB: a get maps it whole, without a copy
+# A tensor put whole of at most this many storage bytes is kept inline, in its index row, not
+# as a Zarr array (spec 9.2.3): on ext4 a 16-byte tensor's three directories (its key's, its
+# version's, `c/`) and two files took 20 KiB of disk and 8 syncs a put; a row takes ~100
+# bytes and one sync.
+INLINE_BYTES = 4096
+INLINE_CHUNK = "inline"  # the chunk that errors name for a tensor kept inline: its row's bytes
 
 # DTM dtype name -> Zarr v3 data_type of the stored array
 _ZARR_TYPE = {

@@ -1,8 +1,9 @@
 """The index of a store (spec 9.2.4): one SQLite database mapping each key to the version
 directory that holds its tensor, with the tensor's type, size, checksum, version and time,
-plus the byte quotas. Switching a key's row is a put's commit point: SQLite's transaction
-(WAL journal, synchronous=FULL) makes it atomic and durable. Stores behind fsspec URLs,
-where SQLite cannot live, use refindex.py instead, with the same methods."""
+plus the byte quotas; a small tensor's bytes are in its row instead (kept inline, 9.2.3).
+Switching a key's row is a put's commit point: SQLite's transaction (WAL journal,
+synchronous=FULL) makes it atomic and durable. Stores behind fsspec URLs, where SQLite
+cannot live, use refindex.py instead, with the same methods."""
 
 from __future__ import annotations
 
@@ -11,27 +12,29 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..ir.dtypes import DTYPES, DType
 from .errors import QuotaExceeded, StoreCorrupt, StoreIOError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added `keys.data`, the bytes of a tensor kept inline
 BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for another process's transaction
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS keys(
     key TEXT PRIMARY KEY, dir TEXT NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
-    nbytes INTEGER NOT NULL, checksum TEXT NOT NULL, version INTEGER NOT NULL, written REAL NOT NULL);
+    nbytes INTEGER NOT NULL, checksum TEXT NOT NULL, version INTEGER NOT NULL, written REAL NOT NULL,
+    data BLOB);
 CREATE TABLE IF NOT EXISTS quotas(prefix TEXT PRIMARY KEY, bytes INTEGER NOT NULL);
 """
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One key's row: what `Store.info` returns. `written` is seconds since the epoch."""
+    """One key's row: what `Store.info` returns. `written` is seconds since the epoch;
+    `data` is the storage bytes of a tensor kept inline (its `dir` is then ""), else None."""
 
     key: str
     dir: str
@@ -41,6 +44,12 @@ class Entry:
     checksum: str
     version: int
     written: float
+    data: bytes | None = field(default=None, repr=False)
+
+    @property
+    def inline(self) -> bool:
+        """Whether the tensor is kept in its row rather than as a version directory."""
+        return self.data is not None
 
 
 def check_quotas(key: str, nbytes: int, old: Callable[[], int], quotas: dict[str, int],
@@ -105,7 +114,25 @@ class SqliteIndex:
         self._db.executescript(_SCHEMA)
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
         (schema,), = self._db.execute("SELECT value FROM meta WHERE name = 'schema'")
-        return schema
+        return self._upgrade() if schema == "1" else schema
+
+    def _upgrade(self) -> str:
+        """Schema 1 to 2: add the `data` column, NULL in every row (each names its version
+        directory), so that stores written before tensors were kept inline stay readable. Under
+        the write lock, and looked at again there: processes opening the store at once
+        upgrade it once."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            (schema,), = self._db.execute("SELECT value FROM meta WHERE name = 'schema'")
+            if schema == "1":
+                self._db.execute("ALTER TABLE keys ADD COLUMN data BLOB")
+                self._db.execute("UPDATE meta SET value = '2' WHERE name = 'schema'")
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+        return "2"
 
     def close(self) -> None:
         self._db.close()
@@ -148,18 +175,19 @@ class SqliteIndex:
             self._check_quota(key, nbytes)
 
     def commit(self, key: str, dir: str, dtype: DType, shape: tuple[int, ...], nbytes: int,
-               checksum: str) -> tuple[Entry, Entry | None]:
-        """Point `key` at `dir` in one transaction, after checking the quotas again (another
-        process may have put since the caller's check). Returns the new entry and the entry
-        it replaced, whose directory is now garbage."""
+               checksum: str, data: bytes | None = None) -> tuple[Entry, Entry | None]:
+        """Point `key` at `dir` (or, with `data`, hold the tensor's bytes inline) in one
+        transaction, after checking the quotas again (another process may have put since the
+        caller's check). Returns the new entry and the entry it replaced, whose directory is
+        now garbage."""
         with self._transaction(key):
             self._check_quota(key, nbytes)
             row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
             old = _entry(row) if row else None
-            entry = Entry(key, dir, dtype, shape, nbytes, checksum, old.version + 1 if old else 1, time.time())
-            self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            entry = Entry(key, dir, dtype, shape, nbytes, checksum, old.version + 1 if old else 1, time.time(), data)
+            self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                              (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, entry.version,
-                              entry.written))
+                              entry.written, data))
         return entry, old
 
     def delete(self, key: str) -> Entry | None:
@@ -199,7 +227,7 @@ class SqliteIndex:
 
 
 def _entry(row: tuple) -> Entry:
-    key, dir, dtype, shape, nbytes, checksum, version, written = row
+    key, dir, dtype, shape, nbytes, checksum, version, written, data = row
     if dtype not in DTYPES:
         raise StoreCorrupt(f"the index gives key {key!r} the unknown dtype {dtype!r}", key)
-    return Entry(key, dir, DTYPES[dtype], tuple(json.loads(shape)), nbytes, checksum, version, written)
+    return Entry(key, dir, DTYPES[dtype], tuple(json.loads(shape)), nbytes, checksum, version, written, data)

@@ -13,30 +13,41 @@ placements exists to keep in step.
 
 Each rank serves its part from an embedded directory store (`service.StoreServer`), kept in
 /dev/shm where the machine has it, under a directory named by the mesh's session, which
-`dtm launch` removes after the run. A get from a rank on the same machine opens that rank's
-directory and maps the chunk files (no copy through a socket; CRC32C checked as always); a get
-from another machine travels as StoreRequest / StoreReply frames with the bytes in Data frames
-(spec 9.1.5), each CRC-checked.
+`dtm launch` removes after the run. A part records its owner's process id
+(`cluster.leftovers`): a killed rank's part that no survivor on its host removed goes when
+`dtm launch` sees its ranks end, or at the next `dtm.init()` on that host. A get from a rank
+on the same machine opens that rank's directory and maps the chunk files (no copy through a
+socket; CRC32C checked as always); a get from another machine travels as StoreRequest /
+StoreReply frames with the bytes in Data frames (spec 9.1.5), each CRC-checked.
 
 A put goes to the key's first `replicas` live ranks; a rank that turns out to be gone during
 the put is replaced by the next in the key's order. A get asks the key's live ranks in order
 and takes the first copy; when none holds it and some of the ranks it may have been placed on
 are lost, it raises KeyLost (E1106) naming them, else KeyMissing (E0804).
+
+A request waits for its peer at most `timeout` s (E0802), and less when the coordinator
+declares that peer lost: the membership's notice shuts the request's socket down, so the
+wait ends at once with PeerLost (E1001) naming the rank, the request and how long it
+waited; a get or put then goes on to the key's next rank as above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
-import tempfile
+import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from ..cluster.leftovers import claim, remove_orphans, scratch_base
+from ..comm.transport import PeerLost
 from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import DType, numpy_dtype
 from ..protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest
@@ -45,7 +56,7 @@ from .errors import KeyLost, KeyMissing, StoreError, remote_error
 from .files import LocalFiles
 from .index import Entry, SqliteIndex
 from .keys import check_key
-from .service import StoreServer
+from .service import StoreServer, connections_for
 from .store import Info, Store, as_store_dtype, as_tensor, quant_shape
 from .wire import StoreConnection
 
@@ -54,11 +65,11 @@ REQUEST_TIMEOUT_S = 120.0  # one request and its bytes, either way
 
 
 def root_for(session: str) -> str:
-    """Where the ranks of mesh `session` on this machine keep their parts: $DTM_MESH_STORE,
-    else a directory in /dev/shm (memory, as Ray's object store), else the temp directory.
-    The name starts with the mesh's shared-memory prefix, so `dtm launch` removes it."""
-    base = os.environ.get("DTM_MESH_STORE") or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
-    return os.path.join(base, f"dtm{session}_store")
+    """Where the ranks of mesh `session` on this machine keep their parts: in
+    $DTM_MESH_STORE, else /dev/shm (memory, as Ray's object store), else the temp directory
+    (`leftovers.scratch_base`). The name starts with the mesh's shared-memory prefix, so
+    `dtm launch` removes it."""
+    return os.path.join(scratch_base(), f"dtm{session}_store")
 
 
 def open_local(path: str) -> Store:
@@ -93,6 +104,9 @@ class MeshStore:
         self._locks = [threading.Lock() for _ in range(self.world_size)]
         self._next_id = [0] * self.world_size
         self._unreachable: dict[int, str] = {}
+        self._socks: dict[int, socket.socket] = {}  # each peer's store socket, from its connect on
+        if pg.membership is not None:
+            pg.membership.watch_lost(self._sever)
 
     def __repr__(self) -> str:
         return f"MeshStore(rank {self.rank} of {self.world_size}, replicas={self.replicas})"
@@ -107,6 +121,11 @@ class MeshStore:
             gone.update({r: f"left: {why}" for r, why in m.left.items()})
             gone.update(m.lost)
         return gone
+
+    def _notice(self, r: int) -> str | None:
+        """The coordinator's notice that rank r is lost; None while it is not."""
+        m = self.pg.membership
+        return m.lost.get(r) if m is not None else None
 
     def _candidates(self, key: str) -> tuple[list[int], list[int]]:
         """The live ranks that may hold `key`, in its order, and the lost ones among the
@@ -230,6 +249,7 @@ class MeshStore:
         (E1102) is passed over for the next, and raised only when no copy is good."""
         live, lost = self._candidates(key)
         corrupt: StoreError | None = None
+        why: DTMError | None = None  # what a rank lost during this read failed with
         for r in live:
             try:
                 return read(r)
@@ -241,10 +261,11 @@ class MeshStore:
                     continue
                 self._lost(r, err)
                 lost.append(r)
+                why = err
         if corrupt is not None:
             raise corrupt
         if lost:
-            raise KeyLost(key, sorted(set(lost)))
+            raise KeyLost(key, sorted(set(lost)), str(why) if why is not None else "") from why
         raise KeyMissing(key)
 
     def _get_from(self, r: int, key: str, want: DType | None, shape: tuple[int, ...] | None) -> np.ndarray:
@@ -252,19 +273,11 @@ class MeshStore:
         if part is not None:
             return part.get_array(key, want, shape)
         flags = FLAG_EXPECT_SHAPE if shape is not None else 0
-        with self._locks[r]:
-            conn = self._conn(r)
-            rid = self._send(r, conn, "get", key, dtype=want.name if want else "",
-                             shape=tuple(shape) if shape is not None else (), flags=flags)
-            reply = self._reply(r, conn, rid, key)
-            layout = fmt.plan(as_store_dtype(reply.dtype), reply.shape)
-            if reply.nbytes != layout.nbytes:
-                raise DTMError(E.BAD_PAYLOAD, f"get {key!r}: rank {r} announces {reply.nbytes} bytes for "
-                                              f"{reply.dtype}{list(reply.shape)}, which holds {layout.nbytes}")
-            out = np.empty(layout.storage_shape, layout.storage_dtype)
-            self._io(r, lambda: conn.read_data(rid, memoryview(out.reshape(-1).view(np.uint8)),
-                                                time.monotonic() + self.timeout, f"get {key!r}"))
-        out = fmt.from_storage(out, layout.dtype)
+        with self._exchange(r, f"store get {key!r}") as conn:
+            reply = self._ask(r, conn, "get", key, dtype=want.name if want else "",
+                              shape=tuple(shape) if shape is not None else (), flags=flags)
+            layout = conn.get_layout(reply, want, shape, f"get {key!r}")  # bounded before it is allocated
+            out = conn.read_array(reply.id, layout, time.monotonic() + self.timeout, f"get {key!r}")
         out.flags.writeable = False
         return out
 
@@ -290,46 +303,84 @@ class MeshStore:
 
     def _request(self, r: int, op: str, key: str, *, dtype: str = "", shape: tuple[int, ...] = (),
                  data: memoryview | None = None) -> StoreReply:
-        with self._locks[r]:
-            conn = self._conn(r)
-            rid = self._send(r, conn, op, key, dtype=dtype, shape=shape, data=data)
-            return self._reply(r, conn, rid, key)
+        with self._exchange(r, f"store {op} {key!r}") as conn:
+            return self._ask(r, conn, op, key, dtype=dtype, shape=shape, data=data)
 
-    def _send(self, r: int, conn: StoreConnection, op: str, key: str, *, dtype: str = "",
-              shape: tuple[int, ...] = (), flags: int = 0, data: memoryview | None = None) -> int:
+    @contextlib.contextmanager
+    def _exchange(self, r: int, what: str) -> Iterator[StoreConnection]:
+        """Rank r's connection, held for one request and its reply (one in flight per
+        connection). Any failure of the connection drops it (the next request opens a new
+        one), and is raised as `_failed` words it; an error the peer's store answered with
+        (a StoreError) keeps it."""
+        start = time.monotonic()
+        with self._locks[r]:
+            try:
+                yield self._conn(r)
+            except StoreError:
+                raise
+            except DTMError as err:
+                self._drop(r)
+                failed = self._failed(r, what, time.monotonic() - start, err)
+                if failed is err:
+                    raise
+                raise failed from err
+
+    def _failed(self, r: int, what: str, waited: float, err: DTMError) -> DTMError:
+        """What a request to rank r that failed with `err` after `waited` s raises: PeerLost
+        with the coordinator's notice once r is declared lost (`_sever` shut its socket, or
+        its process ended), the wait in seconds on a timeout, else `err`."""
+        notice = self._notice(r)
+        if notice is not None:
+            return PeerLost(r, what, f"this rank waited {waited:.1f} s for its store; {notice}")
+        if err.code is E.TIMEOUT:
+            return DTMError(E.TIMEOUT, f"{what}: rank {r}'s store did not answer within {waited:.1f} s "
+                                       f"({err.message})")
+        return err
+
+    def _ask(self, r: int, conn: StoreConnection, op: str, key: str, *, dtype: str = "",
+             shape: tuple[int, ...] = (), flags: int = 0, data: memoryview | None = None) -> StoreReply:
+        """Send one request (and a put's bytes) to rank r and read its reply; the error that
+        the reply carries is raised as the class this side raises for its code."""
         rid = self._next_id[r]
         self._next_id[r] += 1
-        req = StoreRequest(rid, op, key, dtype, shape, flags, len(data) if data is not None else 0)
-        self._io(r, lambda: conn.send(req, data))
-        return rid
-
-    def _reply(self, r: int, conn: StoreConnection, rid: int, key: str) -> StoreReply:
-        reply = self._io(r, lambda: conn.receive(time.monotonic() + self.timeout, f"waiting for rank {r}'s store"))
+        conn.send(StoreRequest(rid, op, key, dtype, shape, flags, len(data) if data is not None else 0), data)
+        reply = conn.receive(time.monotonic() + self.timeout, f"waiting for rank {r}'s store")
         if not isinstance(reply, StoreReply) or reply.id != rid:
-            self._drop(r)
             raise DTMError(E.UNEXPECTED_MESSAGE, f"rank {r}'s store answered {reply} to request {rid}")
         if reply.code:
             code = next((c for c in E if c.value == reply.code), E.UNEXPECTED_MESSAGE)
             raise remote_error(code, reply.message, key, f"rank {r}")
         return reply
 
-    def _io(self, r: int, fn):
-        """Run one exchange with rank r; any failure of the connection drops it (the next
-        request opens a new one)."""
-        try:
-            return fn()
-        except DTMError:
-            self._drop(r)
-            raise
+    # A request blocks in a read of its socket (or in a send, when the peer stopped reading).
+    # When the coordinator declares the peer lost, the heartbeat thread shuts that socket
+    # down: every read or send on it returns at once, in whatever phase it is (handshake,
+    # request, a reply half read), with no polling slices and no second clock. The
+    # collectives' transport ends its waits the same way (TcpTransport.sever).
+
+    def _track(self, r: int, sock: socket.socket) -> None:
+        """`sock` now carries the requests to rank r: shut at once when r is lost already
+        (its notice may have come before the socket existed)."""
+        self._socks[r] = sock
+        if self._notice(r) is not None:
+            _shut(sock)
+
+    def _sever(self, r: int, notice: str) -> None:
+        """The membership's word (on its heartbeat thread) that rank r is lost."""
+        sock = self._socks.get(r)
+        if sock is not None:
+            _shut(sock)  # a socket closed meanwhile has no descriptor left to shut: OSError, ignored
 
     def _conn(self, r: int) -> StoreConnection:
         if r not in self._conns:
             self._conns[r] = StoreConnection.connect(self.pg.service_addresses[r], self.pg.token, rank=self.rank,
-                                                     epoch=self.pg.epoch, timeout=self.timeout, peer=f"rank {r}")
+                                                     epoch=self.pg.epoch, timeout=self.timeout, peer=f"rank {r}",
+                                                     opened=lambda sock: self._track(r, sock))
             self._next_id[r] = 0
         return self._conns[r]
 
     def _drop(self, r: int) -> None:
+        self._socks.pop(r, None)  # a handshake that failed closed its socket itself
         conn = self._conns.pop(r, None)
         if conn is not None:
             conn.close()
@@ -346,6 +397,13 @@ class MeshStore:
         for st in self._peer_stores.values():
             st.close()
         self._peer_stores.clear()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _storage(key: str, a: np.ndarray, dt: DType) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -375,9 +433,13 @@ def start_service(pg: Any) -> Any:
     """The join hook (process_group.on_join): open this rank's part and serve it."""
     root = root_for(pg.session)
     path = os.path.join(root, f"rank-{pg.rank}")
+    # The parts of killed ranks of earlier meshes that no survivor on this host removed
+    remove_orphans(os.path.dirname(root))
     shutil.rmtree(path, ignore_errors=True)  # a part left by an earlier mesh of the same session
     local = open_local(path)
-    server = StoreServer(local, pg.service_listener, pg.token, rank=pg.rank, epoch=pg.epoch)
+    claim(path)
+    server = StoreServer(local, pg.service_listener, pg.token, rank=pg.rank, epoch=pg.epoch,
+                         max_connections=connections_for(pg.world_size))
     _parts[pg] = (local, root)
 
     def stop() -> None:

@@ -2,10 +2,11 @@
 storage, so each key's row is a small JSON object, its *ref*, at `data/KEY/@ref`, and the
 quotas are `quotas.json` at the root. Writing one object is atomic on object stores (and on
 fsspec's memory file system), so switching a ref is a put's commit point, as switching a
-SQLite row is for a directory store."""
+SQLite row is for a directory store. A tensor kept inline is in its ref, as base64 text."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -38,8 +39,10 @@ class RefIndex:
             return None
         try:
             doc = json.loads(raw)
+            data = doc.get("data")  # (refs written before tensors were kept inline lack it)
+            inline = None if data is None else base64.b64decode(data, validate=True)
             return Entry(key, doc["dir"], DTYPES[doc["dtype"]], tuple(doc["shape"]), doc["nbytes"], doc["checksum"],
-                         doc["version"], doc["written"])
+                         doc["version"], doc["written"], inline)
         except (ValueError, KeyError, TypeError) as e:
             raise StoreCorrupt(f"the ref of {key!r} cannot be read: {e}", key) from None
 
@@ -80,13 +83,14 @@ class RefIndex:
         check_quotas(key, nbytes, old, self.quotas(), self.usage)
 
     def commit(self, key: str, dir: str, dtype: DType, shape: tuple[int, ...], nbytes: int,
-               checksum: str) -> tuple[Entry, Entry | None]:
+               checksum: str, data: bytes | None = None) -> tuple[Entry, Entry | None]:
         with _LOCK:
             self.check_quota(key, nbytes)
             old = self.get(key)
-            entry = Entry(key, dir, dtype, shape, nbytes, checksum, old.version + 1 if old else 1, time.time())
+            entry = Entry(key, dir, dtype, shape, nbytes, checksum, old.version + 1 if old else 1, time.time(), data)
             doc = {"dir": dir, "dtype": dtype.name, "shape": list(shape), "nbytes": nbytes, "checksum": checksum,
-                   "version": entry.version, "written": entry.written}
+                   "version": entry.version, "written": entry.written,
+                   "data": None if data is None else base64.b64encode(data).decode("ascii")}
             self._files.replace(f"data/{key}/{REF}", json.dumps(doc).encode("utf-8"))
         return entry, old
 

@@ -1,6 +1,7 @@
 """`Store`: the embedded tensor store of one process (spec 9.2): put, get, info, keys,
 delete, du, quotas and verify over an index (index.py) and a file backend (files.py), in the
-Zarr v3 layout of format.py. Distributed tensors go piece by piece (sharded.py)."""
+Zarr v3 layout of format.py, or, for a small tensor, inline in its index row. Distributed
+tensors go piece by piece (sharded.py)."""
 
 from __future__ import annotations
 
@@ -78,14 +79,20 @@ def as_store_dtype(d: Any) -> DType:
 
 
 class Store:
-    """An embedded tensor store. Open one with `dtm.store.open`."""
+    """An embedded tensor store. Open one with `dtm.store.open`, which keeps tensors of at
+    most `fmt.INLINE_BYTES` inline; built directly, a store keeps those of at most
+    `inline_bytes` (default 0: none, every tensor a Zarr array)."""
 
     def __init__(self, url: str, files: LocalFiles | FsspecFiles, index: SqliteIndex | RefIndex,
-                 chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES):
+                 chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, inline_bytes: int = 0):
         self.url = url
         self._files = files
         self._index = index
+        if not 0 <= inline_bytes <= fmt.INLINE_BYTES:  # spec 9.2.3's bound: large rows slow the index's scans
+            raise StoreError(ErrorCode.ATTRIBUTE_VALUE,
+                             f"inline_bytes is 0 to {fmt.INLINE_BYTES} (spec 9.2.3), not {inline_bytes!r}")
         self._chunk_bytes = chunk_bytes
+        self._inline_bytes = inline_bytes
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -124,6 +131,8 @@ class Store:
             shape = tuple(a.shape)
         data = fmt.to_storage(a, dt)
         layout = fmt.plan(dt, shape, self._chunk_bytes)
+        if 0 < self._inline_bytes and layout.nbytes <= self._inline_bytes:
+            return self._put_inline(key, layout, data)
         self._index.check_quota(key, layout.nbytes)
         rel = version_dir(key, secrets.randbits(64))
         with self._writing(key, rel):
@@ -135,6 +144,15 @@ class Store:
             whole = layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes
             checksum = crc if whole else crc_of(data.reshape(-1).view(np.uint8) if data.size else b"")
         return self._commit(key, rel, layout, f"{checksum:08x}")
+
+    def _put_inline(self, key: str, layout: fmt.Layout, data: np.ndarray) -> Info:
+        """A put of a small tensor (spec 9.2.3): its storage bytes go into its index row, whose
+        commit (quotas checked there) is the whole put: no file, no directory, one sync."""
+        body = data.tobytes()
+        entry, old = self._index.commit(key, "", layout.dtype, layout.shape, layout.nbytes, f"{crc_of(body):08x}",
+                                        body)
+        self._drop(old)
+        return entry
 
     def _write_chunk(self, rel: str, layout: fmt.Layout, i: tuple[int, ...], block: np.ndarray) -> int:
         """Write chunk i of a new version (bytes, edge padding, CRC32C, fsync); its CRC32C."""
@@ -149,13 +167,15 @@ class Store:
             self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
             self._files.sync_tree(rel, layout.chunk_keys())
             entry, old = self._index.commit(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
-        if old is not None:
-            self._drop(old)
+        self._drop(old)
         return entry
 
-    def _drop(self, old: Entry) -> None:
+    def _drop(self, old: Entry | None) -> None:
         """Remove the version `old` names, which no key names any more: its zarr.json and
-        its chunks."""
+        its chunks (nothing for no entry, or a tensor that was inline: its row is gone)."""
+        if old is None or old.inline:
+            return
+
         def names() -> list[str]:
             layout, _ = fmt.parse_metadata(self._files.read_bytes(f"{old.dir}/zarr.json"))  # (parsed once per text)
             return [*layout.chunk_keys(), "zarr.json"]
@@ -231,7 +251,8 @@ class Store:
 
     def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor under `key` as a read-only numpy array, memory-mapped when it is one
-        chunk on a local disk; every chunk's CRC32C is checked first (E1102)."""
+        chunk of MAP_BYTES or more on a local disk; every chunk's CRC32C is checked first
+        (E1102), and a tensor kept inline against its row's checksum."""
         entry = self._checked(key, dtype, shape)
         try:
             return self._read(entry)
@@ -285,6 +306,10 @@ class Store:
             raise StoreIOError(f"get {entry.key!r}: {e.strerror or e}", self._files.path(entry.dir), entry.key) from None
 
     def _layout(self, entry: Entry) -> fmt.Layout:
+        """The layout of the key's version: from its zarr.json, checked against the index
+        (E1105); a tensor kept inline is one chunk, its row's bytes."""
+        if entry.inline:
+            return fmt.plan(entry.dtype, entry.shape)
         try:
             layout, checksum = fmt.parse_metadata(self._files.read_bytes(f"{entry.dir}/zarr.json"))
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -295,6 +320,8 @@ class Store:
 
     def _chunk(self, entry: Entry, layout: fmt.Layout, i: tuple[int, ...]) -> np.ndarray:
         """Chunk i's data bytes (without its CRC), checked against its CRC32C."""
+        if entry.inline:
+            return _inline_body(entry, layout)
         name = layout.chunk_key(i)
         try:
             raw = self._files.map(f"{entry.dir}/{name}")
@@ -346,6 +373,18 @@ class Store:
         for d in garbage:
             self._files.remove_tree(d)
         return garbage
+
+
+def _inline_body(entry: Entry, layout: fmt.Layout) -> np.ndarray:
+    """The bytes of a tensor kept inline, once their size is the layout's and their CRC32C
+    the row's checksum (E1102 naming the chunk `inline`: a row damaged on the disk)."""
+    body = np.frombuffer(entry.data, np.uint8)
+    if body.size != layout.nbytes:
+        raise ChecksumError(entry.key, fmt.INLINE_CHUNK, f"{body.size} bytes, expected {layout.nbytes}")
+    got = f"{crc_of(body):08x}"
+    if got != entry.checksum:
+        raise ChecksumError(entry.key, fmt.INLINE_CHUNK, f"CRC32C {got}, the index says {entry.checksum}")
+    return body
 
 
 def as_tensor(key: str, stored: DType, a: np.ndarray) -> Any:
