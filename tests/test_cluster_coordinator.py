@@ -18,6 +18,7 @@ from dtm.cluster import Coordinator, join
 from dtm.cluster.membership import Membership
 from dtm.errors import DTMError, ErrorCode as E
 from dtm.protocol import Hello, JoinMesh, encode_header, encode_message
+from dtm.protocol.frame import MsgType
 from dtm.protocol.messages import CHALLENGE_SIZE
 
 TOKEN = b"cluster token for tests"
@@ -255,6 +256,29 @@ def test_a_silent_connection_is_dropped_after_the_hello_deadline(coordinator, ca
     assert time.monotonic() - start < 4
     assert _logged(caplog, "within 0.5 s")
     assert coord.pending_count == 0
+
+
+def test_a_rank_refuses_a_huge_frame_before_the_coordinator_is_authenticated():
+    """Issue 37: a listener posing as the coordinator announces a 1 MiB Hello (more than any
+    control message): the joining rank refuses it from its 40-byte header (E0904) at once,
+    instead of buffering what follows while the handshake waits."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(10)
+
+    def pose() -> None:
+        conn, _ = server.accept()
+        header = bytearray(encode_header(MsgType.HELLO, b"", epoch=0, stream=0, seq=0))
+        header[16:24] = (1 << 20).to_bytes(8, "little")  # the payload length; none follows
+        conn.sendall(bytes(header))
+        time.sleep(5)
+        conn.close()
+
+    t = threading.Thread(target=pose, daemon=True)
+    t.start()
+    with pytest.raises(DTMError) as e:  # (before: PEER_LOST once the poser closed, 5 s later)
+        join(server.getsockname(), b"t" * 32, timeout=20)
+    assert e.value.code is E.FRAME_TOO_LARGE, e.value
+    server.close()
 
 
 def test_init_without_a_coordinator_is_a_group_of_one(monkeypatch):

@@ -35,8 +35,7 @@ from collections.abc import Callable
 from ..comm.tcp import listen
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.errors import ProtocolError
-from ..protocol.frame import MAX_PAYLOAD
-from ..protocol.messages import Error, Heartbeat, JoinMesh, Leave, MeshView, Message
+from ..protocol.messages import MIN_MAX_PAYLOAD, Error, Heartbeat, JoinMesh, Leave, MeshView, Message
 from .conn import Control, remote_error
 from .heartbeat import Figures, FiguresFn, ProcessStats, detection_bound, heartbeat
 
@@ -114,8 +113,10 @@ def join(coordinator: tuple[str, int], token: bytes, *, rank: int = -1, world_si
     who = f"the coordinator at {coordinator[0]}:{coordinator[1]}"
     sock = _dial(coordinator, deadline, start)
     listener = None
+    # Every control message fits in MIN_MAX_PAYLOAD: a frame past it is refused from its header,
+    # before the coordinator has proven the token, rather than buffered as it arrives.
     control = Control("connect", token, rank=rank, name=f"{socket.gethostname()}:{os.getpid()}",
-                      max_payload=MAX_PAYLOAD, peer=who)
+                      max_payload=MIN_MAX_PAYLOAD, peer=who)
     reader = _Reader(sock, control, who)
     try:
         sock.sendall(control.start())
