@@ -12,6 +12,7 @@ from .tensor import (Tensor, arange, as_dtype, bfloat16, bool_, float8_e4m3, flo
                      result_type, tensor, uint8, uint16, uint32, uint64, zeros, zeros_like)
 from .functional import *  # noqa: F401,F403 - torch-style dtm.cat, dtm.where, dtm.softmax, ...
 from . import functional, nn, optim  # noqa: E402
+from .tensor import inplace  # noqa: E402,F401 - in-place ops and views, over functional's methods
 from .nn.serialization import load, save  # noqa: E402 - dtm.save / dtm.load, as torch.save / torch.load
 from .tensor import Generator, enable_grad, inference_mode, randint  # noqa: E402
 from .tensor.extra_ops import (all, allclose, any, argsort, bmm, cumsum, einsum, empty, isclose, isnan,  # noqa: E402

@@ -1038,15 +1038,30 @@ def setitem(x: Tensor, index, value) -> Tensor:
     if extra > 0 and value.shape[:extra] == (1,) * extra:  # torch drops leading size-1 dims
         value = reshape(value, value.shape[extra:])
     value = expand(value, positions.shape) if value.shape != positions.shape else value
+    return _scatter_into(x, positions, value)
+
+
+def _scatter_into(x: Tensor, positions: Tensor, value: Tensor) -> Tensor:
+    """x with `value` written at the flat positions `positions` (int64, value's shape). A
+    position written more than once takes the last of its values in row-major order, as
+    torch's index_put_ on the CPU (x[[0, 0]] += 1 adds 1 once): the writes are sorted by
+    position (a stable sort), and only the last of each run of equal positions is kept."""
     flat_pos = reshape(positions, (-1,))
     flat_val = reshape(value, (-1,))
-    n = x.numel()
-    hit = apply("scatter_add", apply("full", type=TensorType(int64, (n,)), value=0), flat_pos,
+    n, k = x.numel(), flat_pos.numel()
+    if k > 1:
+        order = apply("argsort", flat_pos, axis=0)
+        flat_pos, flat_val = apply("gather", flat_pos, order, axis=0), apply("gather", flat_val, order, axis=0)
+        after = apply("concat", _slice(flat_pos, 0, 1, k, 1), apply("full", type=TensorType(int64, (1,)), value=-1),
+                      axis=0)
+        last = apply("ne", flat_pos, after)  # the next write goes elsewhere: this one stays
+        flat_pos = where(last, flat_pos, _scalar(n, int64))  # the others go past the end (ignored)
+    hit = apply("scatter_add", apply("full", type=TensorType(int64, (n + 1,)), value=0), flat_pos,
                 apply("full", type=TensorType(int64, flat_pos.shape), value=1), axis=0)
     vals_dtype = x.dtype if x.dtype is not bool_ else int64
-    placed = apply("scatter_add", apply("full", type=TensorType(vals_dtype, (n,)), value=0), flat_pos,
+    placed = apply("scatter_add", apply("full", type=TensorType(vals_dtype, (n + 1,)), value=0), flat_pos,
                    cast(flat_val, vals_dtype), axis=0)
-    placed = cast(placed, x.dtype)
+    hit, placed = _slice(hit, 0, 0, n, 1), cast(_slice(placed, 0, 0, n, 1), x.dtype)
     new = where(apply("gt", hit, _scalar(0, int64)), placed, reshape(x, (-1,)))
     return reshape(new, x.shape)
 
@@ -1068,24 +1083,6 @@ def _to_dtype(args: tuple, kwargs: dict):
     return dtype
 
 
-def _setitem_method(self: Tensor, index, value) -> None:
-    """In place for the user, functional underneath: the tensor now names the new value,
-    computed from a snapshot of the old one (so the graph has no cycle, and ops that read
-    the old value keep reading it)."""
-    leaf = self._op is None and self.requires_grad
-    if leaf and is_grad_enabled():
-        raise error(ErrorCode.ATTRIBUTE_VALUE, "a leaf tensor that requires grad cannot be assigned to in place "
-                    "(use `with dtm.no_grad():` to change its value)")
-    new = setitem(self._snapshot(), index, value)
-    if leaf:  # written under no_grad: it stays a leaf that requires grad, as in torch
-        self._buffer = new.realize()._buffer
-        return
-    self._type, self._op, self._inputs, self._attrs, self._buffer = new._type, new._op, new._inputs, new._attrs, None
-    self.requires_grad = new.requires_grad
-    for t in new._inputs:
-        t._add_user(self)
-
-
 def _reflected(fn):
     return lambda self, other: fn(other, self)
 
@@ -1100,7 +1097,7 @@ _METHODS = {
     "__lt__": lt, "__le__": le, "__gt__": gt, "__ge__": ge, "__and__": _boolean_operator(logical_and),
     "__or__": _boolean_operator(logical_or), "__xor__": _boolean_operator(logical_xor), "__invert__": _invert,
     "__rand__": _reflected(_boolean_operator(logical_and)), "__ror__": _reflected(_boolean_operator(logical_or)),
-    "__rxor__": _reflected(_boolean_operator(logical_xor)), "__getitem__": getitem, "__setitem__": _setitem_method,
+    "__rxor__": _reflected(_boolean_operator(logical_xor)), "__getitem__": getitem,
     # methods
     "add": add, "sub": sub, "mul": mul, "div": div, "pow": pow, "neg": neg, "abs": abs, "sign": sign,
     "exp": exp, "exp2": exp2, "log": log, "log2": log2, "sqrt": sqrt, "rsqrt": rsqrt, "reciprocal": reciprocal,

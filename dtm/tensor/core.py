@@ -116,6 +116,17 @@ def is_grad_enabled() -> bool:
     return STATE.grad_enabled
 
 
+def weak_append(refs: list | None, obj: Any) -> list:
+    """`refs` (a new list when None) with a weak reference to obj appended; the dead ones
+    are dropped whenever the list reaches a power of two, so it stays short."""
+    if refs is None:
+        refs = []
+    refs.append(weakref.ref(obj))
+    if len(refs) >= 16 and not len(refs) & (len(refs) - 1):
+        refs[:] = [r for r in refs if r() is not None]
+    return refs
+
+
 # --- the Tensor ---------------------------------------------------------------------------
 
 class Tensor:
@@ -133,7 +144,7 @@ class Tensor:
     one table at its end (`_METHODS`)."""
 
     __slots__ = ("_type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "_mesh",
-                 "_placements", "_freed", "__weakref__")
+                 "_placements", "_freed", "_view", "_views", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our operators: ndarray + Tensor -> Tensor
 
     def __init__(self, type: TensorType, op: str | None = None, inputs: tuple["Tensor", ...] = (),
@@ -148,6 +159,9 @@ class Tensor:
         self._users: list[weakref.ref] | None = None  # ops that read this tensor, see _snapshot
         self._mesh, self._placements = None, None
         self._freed = False  # a backward() went through it and freed its graph (retain_graph=False)
+        # views (tensor/inplace.py): (root base, base -> this, writable) for a view; a base's views
+        self._view: tuple | None = None
+        self._views: list[weakref.ref] | None = None
         if isinstance(buffer, Shards):  # (`type` is the TensorType here)
             self._mesh, self._placements = buffer.mesh, buffer.placements
         for t in inputs:
@@ -156,12 +170,7 @@ class Tensor:
                 self._mesh = t._mesh
 
     def _add_user(self, user: "Tensor") -> None:
-        users = self._users
-        if users is None:
-            users = self._users = []
-        users.append(weakref.ref(user))
-        if len(users) >= 16 and not len(users) & (len(users) - 1):  # at powers of two: drop the dead
-            users[:] = [r for r in users if r() is not None]
+        self._users = weak_append(self._users, user)
 
     def _snapshot(self) -> "Tensor":
         """A new tensor with this one's current value and history, which the ops that have

@@ -1,0 +1,213 @@
+"""Issue 30: in-place ops and views with torch's semantics (dtm/tensor/inplace.py).
+
+Every case runs the same code on torch and on DTM (`M` is the module) and compares what
+every reference sees afterwards: the tensor written, another name for it, its views and its
+base. Before, each of the issue's five cases gave a stale value in silence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dtm
+from dtm.errors import ErrorCode, TensorError
+from dtm.runtime.backend import BACKENDS
+
+BACKEND_NAMES = ["ref"] + (["cpu"] if "cpu" in BACKENDS else [])
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("DTM_BACKEND", request.param)
+    return request.param
+
+
+def same(fn) -> None:
+    """fn(M) returns arrays (or tensors); torch's and DTM's must be equal."""
+    want, got = fn(torch), fn(dtm)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for w, g in zip(want, got):
+        w = w.detach().numpy() if isinstance(w, torch.Tensor) else np.asarray(w)
+        g = g.numpy() if isinstance(g, dtm.Tensor) else np.asarray(g)
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def start(M):
+    return M.tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+# --- the issue's five cases -------------------------------------------------------------------
+
+def test_manual_sgd_under_no_grad_changes_the_weights(backend):
+    def fn(M):
+        M.manual_seed(0)
+        w = M.tensor([[1.0, 2.0]], requires_grad=True)
+        (w * 3).sum().backward()
+        with M.no_grad():
+            for p in [w]:
+                p -= 0.1 * p.grad
+        return w
+    same(fn)
+
+
+def test_a_write_through_a_view_changes_its_base(backend):
+    def fn(M):
+        x = M.zeros(2, 2)
+        y = x.view(-1)
+        y[0] = 100.0
+        return x, y
+    same(fn)
+
+
+def test_a_write_to_the_base_changes_its_views(backend):
+    def fn(M):
+        x = M.zeros(2, 2)
+        v = x[0]
+        x += 1
+        return v, x
+    same(fn)
+
+
+def test_augmented_assignment_changes_the_tensor_itself(backend):
+    x = dtm.zeros(2)
+    a = x
+    x += 1
+    assert a is x
+    np.testing.assert_array_equal(a.numpy(), [1, 1])
+
+
+def test_indexed_add_with_repeated_indices(backend):
+    same(lambda M: _indexed_add(M))
+
+
+def _indexed_add(M):
+    x = M.zeros(3)
+    x[M.tensor([0, 0])] += 1
+    y = M.zeros(5)
+    y[M.tensor([3, 1, 3, 3])] = M.tensor([1.0, 2.0, 3.0, 4.0])  # the last write to 3 stays
+    return x, y
+
+
+# --- every in-place method, on the tensor, an alias and a view ----------------------------------
+
+METHODS = {
+    "add_": lambda M, x: x.add_(2.5), "add_alpha": lambda M, x: x.add_(M.ones(4), alpha=2),
+    "sub_": lambda M, x: x.sub_(1.5), "mul_": lambda M, x: x.mul_(-2), "div_": lambda M, x: x.div_(4),
+    "pow_": lambda M, x: x.pow_(2), "neg_": lambda M, x: x.neg_(), "abs_": lambda M, x: x.sub_(5).abs_(),
+    "exp_": lambda M, x: x.div_(10).exp_(), "sqrt_": lambda M, x: x.sqrt_(), "tanh_": lambda M, x: x.tanh_(),
+    "sigmoid_": lambda M, x: x.sigmoid_(), "floor_": lambda M, x: x.div_(3).floor_(),
+    "clamp_": lambda M, x: x.clamp_(2, 7), "clamp_min": lambda M, x: x.clamp_(min=4),
+    "relu_": lambda M, x: x.sub_(5).relu_(), "zero_": lambda M, x: x.zero_(), "fill_": lambda M, x: x.fill_(7),
+    "copy_": lambda M, x: x.copy_(M.ones(3, 4) * 9), "copy_bcast": lambda M, x: x.copy_(M.arange(4.0)),
+    "masked_fill_": lambda M, x: x.masked_fill_(x > 5, -1.0), "lerp_": lambda M, x: x.lerp_(M.zeros(3, 4), 0.25),
+    "iadd": lambda M, x: x.__iadd__(1), "isub": lambda M, x: x.__isub__(M.ones(4)),
+    "imul": lambda M, x: x.__imul__(3), "itruediv": lambda M, x: x.__itruediv__(2),
+    "ifloordiv": lambda M, x: x.__ifloordiv__(2), "imod": lambda M, x: x.__imod__(5),
+    "ipow": lambda M, x: x.__ipow__(2),
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_in_place_methods_as_torch(backend, name):
+    def fn(M):
+        x = start(M)
+        alias, row, col = x, x[1], x[:, 2]
+        out = METHODS[name](M, x)
+        assert out is x
+        return x, alias, row, col
+    same(fn)
+
+
+# --- writes through each view op ------------------------------------------------------------
+
+VIEWS = {
+    "view": lambda x: x.view(12), "view2": lambda x: x.view(2, 6), "reshape": lambda x: x.reshape(4, 3),
+    "flatten": lambda x: x.flatten(), "transpose": lambda x: x.transpose(0, 1), "T": lambda x: x.T,
+    "permute": lambda x: x.permute(1, 0), "unsqueeze": lambda x: x.unsqueeze(0), "squeeze": lambda x: x[None].squeeze(0),
+    "row": lambda x: x[1], "col": lambda x: x[:, 2], "slice": lambda x: x[1:, ::2], "step": lambda x: x[::2, 1::2],
+    "narrow": lambda x: x.narrow(1, 1, 2), "chain": lambda x: x.view(2, 6)[1].view(3, 2).T,
+    "ellipsis": lambda x: x[..., 1:3],
+}
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_writes_through_a_view_reach_the_base_and_other_views(backend, name):
+    def fn(M):
+        x = start(M)
+        v = VIEWS[name](x)
+        other = x[2]
+        v += 100
+        v[0] = -1
+        return x, v, other
+    same(fn)
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_writes_to_the_base_reach_every_view(backend, name):
+    def fn(M):
+        x = start(M)
+        v = VIEWS[name](x)
+        x.mul_(2)
+        x[0, 0] = 50
+        return v
+    same(fn)
+
+
+def test_a_view_of_a_computed_tensor_and_gradients_through_writes(backend):
+    def fn(M):
+        w = M.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+        y = w * 2
+        y[1:3] *= w[:2]  # in place on a non-leaf, through a view
+        y.sum().backward()
+        return y, w.grad
+    same(fn)
+
+
+# --- what torch refuses -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["leaf", "expand", "int += float"])
+def test_what_torch_refuses_is_refused(backend, case):
+    def run(M):
+        if case == "leaf":
+            M.ones(2, requires_grad=True).add_(1)
+        elif case == "expand":
+            M.zeros(1, 3).expand(2, 3).add_(1)
+        else:
+            x = M.zeros(2, dtype=M.int64)
+            x += 0.5
+    with pytest.raises(RuntimeError):
+        run(torch)
+    with pytest.raises(TensorError) as e:
+        run(dtm)
+    assert e.value.code in (ErrorCode.ATTRIBUTE_VALUE, ErrorCode.DTYPE_MISMATCH)
+
+
+# --- inside dtm.jit -----------------------------------------------------------------------------
+
+def test_an_in_place_update_inside_jit_persists_across_calls(backend):
+    """A buffer updated in place by a traced step is updated on every call (the step's
+    `assign` effect), as the eager step would update it."""
+    count = dtm.zeros(2)
+
+    @dtm.jit
+    def step(x):
+        count.add_(x)
+        return x * 2
+
+    for i in range(3):
+        step(dtm.ones(2) * (i + 1))
+    np.testing.assert_array_equal(count.numpy(), [6, 6])
+
+
+def test_reading_a_tensor_after_its_in_place_update_inside_jit_is_refused(backend):
+    count = dtm.zeros(2)
+
+    @dtm.jit
+    def step(x):
+        count.add_(x)
+        return count * 2  # the updated value is not there until the step has run: refused, not stale
+
+    with pytest.raises(TensorError) as e:
+        step(dtm.ones(2))
+    assert e.value.code is ErrorCode.USE_AFTER_ASSIGN
