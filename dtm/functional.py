@@ -672,7 +672,11 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     tensors = [cast(t, d) for t in tensors]
     if len(tensors) == 1:
         return tensors[0]
-    return apply("concat", *tensors, axis=normalize_dim(dim, tensors[0].ndim))
+    axis = normalize_dim(dim, tensors[0].ndim)
+    if _known(*tensors) and all(t.shape[:axis] + t.shape[axis + 1:] == tensors[0].shape[:axis] + tensors[0].shape[axis + 1:]
+                                for t in tensors):
+        return Tensor.from_numpy(np.concatenate([t._buffer for t in tensors], axis=axis))
+    return apply("concat", *tensors, axis=axis)
 
 
 concat = cat
@@ -683,6 +687,8 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     if not tensors:
         raise error(ErrorCode.OPERAND_COUNT, "stack() needs at least one tensor")
     d = normalize_dim(dim, tensors[0].ndim + 1)
+    if _known(*tensors) and len({(t.shape, t.dtype) for t in tensors}) == 1:
+        return Tensor.from_numpy(np.stack([t._buffer for t in tensors], axis=d))
     return cat([unsqueeze(t, d) for t in tensors], d)
 
 
@@ -942,9 +948,30 @@ def _expand_index(x: Tensor, index) -> list:
     return index + [slice(None)] * (x.ndim - consumed)
 
 
+def _known(*tensors: Tensor) -> bool:
+    """Whether these tensors' values are plain arrays already, and an op on them records
+    nothing: not traced, no gradient to track, not distributed or quantized. Movement of
+    such values is numpy's, at once: a batch sliced out of a dataset and stacked
+    (nanoGPT's get_batch) builds and compiles no program."""
+    return STATE.trace is None and all(
+        type(t._buffer) is np.ndarray and not (t.requires_grad and is_grad_enabled()) and t._mesh is None
+        and not t.dtype.is_quant for t in tensors)
+
+
+def _basic_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, slice) or
+               (isinstance(i, (int, np.integer)) and not isinstance(i, bool)) for i in parts)
+
+
 def getitem(x: Tensor, index) -> Tensor:
     """Basic indexing (ints, slices with any step, None, ...) as slices and reshapes;
     integer tensors and lists as gathers (torch's advanced-indexing layout)."""
+    if _known(x) and _basic_index(index):
+        try:
+            return Tensor.from_numpy(x._buffer[index])
+        except IndexError:
+            pass  # an index out of range: the error below names it as the recorded op would
     index = _expand_index(x, index)
     out = x
     axis = 0  # the dim of `out` that the next index entry applies to

@@ -211,3 +211,24 @@ def test_reading_a_tensor_after_its_in_place_update_inside_jit_is_refused(backen
     with pytest.raises(TensorError) as e:
         step(dtm.ones(2))
     assert e.value.code is ErrorCode.USE_AFTER_ASSIGN
+
+
+# --- a batch cut from a dataset ---------------------------------------------------------------
+
+def test_a_batch_sliced_from_a_dataset_is_computed_at_once_and_shares_its_elements(backend):
+    """nanoGPT's get_batch: slices of a realized tensor, stacked, are numpy's at once (no
+    program is built: the result holds its value), equal to torch's; the slices are views."""
+    data = np.arange(1000, dtype=np.int64)
+    ix = [3, 500, 17]
+    batch = dtm.stack([dtm.tensor(data)[i:i + 8] for i in ix])
+    assert batch._buffer is not None
+    np.testing.assert_array_equal(batch.numpy(), torch.stack([torch.tensor(data)[i:i + 8] for i in ix]).numpy())
+    assert dtm.cat([dtm.tensor(data)[:2], dtm.tensor(data)[5:7]])._buffer is not None
+
+    def fn(M):
+        d = M.tensor(data)
+        piece = d[10:14]
+        d[11] = -5
+        piece[0] = -7
+        return d[8:16], piece
+    same(fn)
