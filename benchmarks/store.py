@@ -149,6 +149,41 @@ def small(root: Path, pairs: int, durable_pairs: int) -> None:
             "save_file + load_file", peer, "us")
     row(f"directory on disk, {durable_pairs} pairs", per_pair(dtm.store.open(root / "durable"), durable_pairs),
         "save_file + load_file", peer, "us")
+    # the like peer of a durable put: a file of its own, synced, read back (issue 29)
+    row(f"directory on disk, {durable_pairs} pairs", per_pair(dtm.store.open(root / "durable"), durable_pairs),
+        "np.save + fsync + load", npy_pairs(root / "small.npy", x, durable_pairs), "us")
+    put_many_rate(root / "many", x)
+
+
+def npy_pairs(path: Path, x: np.ndarray, n: int) -> float:
+    """Seconds per np.save + fsync + np.load of `x` to `path`."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with open(path, "wb") as f:
+            np.save(f, x)
+            f.flush()
+            os.fsync(f.fileno())
+        np.load(path)
+    return (time.perf_counter() - t0) / n
+
+
+def put_many_rate(root: Path, x: np.ndarray, keys: int = 10_000, batch: int = 1000) -> None:
+    """Keys a second that put_many commits durably on disk, `batch` a call, against np.savez
+    of each batch to one file + fsync (one sync a batch too)."""
+    st = dtm.store.open(root)
+    t0 = time.perf_counter()
+    for b in range(0, keys, batch):
+        st.put_many((f"many/{i}", x) for i in range(b, b + batch))
+    dtm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for b in range(0, keys, batch):
+        with open(root / f"batch{b}.npz", "wb") as f:
+            np.savez(f, **{str(i): x for i in range(b, b + batch)})
+            f.flush()
+            os.fsync(f.fileno())
+    peer_s = time.perf_counter() - t0
+    print(f"  put_many on disk, {keys} keys of {x.nbytes} B in batches of {batch}: {keys / dtm_s:,.0f} keys/s   "
+          f"np.savez + fsync {keys / peer_s:,.0f} keys/s   ratio {peer_s / dtm_s:5.2f}x")
 
 
 FRESH = 3  # (c) times each engine's get of this many objects the getting process has not read yet: the best

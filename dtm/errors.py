@@ -117,6 +117,7 @@ class ErrorCode(str, enum.Enum):
     STORE_IO_ERROR = "E1104"
     STORE_CORRUPT = "E1105"
     STORE_KEY_LOST = "E1106"
+    STORE_INDEX_LOST = "E1107"
     # E12xx: task graphs
     TASK_FAILED = "E1201"
     WORKER_LOST = "E1202"

@@ -16,6 +16,8 @@ import re
 import select
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 
@@ -562,12 +564,72 @@ def test_the_index_is_the_sqlite_schema_the_spec_gives(disk, tmp_path):
     db.close()
 
 
-def test_a_damaged_index_is_e1105(tmp_path):
-    (tmp_path / "s").mkdir()
-    (tmp_path / "s" / "index.sqlite").write_bytes(b"not a database" * 100)
+def _lose_index(root: pathlib.Path, how: str) -> None:
+    """Delete the store's index, or write garbage over it, as a user's mistake or a bad disk does."""
+    for suffix in ("", "-wal", "-shm"):
+        (root / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    if how == "corrupted":
+        (root / "index.sqlite").write_bytes(b"not a database" * 100)
+
+
+@pytest.mark.parametrize("how", ["deleted", "corrupted"])
+def test_a_lost_index_is_e1107_on_open_and_recover_rebuilds_it_from_the_versions(tmp_path, how):
+    root = tmp_path / "s"
+    big = np.arange(2048, dtype=np.float32)  # past INLINE_BYTES: a Zarr array
+    with dtm.store.open(root) as s:
+        s.put("a/big", big)
+        s.put("a/big", big + 1)              # version 2: the one to come back
+        s.put("q", _random(DTYPES["bf16"], (70, 40)))
+        s.put("small", np.ones(3))           # inline: in the index alone
+    _lose_index(root, how)
     with pytest.raises(DTMError) as e:
+        dtm.store.open(root)
+    assert e.value.code is ErrorCode.STORE_INDEX_LOST
+    assert str(root / "index.sqlite") in str(e.value) and "dtm store" in str(e.value) and "recover" in str(e.value)
+    report = dtm.store.recover(root)
+    assert report.keys == 2 and report.inline_lost is None and report.skipped == []
+    with dtm.store.open(root) as s:
+        assert s.keys() == ["a/big", "q"] and _same_bits(s.get_array("a/big"), big + 1)
+        assert _same_bits(s.get_array("q"), _random(DTYPES["bf16"], (70, 40))) and s.verify().ok
+        assert "small" not in s
+    assert dtm.store.recover(root).inline_lost == 0  # a readable index: its inline tensors counted
+
+
+def test_a_store_of_inline_tensors_alone_whose_index_is_deleted_is_e1107_not_empty(tmp_path):
+    with dtm.store.open(tmp_path / "s") as s:
+        s.put("k", np.ones(2))
+    _lose_index(tmp_path / "s", "deleted")
+    with pytest.raises(DTMError, match="cannot be recovered") as e:
         dtm.store.open(tmp_path / "s")
-    assert e.value.code is ErrorCode.STORE_CORRUPT
+    assert e.value.code is ErrorCode.STORE_INDEX_LOST
+    assert dtm.store.recover(tmp_path / "s").keys == 0
+
+
+@pytest.mark.parametrize("n", [3, 2048], ids=["inline", "zarr"])
+def test_a_put_through_a_handle_opened_before_the_index_was_lost_fails_and_collect_refuses(tmp_path, n):
+    root = tmp_path / "s"
+    s = dtm.store.open(root)
+    s.put("k", np.ones(2048))
+    _lose_index(root, "deleted")
+    with pytest.raises(DTMError) as e:
+        s.put("j", np.ones(n))
+    assert e.value.code is ErrorCode.STORE_INDEX_LOST and "deleted" in str(e.value)
+    with pytest.raises(DTMError) as e:
+        s.collect(older_than_s=0)            # every version would look like garbage
+    assert e.value.code is ErrorCode.STORE_INDEX_LOST
+    assert _version_dirs(root, "k") != [] and _version_dirs(root, "j") == []
+    dtm.store.recover(root)
+    with pytest.raises(DTMError, match="replaced"):
+        s.put("j", np.ones(n))               # the old handle never writes to the old index
+    s.close()
+    with dtm.store.open(root) as s:
+        assert s.keys() == ["k"]
+
+
+def test_a_new_store_directory_opens_as_a_new_store(tmp_path):
+    (tmp_path / "s" / "data").mkdir(parents=True)  # as open() leaves it before the index exists
+    with dtm.store.open(tmp_path / "s") as s:
+        assert s.keys() == []
 
 
 @pytest.mark.parametrize("inline_bytes", [0, INLINE_BYTES])
@@ -787,3 +849,81 @@ def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path):
         for p in procs:
             p.join(30)
         assert got == ["ok"] * 4, (trial, got)
+
+
+_WRITER = """
+import sys, numpy as np, dtm
+s = dtm.store.open(sys.argv[1], chunk_bytes=1 << 20)
+for i in range(1000):
+    s.put("k", np.full(32 << 18, i, np.float32))  # 32 MiB in 32 chunk files
+"""
+
+
+def _kill_inside_a_put(root: pathlib.Path, known: set[str]) -> str:
+    """Start a writer process, SIGKILL it once a version directory other than `known` has a
+    chunk file (inside a put); that directory."""
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            fresh = [d for d in _version_dirs(root, "k") if d not in known and (root / "data/k" / d / "c").is_dir()]
+            if fresh and any((root / "data/k" / fresh[0] / "c").iterdir()):
+                return fresh[0]
+            assert proc.poll() is None, "the writer ended by itself"
+            time.sleep(0.002)
+        raise AssertionError("the writer wrote no chunk within 60 s")
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_puts_killed_by_sigkill_leave_garbage_du_counts_and_the_next_open_removes(tmp_path):
+    root = tmp_path / "s"
+    s = dtm.store.open(root)
+    s.put("k", np.zeros(8, np.float32))
+    leaked = {_kill_inside_a_put(root, set()) for _ in range(3)}
+    leaked -= set(_current_dir(s, "k"))  # (a kill may land after a commit)
+    assert leaked and leaked <= set(_version_dirs(root, "k"))
+    assert s.du(garbage=True) > 0 and s.du() == s.info("k").nbytes
+    with dtm.store.open(root) as fresh:      # no collect(): opening is enough
+        assert not leaked & set(_version_dirs(root, "k")) and fresh.du(garbage=True) == 0
+        assert _version_dirs(root, "k") == _current_dir(fresh, "k") and fresh.verify().ok
+    s.close()
+
+
+def test_garbage_collection_spares_a_version_a_live_writer_holds(tmp_path):
+    root = tmp_path / "s"
+    with dtm.store.open(root) as s:
+        rel = "data/k/@00000000000000aa"
+        s._files.make_dirs(rel, ["c/0"])
+        with s._files.hold(rel):             # a put in flight, however old its files
+            with dtm.store.open(root) as other:
+                assert other.collect(older_than_s=0) == [] and (root / rel).is_dir()
+                assert other.du(garbage=True) == 0
+        assert s.collect(older_than_s=0) == [rel] and not (root / rel).exists()
+
+
+def test_a_masked_array_is_refused_not_stored_without_its_mask(st):
+    x = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    for put in (st.put, st.put_array, lambda k, v: st.put_many({k: v})):
+        with pytest.raises(DTMError, match="mask") as e:
+            put("m", x)
+        assert e.value.code is ErrorCode.UNKNOWN_DTYPE and "m" not in st
+
+
+def test_an_over_long_key_is_cut_in_its_error(st):
+    with pytest.raises(InvalidKey) as e:
+        st.put("x" * 10_000, np.ones(1))
+    assert len(str(e.value)) < 300 and "10000" in str(e.value)
+
+
+def test_put_many_commits_small_tensors_in_one_transaction_and_large_ones_each(st, monkeypatch):
+    st.put("a", np.zeros(2))
+    items = {"a": np.arange(3), "b/c": np.ones((2, 2), np.float16), "big": np.arange(2048.0)}
+    infos = st.put_many(items)
+    assert [i.key for i in infos] == list(items) and infos[0].version == 2
+    for k, v in items.items():
+        assert _same_bits(st.get_array(k), v)
+    with pytest.raises(InvalidKey):          # every key checked before anything is written
+        st.put_many([("z", np.ones(1)), ("bad//key", np.ones(1))])
+    assert "z" not in st

@@ -145,3 +145,33 @@ def test_bad_input_is_one_line_with_its_code(store, tmp_path):
     st.put_array("q", quantize(np.ones((1, 32), np.float32), DTYPES["q8_0"]), dtype="q8_0")
     assert_fails(run(path, "export", "q", str(tmp_path / "q.safetensors")), "E0401")
     assert not (tmp_path / "q.safetensors").exists()
+
+
+def test_a_memory_store_is_refused_as_it_would_die_with_the_command(tmp_path):
+    np.save(tmp_path / "x.npy", W)
+    assert_fails(CliRunner().invoke(main, ["store", "--store", "memory://x", "put", "k", str(tmp_path / "x.npy")]),
+                 "E0306")
+
+
+def test_rm_deletes_nothing_when_a_key_is_missing_and_names_each(store):
+    path, st = store
+    result = run(path, "rm", "ids", "nope", "model/w", "nope2")
+    assert_fails(result, "E0804")
+    assert "'nope'" in result.stderr and "'nope2'" in result.stderr
+    assert "ids" in st and "model/w" in st
+    assert run(path, "rm", "ids", "model/w").exit_code == 0 and st.keys() == ["model/b", "model/f8"]
+
+
+def test_recover_rebuilds_a_deleted_index_and_gc_and_du_see_unfinished_versions(store):
+    path, st = store
+    st.put("big", np.arange(2048.0))
+    st._files.write("data/big/@00000000000000aa/c/0", [b"x" * 100])  # as a killed put leaves it
+    assert "100" in run(path, "du").output
+    gc = run(path, "gc")
+    assert gc.exit_code == 0 and "1 unfinished" in gc.output
+    st.close()
+    pathlib.Path(path, "index.sqlite").unlink()
+    assert_fails(run(path, "ls"), "E1107")
+    result = run(path, "recover")
+    assert result.exit_code == 0 and "1 key(s) recovered" in result.output and "cannot be recovered" in result.output
+    assert run(path, "ls").exit_code == 0 and dtm.store.open(path).keys() == ["big"]

@@ -18,12 +18,15 @@ row 9: `get` returns a `dtm.Tensor` through factories that `dtm/__init__.py` ins
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import threading
 import weakref
+from typing import Iterator
 
-from .errors import (ChecksumError, InvalidKey, KeyMissing, QuotaExceeded, StoreCorrupt, StoreError, StoreIOError,
-                     StoreTypeError)
+from .errors import (ChecksumError, IndexLost, InvalidKey, KeyMissing, QuotaExceeded, StoreCorrupt, StoreError,
+                     StoreIOError, StoreTypeError)
 from .files import FsspecFiles, LocalFiles, MemoryFiles
 from .format import DEFAULT_CHUNK_BYTES, INLINE_BYTES
 from .index import SqliteIndex
@@ -32,14 +35,19 @@ from ..runtime import process_group
 from .errors import KeyLost
 from .keys import MAX_KEY_BYTES, check_key
 from .mesh_store import MeshStore, part_of, start_service
+from .recover import INDEX, RecoveryReport, check_index, mark
+from .recover import recover as _recover
 from .refindex import RefIndex
 from .store import Info, Store, VerifyReport, set_tensor_factory
 
-__all__ = ["open", "mesh", "use", "current", "Store", "MeshStore", "KeyLost", "Info", "VerifyReport", "StoreError", "KeyMissing", "StoreTypeError",
-           "InvalidKey", "ChecksumError", "QuotaExceeded", "StoreIOError", "StoreCorrupt", "MAX_KEY_BYTES",
+__all__ = ["open", "recover", "RecoveryReport", "mesh", "use", "scoped", "current", "Store", "MeshStore", "KeyLost", "Info", "VerifyReport", "StoreError", "KeyMissing", "StoreTypeError",
+           "InvalidKey", "ChecksumError", "QuotaExceeded", "StoreIOError", "StoreCorrupt", "IndexLost", "MAX_KEY_BYTES",
            "check_key", "set_tensor_factory"]
 
 _current: Store | MeshStore | None = None
+# a task graph's store while one of its tasks runs: per thread (and asyncio task), so the
+# graph's tasks and the rest of the process each see their own store at the same time
+_scoped: contextvars.ContextVar[Store | MeshStore | None] = contextvars.ContextVar("dtm_store", default=None)
 _lock = threading.RLock()  # current() opens the default store while holding it
 _meshes: "weakref.WeakKeyDictionary[object, dict[tuple, MeshStore]]" = weakref.WeakKeyDictionary()  # by group
 
@@ -59,6 +67,29 @@ def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHU
     url = default_path() if url is None else os.fspath(url)
     if "://" in url and not url.startswith("file://"):
         return _open_fsspec(url, chunk_bytes, inline_bytes)
+    root = _make_root(url)
+    check_index(root)
+    st = Store("file://" + root, LocalFiles(root), SqliteIndex(os.path.join(root, INDEX)), chunk_bytes, inline_bytes)
+    mark(root)
+    st.clean_up_after_dead_writers()
+    return st
+
+
+def recover(url: str | os.PathLike | None = None) -> RecoveryReport:
+    """Rebuild the index of the directory store at `url` (None: the default) from the
+    versions on disk, after the index was deleted or damaged (E1107 on open); tensors that
+    were kept inline in it cannot be recovered (spec 9.2.12). Run it while no other
+    process writes to the store."""
+    url = default_path() if url is None else os.fspath(url)
+    if "://" in url and not url.startswith("file://"):
+        raise StoreError(ErrorCode.ATTRIBUTE_VALUE, f"{url}: only a directory store has an index to recover "
+                                                    "(a store behind a URL keeps a ref per key, 9.2.4)")
+    return _recover(_make_root(url))
+
+
+def _make_root(url: str) -> str:
+    """The absolute root directory of the directory store `url`, with its `data/` made
+    (E1104 when it is a file, cannot be made or is not writable)."""
     root = os.path.abspath(os.path.expanduser(url.removeprefix("file://")))
     if os.path.exists(root) and not os.path.isdir(root):
         raise StoreIOError("the store path is not a directory", root)
@@ -68,8 +99,7 @@ def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHU
         raise StoreIOError(f"cannot create the store: {e.strerror or e}", root) from None
     if not os.access(root, os.W_OK) or not os.access(os.path.join(root, "data"), os.W_OK):
         raise StoreIOError("the store directory is not writable", root)
-    return Store("file://" + root, LocalFiles(root), SqliteIndex(os.path.join(root, "index.sqlite")), chunk_bytes,
-                 inline_bytes)
+    return root
 
 
 def _open_fsspec(url: str, chunk_bytes: int, inline_bytes: int) -> Store:
@@ -114,10 +144,23 @@ def use(store: Store | MeshStore) -> Store | MeshStore:
     return store
 
 
+@contextlib.contextmanager
+def scoped(store: Store | MeshStore) -> Iterator[Store | MeshStore]:
+    """Make `store` what `current()` returns in this thread until the block ends (a task
+    graph's store while one of its tasks runs: its programs' store_get / store_put)."""
+    token = _scoped.set(store)
+    try:
+        yield store
+    finally:
+        _scoped.reset(token)
+
+
 def current() -> Store | MeshStore:
-    """The process's current store: the one last given to `use`; else, in a mesh of several
-    processes, the mesh's store; else the default one."""
+    """The process's current store: inside `scoped(st)`, st; else the one last given to
+    `use`; else, in a mesh of several processes, the mesh's store; else the default one."""
     global _current
+    if (found := _scoped.get()) is not None:
+        return found
     with _lock:
         if _current is not None:
             return _current

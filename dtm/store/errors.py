@@ -3,7 +3,10 @@ the key it concerns (`key`, None when the fault is the store's own)."""
 
 from __future__ import annotations
 
+import os
+
 from ..errors import DTMError, ErrorCode
+from .format import INLINE_BYTES
 
 
 class StoreError(DTMError):
@@ -25,12 +28,24 @@ class StoreTypeError(StoreError, TypeError):
     """The stored tensor's dtype (E0402) or shape (E0403) is not the one asked for."""
 
 
+# How much of a bad key an error shows: an over-long key (10 KB) echoed whole buried the reason
+SHOWN_KEY_CHARS = 64
+
+
 class InvalidKey(StoreError, ValueError):
-    """A key that breaks the key syntax of spec 9.2.1 (E1101)."""
+    """A key that breaks the key syntax of spec 9.2.1 (E1101); the message shows at most
+    SHOWN_KEY_CHARS of it."""
 
     def __init__(self, key: object, why: str):
-        super().__init__(ErrorCode.INVALID_STORE_KEY, f"invalid store key {key!r}: {why}",
+        super().__init__(ErrorCode.INVALID_STORE_KEY, f"invalid store key {_shown(key)}: {why}",
                          key if isinstance(key, str) else None)
+
+
+def _shown(key: object) -> str:
+    """`key`'s repr, cut to its first SHOWN_KEY_CHARS characters and its length when longer."""
+    if isinstance(key, (str, bytes)) and len(key) > SHOWN_KEY_CHARS:
+        return f"{key[:SHOWN_KEY_CHARS]!r}... ({len(key)} {'characters' if isinstance(key, str) else 'bytes'})"
+    return repr(key)
 
 
 class ChecksumError(StoreError):
@@ -64,6 +79,19 @@ class StoreCorrupt(StoreError):
 
     def __init__(self, message: str, key: str | None = None):
         super().__init__(ErrorCode.STORE_CORRUPT, message, key)
+
+
+class IndexLost(StoreError):
+    """A directory store's index is missing or damaged (E1107): its keys cannot be read or
+    written until `dtm store recover` rebuilds it from the versions on disk (spec 9.2.12)."""
+
+    def __init__(self, path: str, what: str):
+        super().__init__(ErrorCode.STORE_INDEX_LOST,
+                         f"the store index {path} {what}; no key can be read or written until "
+                         f"`dtm store --store {os.path.dirname(path)} recover` (dtm.store.recover) rebuilds it from "
+                         f"the versions on disk; tensors kept inline in the index (<= {INLINE_BYTES} bytes) cannot be "
+                         "recovered")
+        self.path = path
 
 
 class KeyLost(StoreError, KeyError):

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
+import fcntl
 import os
 import queue
+import secrets
 import shutil
 import threading
 import time
@@ -23,11 +26,92 @@ MAP_BYTES = 64 << 10
 REMOVE_LATER_BYTES = 16 << 20
 
 
+# Where each process that writes to a directory store keeps a file it holds locked while it
+# lives (spec 9.2.3): one found unlocked names a writer that died, maybe inside a put
+WRITERS = "writers"
+
+
 class LocalFiles:
-    """Files under the directory `root`."""
+    """Files under the directory `root`. A version being written is held (`hold`): a shared
+    flock on its directory, which the kernel drops when the writer dies, even by SIGKILL,
+    so that garbage collection tells a put in flight from the remains of a killed one."""
 
     def __init__(self, root: str):
         self.root = root
+        self._writer: tuple[int, str] | None = None  # (fd, path) of this process's writer file
+
+    @contextlib.contextmanager
+    def hold(self, rel: str) -> Iterator[None]:
+        """Hold the version directory `rel` (a shared flock) until the block ends, so that
+        `remove_unheld` spares it; FileNotFoundError when a collection removed it since its
+        creation (the put then fails, E1104, and nothing is lost). Never creates it: a
+        version removed half-written must not come back to be committed."""
+        self._register_writer()
+        top = self.path(rel)
+        fd = os.open(top, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # a collection holds it to remove it
+                raise FileNotFoundError(errno.ENOENT, "removed by a garbage collection", top) from None
+            if os.fstat(fd).st_nlink == 0:  # removed before the lock was taken
+                raise FileNotFoundError(errno.ENOENT, "removed by a garbage collection", top)
+            yield
+        finally:
+            os.close(fd)
+
+    def remove_unheld(self, rel: str) -> bool:
+        """Remove the version directory `rel` unless a live writer holds it; whether it did."""
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            self.remove_tree(rel)  # under the lock: a writer that opens it now finds it gone
+            return True
+        finally:
+            os.close(fd)
+
+    def _register_writer(self) -> None:
+        """Before this process's first write: create and lock its writer file, unlinked
+        again by `close` or at exit."""
+        if self._writer is not None:
+            return
+        os.makedirs(self.path(WRITERS), exist_ok=True)
+        path = self.path(f"{WRITERS}/{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh file: no one else holds it
+        self._writer = (fd, path)
+        atexit.register(self.close)
+
+    def dead_writers(self) -> list[str]:
+        """The writer files no live process holds: each a writer that ended without `close`
+        (killed, maybe inside a put)."""
+        try:
+            names = os.listdir(self.path(WRITERS))
+        except FileNotFoundError:
+            return []
+        return [n for n in names if not _held(self.path(f"{WRITERS}/{n}"))]
+
+    def forget_writers(self, names: list[str]) -> None:
+        """Remove the writer files `names` of dead writers, once their leftovers are removed."""
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(f"{WRITERS}/{n}"))
+
+    def close(self) -> None:
+        """Wait for queued removals, then unlink and release this process's writer file."""
+        self.drain()
+        if self._writer is not None:
+            fd, path = self._writer
+            self._writer = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if os.sep == "/" else os.path.join(self.root, *rel.split("/"))
@@ -41,6 +125,8 @@ class LocalFiles:
             os.mkdir(top)
         except FileNotFoundError:
             os.makedirs(top, exist_ok=True)
+        except FileExistsError:  # by another rank of a distributed put
+            pass
         for sub in sorted(dirs_of(names), key=len):
             os.mkdir(f"{top}/{sub}")
 
@@ -81,6 +167,18 @@ class LocalFiles:
             _fsync_dir(d)
             d = os.path.dirname(d)
 
+    def replace(self, rel: str, data: bytes) -> None:
+        """Write the file `rel` whole, atomically and durably: a temporary name, fsync,
+        rename over `rel`, fsync of its directory."""
+        tmp = f"{rel}.tmp-{secrets.token_hex(4)}"
+        self.write(tmp, [data])
+        os.replace(self.path(tmp), self.path(rel))
+        self.sync_dir(rel.rpartition("/")[0])
+
+    def sync_dir(self, rel: str) -> None:
+        """fsync the directory `rel` ("" for the root), so the names in it are durable."""
+        _fsync_dir(self.path(rel) if rel else self.root)
+
     def read_bytes(self, rel: str) -> bytes:
         with open(self.path(rel), "rb") as f:
             return f.read()
@@ -105,6 +203,15 @@ class LocalFiles:
 
     def remove_tree(self, rel: str) -> None:
         shutil.rmtree(self.path(rel), ignore_errors=True)
+
+    def size(self, rel: str) -> int:
+        """Bytes of the files below `rel` (their sizes, not the blocks they take)."""
+        total = 0
+        for dirpath, _, names in os.walk(self.path(rel)):
+            for n in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(dirpath, n)).st_size
+        return total
 
     def remove_version(self, rel: str, names: Callable[[], list[str]], nbytes: int) -> None:
         """Remove a replaced or deleted version of `nbytes` bytes: its directory, at once when
@@ -148,6 +255,22 @@ class LocalFiles:
         """Until every removal remove_later queued is done."""
         if getattr(self, "_doomed", None) is not None:
             self._doomed.join()
+
+
+def _held(path: str) -> bool:
+    """Whether a live process holds a lock on the file `path` (a vanished one counts as held:
+    its writer just closed it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def dirs_of(names: Iterable[str]) -> set[str]:
@@ -223,6 +346,13 @@ class FsspecFiles:
         except FileNotFoundError:
             pass
 
+    def size(self, rel: str) -> int:
+        """Bytes of the objects below `rel`."""
+        try:
+            return int(self.fs.du(self.path(rel)))
+        except FileNotFoundError:
+            return 0
+
     def remove_version(self, rel: str, names: Callable[[], list[str]], nbytes: int) -> None:
         """Remove a replaced or deleted version object by object, by the names its metadata
         gives: listing a prefix can cost a scan of every object in the store (fsspec's
@@ -240,6 +370,24 @@ class FsspecFiles:
 
     def drain(self) -> None:
         """Nothing queued: removals here are done when they return."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+    @contextlib.contextmanager
+    def hold(self, rel: str) -> Iterator[None]:
+        """Nothing to hold: an object store has no locks, so a version in flight is told from
+        a killed put's by its age alone (`Store.collect`)."""
+        yield
+
+    def remove_unheld(self, rel: str) -> bool:
+        """Remove the version `rel` (no writer can hold one here)."""
+        self.remove_tree(rel)
+        return True
+
+    def dead_writers(self) -> list[str]:
+        """None known: writers leave no trace here."""
+        return []
 
 
 class MemoryFiles(FsspecFiles):

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from ..ir.dtypes import DTYPES, DType
-from .errors import QuotaExceeded, StoreCorrupt, StoreIOError
+from .errors import IndexLost, QuotaExceeded, StoreCorrupt, StoreIOError
 
 SCHEMA_VERSION = 2  # 2 added `keys.data`, the bytes of a tensor kept inline
 BUSY_TIMEOUT_MS = 30_000  # how long a writer waits for another process's transaction
@@ -50,6 +51,18 @@ class Entry:
     def inline(self) -> bool:
         """Whether the tensor is kept in its row rather than as a version directory."""
         return self.data is not None
+
+
+class Row(NamedTuple):
+    """What a commit writes for one key: an Entry less the version and time it is given."""
+
+    key: str
+    dir: str
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    data: bytes | None = None
 
 
 def check_quotas(key: str, nbytes: int, old: Callable[[], int], quotas: dict[str, int],
@@ -101,11 +114,23 @@ class SqliteIndex:
                         raise
                     time.sleep(0.005)
         except sqlite3.DatabaseError as e:
-            raise StoreCorrupt(f"the store index {path} cannot be opened: {e}") from None
+            raise IndexLost(path, f"cannot be opened ({e})") from None
         if schema != str(SCHEMA_VERSION):
             raise StoreCorrupt(f"the store index {path} has schema {schema}, this reader reads {SCHEMA_VERSION}")
         self._lock = threading.Lock()  # one connection, shared by the process's threads
         self._path = path
+        self._file = _identity(path)
+
+    def check_alive(self) -> None:
+        """IndexLost when `index.sqlite` is no longer the file this connection opened
+        (deleted, or replaced by `recover`): a commit into the orphaned file would report
+        success and be gone on the next open. One stat, before each commit."""
+        try:
+            same = _identity(self._path) == self._file
+        except FileNotFoundError:
+            raise IndexLost(self._path, "was deleted while the store was open") from None
+        if not same:
+            raise IndexLost(self._path, "was replaced while the store was open; open the store again")
 
     def _set_up(self) -> str:
         """WAL, full syncs, the tables; the schema version the index holds."""
@@ -180,14 +205,24 @@ class SqliteIndex:
         transaction, after checking the quotas again (another process may have put since the
         caller's check). Returns the new entry and the entry it replaced, whose directory is
         now garbage."""
-        with self._transaction(key):
-            self._check_quota(key, nbytes)
-            row = self._db.execute("SELECT * FROM keys WHERE key = ?", (key,)).fetchone()
-            old = _entry(row) if row else None
-            entry = Entry(key, dir, dtype, shape, nbytes, checksum, old.version + 1 if old else 1, time.time(), data)
-            self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                             (key, dir, dtype.name, json.dumps(list(shape)), nbytes, checksum, entry.version,
-                              entry.written, data))
+        return self.commit_many([Row(key, dir, dtype, shape, nbytes, checksum, data)])[0]
+
+    def commit_many(self, rows: list[Row]) -> list[tuple[Entry, Entry | None]]:
+        """`commit` of every row in one transaction (one sync: a group commit), all or none;
+        each row's quotas are checked with the rows before it counted."""
+        with self._transaction(rows[0].key if rows else ""):
+            done = [self._switch(r, time.time()) for r in rows]
+        return done
+
+    def _switch(self, r: Row, now: float) -> tuple[Entry, Entry | None]:
+        """Within a transaction: check the quotas and point row `r`'s key at its tensor."""
+        self._check_quota(r.key, r.nbytes)
+        found = self._db.execute("SELECT * FROM keys WHERE key = ?", (r.key,)).fetchone()
+        old = _entry(found) if found else None
+        entry = Entry(r.key, r.dir, r.dtype, r.shape, r.nbytes, r.checksum, old.version + 1 if old else 1, now, r.data)
+        self._db.execute("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (r.key, r.dir, r.dtype.name, json.dumps(list(r.shape)), r.nbytes, r.checksum, entry.version,
+                          entry.written, r.data))
         return entry, old
 
     def delete(self, key: str) -> Entry | None:
@@ -206,6 +241,7 @@ class SqliteIndex:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 yield
+                self.check_alive()
                 self._db.execute("COMMIT")
             except BaseException as e:
                 if self._db.in_transaction:
@@ -224,6 +260,12 @@ class SqliteIndex:
         where, args = _under(prefix)
         (n,), = self._db.execute(f"SELECT coalesce(sum(nbytes), 0) FROM keys WHERE {where}", args)
         return n
+
+
+def _identity(path: str) -> tuple[int, int]:
+    """The device and inode of the file at `path`."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def _entry(row: tuple) -> Entry:

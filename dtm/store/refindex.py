@@ -14,7 +14,7 @@ import time
 from ..ir.dtypes import DTYPES, DType
 from .errors import StoreCorrupt
 from .files import FsspecFiles
-from .index import Entry, check_quotas
+from .index import Entry, Row, check_quotas
 
 REF = "@ref"
 QUOTAS = "quotas.json"
@@ -93,6 +93,15 @@ class RefIndex:
                    "data": None if data is None else base64.b64encode(data).decode("ascii")}
             self._files.replace(f"data/{key}/{REF}", json.dumps(doc).encode("utf-8"))
         return entry, old
+
+    def commit_many(self, rows: list[Row]) -> list[tuple[Entry, Entry | None]]:
+        """`commit` of each row in turn: an object store has no transaction over several
+        objects, so a failure part way leaves the rows before it committed."""
+        with _LOCK:
+            return [self.commit(*r) for r in rows]
+
+    def check_alive(self) -> None:
+        """Nothing to check: the refs are the index, each key's own."""
 
     def delete(self, key: str) -> Entry | None:
         with _LOCK:

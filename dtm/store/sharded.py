@@ -93,11 +93,13 @@ def put(store: "Store", key: str, x: Any, dtype: DType) -> Entry:
     try:
         store._index.check_quota(key, layout.nbytes)
         with store._writing(key, rel):
-            for r in writers(pieces):
-                if values[r] is not None:
-                    data = fmt.to_storage(np.asarray(values[r]).astype(numpy_dtype(dtype), copy=False), dtype)
-                    store._write_chunk(rel, layout, _chunk_of(layout, pieces[r]), data)
-                    part ^= crc.box_crc(data, pieces[r], layout.storage_shape)
+            store._files.make_dirs(rel, [])
+            with store._files.hold(rel):  # (a garbage collection spares it; its commit holds it again)
+                for r in writers(pieces):
+                    if values[r] is not None:
+                        data = fmt.to_storage(np.asarray(values[r]).astype(numpy_dtype(dtype), copy=False), dtype)
+                        store._write_chunk(rel, layout, _chunk_of(layout, pieces[r]), data)
+                        part ^= crc.box_crc(data, pieces[r], layout.storage_shape)
     except DTMError as e:
         code, err = _code(e), e
     rows = _rows(pg, [code, part])  # every rank's chunks are written (and synced) past here

@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from . import format as fmt
 from . import sharded
 from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError, StoreTypeError
 from .files import FsspecFiles, LocalFiles
-from .index import Entry, SqliteIndex
+from .index import Entry, Row, SqliteIndex
 from .refindex import RefIndex
 from .keys import check_key, version_dir
 from .crc import checksum as crc_of
@@ -104,8 +104,19 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        self._files.drain()
+        self._files.close()
         self._index.close()
+
+    def clean_up_after_dead_writers(self) -> list[str]:
+        """Remove what writers that died (SIGKILL, a crash) left: every version no key names
+        and no live writer holds (spec 9.2.3). Only when one died since the last clean-up,
+        so that opening a store walks its files only then. Returns the directories removed."""
+        dead = self._files.dead_writers()
+        if not dead:
+            return []
+        removed = self.collect(older_than_s=0)
+        self._files.forget_writers(dead)
+        return removed
 
     # --- writing ------------------------------------------------------------------------
 
@@ -116,12 +127,40 @@ class Store:
         on a mesh of processes every rank calls put."""
         if getattr(x, "device_mesh", None) is not None:
             return sharded.put(self, check_key(key), x, as_store_dtype(x.dtype if dtype is None else dtype))
+        _refuse_masked(key, x)  # (np.asarray drops the mask)
         return self.put_array(key, np.asarray(x), dtype)
+
+    def put_many(self, items: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[Info]:
+        """`put` of each (key, value): the tensors kept inline in one index transaction, one
+        sync for all of them (all committed or none), each larger one as a put of its own.
+        Returns their infos, in order."""
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        staged = [self._stage(k, v) for k, v in pairs]  # every key and dtype checked before any write
+        small = [i for i, (_, layout, _) in enumerate(staged) if self._keeps_inline(layout)]
+        done = self._index.commit_many([self._inline_row(*staged[i]) for i in small]) if small else []
+        infos: dict[int, Info] = {}
+        for i, (entry, old) in zip(small, done):
+            self._drop(old)
+            infos[i] = entry
+        for i, (key, layout, data) in enumerate(staged):
+            if i not in infos:
+                infos[i] = self._put_files(key, layout, data)
+        return [infos[i] for i in range(len(staged))]
 
     def put_array(self, key: str, a: np.ndarray, dtype: Any = None) -> Info:
         """Store `a` under `key`. `dtype` converts it; for `q8_0`/`q4_0` `a` is the uint8
         block storage of shape [..., K/32 * block bytes] (dtm/ref/quant.py)."""
+        key, layout, data = self._stage(key, a, dtype)
+        if self._keeps_inline(layout):
+            return self._put_inline(key, layout, data)
+        return self._put_files(key, layout, data)
+
+    def _stage(self, key: str, a: Any, dtype: Any = None) -> tuple[str, fmt.Layout, np.ndarray]:
+        """The checked key, the layout and the storage array of a put of `a` (E1101, E0401,
+        E0408 before anything is written)."""
         key = check_key(key)
+        _refuse_masked(key, a)
+        a = np.asarray(a)
         dt = as_store_dtype(a.dtype if dtype is None else dtype)
         if dt.is_quant:
             shape = quant_shape(key, a, dt)
@@ -129,30 +168,43 @@ class Store:
             if dtype is not None:
                 a = a.astype(numpy_dtype(dt), copy=False)
             shape = tuple(a.shape)
-        data = fmt.to_storage(a, dt)
-        layout = fmt.plan(dt, shape, self._chunk_bytes)
-        if 0 < self._inline_bytes and layout.nbytes <= self._inline_bytes:
-            return self._put_inline(key, layout, data)
+        return key, fmt.plan(dt, shape, self._chunk_bytes), fmt.to_storage(a, dt)
+
+    def _keeps_inline(self, layout: fmt.Layout) -> bool:
+        return 0 < self._inline_bytes and layout.nbytes <= self._inline_bytes
+
+    def _put_files(self, key: str, layout: fmt.Layout, data: np.ndarray) -> Info:
+        """A put of a tensor as a Zarr array, its version held (files.hold) from its first
+        file to its commit, so that no garbage collection takes it for a killed put's."""
         self._index.check_quota(key, layout.nbytes)
         rel = version_dir(key, secrets.randbits(64))
         with self._writing(key, rel):
             self._files.make_dirs(rel, layout.chunk_keys())
-            crc = 0
-            for i in layout.chunks():
-                crc = self._write_chunk(rel, layout, i, data[_slices(layout.chunk_box(i))])
-            # one unpadded chunk: its CRC is the tensor's; else one more pass over the bytes
-            whole = layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes
-            checksum = crc if whole else crc_of(data.reshape(-1).view(np.uint8) if data.size else b"")
-        return self._commit(key, rel, layout, f"{checksum:08x}")
+            with self._files.hold(rel):
+                return self._commit(key, rel, layout, self._write_chunks(rel, layout, data))
+
+    def _write_chunks(self, rel: str, layout: fmt.Layout, data: np.ndarray) -> str:
+        """Write every chunk of `data` into version `rel`; the tensor's checksum."""
+        crc = 0
+        for i in layout.chunks():
+            crc = self._write_chunk(rel, layout, i, data[_slices(layout.chunk_box(i))])
+        # one unpadded chunk: its CRC is the tensor's; else one more pass over the bytes
+        whole = layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes
+        checksum = crc if whole else crc_of(data.reshape(-1).view(np.uint8) if data.size else b"")
+        return f"{checksum:08x}"
 
     def _put_inline(self, key: str, layout: fmt.Layout, data: np.ndarray) -> Info:
         """A put of a small tensor (spec 9.2.3): its storage bytes go into its index row, whose
         commit (quotas checked there) is the whole put: no file, no directory, one sync."""
-        body = data.tobytes()
-        entry, old = self._index.commit(key, "", layout.dtype, layout.shape, layout.nbytes, f"{crc_of(body):08x}",
-                                        body)
+        entry, old = self._index.commit(*self._inline_row(key, layout, data))
         self._drop(old)
         return entry
+
+    @staticmethod
+    def _inline_row(key: str, layout: fmt.Layout, data: np.ndarray) -> Row:
+        """The index row that keeps `data` inline."""
+        body = data.tobytes()
+        return Row(key, "", layout.dtype, layout.shape, layout.nbytes, f"{crc_of(body):08x}", body)
 
     def _write_chunk(self, rel: str, layout: fmt.Layout, i: tuple[int, ...], block: np.ndarray) -> int:
         """Write chunk i of a new version (bytes, edge padding, CRC32C, fsync); its CRC32C."""
@@ -163,7 +215,7 @@ class Store:
     def _commit(self, key: str, rel: str, layout: fmt.Layout, checksum: str) -> Info:
         """Steps 2 to 4 of spec 9.2.6 once the chunks are written: `zarr.json`, the syncs,
         the index switch (the commit point), the removal of the version it replaced."""
-        with self._writing(key, rel):
+        with self._writing(key, rel), self._files.hold(rel):  # (a distributed put's chunks were held apart)
             self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
             self._files.sync_tree(rel, layout.chunk_keys())
             entry, old = self._index.commit(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
@@ -221,8 +273,12 @@ class Store:
     def keys(self, prefix: str = "") -> list[str]:
         return self._index.keys(prefix)
 
-    def du(self, prefix: str = "") -> int:
-        """Bytes of tensor data stored under `prefix`."""
+    def du(self, prefix: str = "", *, garbage: bool = False) -> int:
+        """Bytes of tensor data stored under `prefix` (what quotas limit); with `garbage`,
+        the bytes on disk of the versions under it that no key names instead: puts in flight,
+        and what killed puts left until a clean-up or `collect` removes it (spec 9.2.3)."""
+        if garbage:
+            return sum(self._files.size(d) for d in self._garbage(0.0, prefix))
         return self._index.usage(prefix)
 
     def quotas(self) -> dict[str, int]:
@@ -360,19 +416,37 @@ class Store:
     def collect(self, older_than_s: float = 3600.0) -> list[str]:
         """Remove version directories no key names (spec 9.2.3: left by a put killed before
         its commit, or by one killed between its commit and its cleanup) whose newest file
-        is older than `older_than_s`, so that puts still in flight are spared. Returns the
-        directories removed."""
-        current = {e.dir for e in self._index.entries("")}
+        is older than `older_than_s` and, in a directory store, that no live writer holds,
+        so that puts still in flight are spared. Refused (E1107) when the index was lost:
+        every version would look like garbage. Returns the directories removed."""
+        return [d for d in self._garbage(older_than_s) if self._files.remove_unheld(d)]
+
+    def _garbage(self, older_than_s: float, prefix: str = "") -> list[str]:
+        """The version directories under `prefix` that no key names, whose newest file is
+        older than `older_than_s`."""
+        self._index.check_alive()
+        current = {e.dir for e in self._index.entries(prefix)}
         newest: dict[str, float] = {}
-        for rel, mtime in self._files.walk("data"):
+        for rel, mtime in self._files.walk(_walk_root(prefix)):
             m = _VERSION_DIR.match(rel)  # not a ref object (`@ref`), which is a key's index row
-            if m:
+            if m and m.group(1).startswith(f"data/{prefix}"):
                 newest[m.group(1)] = max(newest.get(m.group(1), 0.0), mtime)
         cutoff = time.time() - older_than_s
-        garbage = sorted(d for d, t in newest.items() if d not in current and t < cutoff)
-        for d in garbage:
-            self._files.remove_tree(d)
-        return garbage
+        return sorted(d for d, t in newest.items() if d not in current and t <= cutoff)
+
+
+def _walk_root(prefix: str) -> str:
+    """The deepest directory that holds every version of the keys under `prefix`."""
+    return "data/" + prefix.rsplit("/", 1)[0] if "/" in prefix else "data"
+
+
+def _refuse_masked(key: str, x: Any) -> None:
+    """E0401 for a numpy masked array: storing its data would drop its mask in silence, as
+    np.asarray does (object arrays are refused the same way)."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise StoreTypeError(ErrorCode.UNKNOWN_DTYPE,
+                             f"put {key!r}: a masked array's mask has no place in a stored tensor; put "
+                             "x.filled(value), or its data and np.ma.getmaskarray(x) under two keys", key)
 
 
 def _inline_body(entry: Entry, layout: fmt.Layout) -> np.ndarray:
