@@ -10,6 +10,9 @@ a chain (each task after the one before) and a fan-out (one root, N-1 tasks afte
 * Dask's processes scheduler and Ray (`@ray.remote`) run in other processes, which a
   memory:// store does not reach: they pass the arrays as their own objects instead (their
   best case) and are timed on `--peer-tasks` tasks, as they are far slower per task.
+* `process no-op`: `--process-tasks` independent no-op `process=True` tasks on a store in
+  /dev/shm against the same no-ops on a `concurrent.futures.ProcessPoolExecutor`, each
+  timed on its first run (workers starting) and on warm workers.
 * `DTM on Ray`: DTM's own Ray backend (`backend="ray"`) on a directory store, timed on
   `--peer-tasks` tasks: Ray's cost per task plus a store read and write in its worker;
   beside it DTM's threads on the same kind of store (its fsynced puts dominate a store add).
@@ -20,6 +23,7 @@ loopback-only namespace: unshare -n sh -c 'ip link set lo up && exec "$@"' sh py
 
     python benchmarks/tasks.py                 # about a minute
     python benchmarks/tasks.py --tasks 2000    # a quick run
+    python benchmarks/tasks.py --only-process  # process=True against ProcessPoolExecutor
 """
 
 from __future__ import annotations
@@ -173,6 +177,53 @@ def time_dtm_dir(n: int, shape: str, noop: bool, workers: int, backend: str = "l
     return dt / n
 
 
+def shm_dir() -> str | None:
+    """/dev/shm where it exists: a store whose syncs cost nothing, so process tasks time the
+    workers' own overhead."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def time_dtm_process(n: int, workers: int) -> tuple[float, float]:
+    """`n` independent no-op `process=True` tasks on a store in /dev/shm, per task: the first
+    run (its workers start: a fresh interpreter importing dtm each) and a second run over
+    the same store (the workers the first gave back)."""
+    import benchmarks.tasks as named  # the workers import `nothing` from this file by that name
+
+    times = []
+    with tempfile.TemporaryDirectory(dir=shm_dir()) as d, dtm.store.open(d) as st:
+        for _ in range(2):
+            g = dtm.tasks.Graph(st)
+            for i in range(n):
+                g.task(named.nothing, process=True, name=f"t{i}")
+            t = time.perf_counter()
+            g.run(workers=workers, progress=False).wait(timeout=600)
+            times.append((time.perf_counter() - t) / n)
+    return times[0], times[1]
+
+
+def time_process_pool(n: int, workers: int) -> tuple[float, float]:
+    """The same no-ops on a ProcessPoolExecutor, per task: with its start (forked workers)
+    and on its warm workers."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    times = []
+    with ProcessPoolExecutor(workers) as ex:
+        for _ in range(2):
+            t = time.perf_counter()
+            for f in [ex.submit(nothing) for _ in range(n)]:
+                f.result()
+            times.append((time.perf_counter() - t) / n)
+    return times[0], times[1]
+
+
+def compare_process_tasks(n: int, workers: int) -> None:
+    ours, theirs = time_dtm_process(n, workers), time_process_pool(n, workers)
+    print(f"process no-op ({n} independent tasks, store in {shm_dir() or 'a temporary directory'}):")
+    for what, a, b in (("first run", ours[0], theirs[0]), ("warm workers", ours[1], theirs[1])):
+        print(f"  {what:<13} DTM process=True {a * 1e3:7.3f} ms  ProcessPoolExecutor {b * 1e3:7.3f} ms  "
+              f"ratio {b / a:5.2f}")
+
+
 def peer(name: str, module: str, fn: Callable[..., float], *args) -> float | None:
     try:
         __import__(module)
@@ -187,8 +238,13 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=10_000)
     ap.add_argument("--peer-tasks", type=int, default=2_000, help="tasks for the peers in other processes")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--process-tasks", type=int, default=1_000, help="no-op process=True tasks")
+    ap.add_argument("--only-process", action="store_true", help="only process=True against ProcessPoolExecutor")
     args = ap.parse_args()
     n, w = args.tasks, args.workers
+    compare_process_tasks(args.process_tasks, w)
+    if args.only_process:
+        return
     print(f"{n} tasks ({args.peer_tasks} for peers in other processes), {w} workers; "
           "us/task (tasks/s); ratio = peer / DTM")
     for shape in ("chain", "fan-out"):

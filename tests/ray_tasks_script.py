@@ -65,6 +65,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     import ray
 
+    # a default store with a stale `hparams/w`, inherited by Ray's workers: tasks must not see it
+    os.environ["DTM_STORE"] = str(out / "default")
+    with dtm.store.open() as default:
+        default.put("hparams/w", -tf.FRESH)
     t0 = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     result: dict = {"init_s": time.monotonic() - t0}
@@ -73,6 +77,9 @@ def main() -> None:
             inputs(st)
             result[backend] = record(build(st).run(workers=2, backend=backend).wait(timeout=120))
             Graph.from_module(dtm.ir.parse(MODULE), st, backend="ref").run(backend=backend).wait(timeout=120)
+    with dtm.store.open(out / "scoped") as st:  # a program's own store_get / store_put reach the graph's store
+        st.put("hparams/w", tf.FRESH)
+        Graph.from_module(dtm.ir.parse(tf.STORE_MODULE), st, backend="ref").run(backend="ray").wait(timeout=120)
     result["graphs_s"] = time.monotonic() - t0
 
     with dtm.store.open(out / "faults") as st:

@@ -58,3 +58,25 @@ def plus_one(a):
 
 def mul(a, b):
     return a * b
+
+
+# A program with its own store_get / store_put (tests/test_tasks.py, ray_tasks_script.py):
+# its task must read `hparams/w` (FRESH) from its graph's store, whatever the default holds.
+STORE_MODULE = """\
+dtm 1.0
+func @load() -> (f32[2]) {
+  %w = store_get {key = "hparams/w"} : f32[2]
+  %y = add %w, %w : f32[2]
+  store_put %w {key = "seen/w"}
+  return %y
+}
+task @read = @load {inputs = [], outputs = ["out"]}
+"""
+FRESH = np.array([1.0, 2.0], np.float32)
+
+
+def doubled_from_current_store():
+    """Reads `hparams/w` from dtm.store.current(): the task's graph's store, wherever it runs."""
+    import dtm
+
+    return np.asarray(dtm.store.current().get_array("hparams/w")) * 2.0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import dtm
+import task_functions as tf
 from dtm.errors import ErrorCode
 from dtm.tasks import Cancelled, Graph, GraphError, TaskFailed, TaskTimeout
 
@@ -276,3 +277,73 @@ def test_ir_task_input_of_the_wrong_type_fails_before_anything_runs(st):
         Graph.from_module(dtm.ir.parse(MODULE), st).run()
     assert e.value.code is ErrorCode.DTYPE_MISMATCH and e.value.task == "first" and "f64" in str(e.value)
     assert st.keys() == ["w", "x"]
+
+
+# A graph's store is the one every task of it reads and writes (spec 9.3), whatever starts
+# it: programs' own store_get / store_put and dtm.store.current() inside a task included.
+# The process's default store holds a stale `hparams/w` that no task may see.
+
+STORE_MODULE, FRESH = tf.STORE_MODULE, tf.FRESH
+
+
+@pytest.fixture
+def stale_default(tmp_path, monkeypatch):
+    """The process's current store as a program that used it earlier left it: the default
+    directory (DTM_STORE, under tmp_path: the user's own is never touched), holding a stale
+    `hparams/w`. Worker processes inherit DTM_STORE, so theirs is the same one."""
+    monkeypatch.setenv("DTM_STORE", str(tmp_path / "default"))
+    monkeypatch.setattr(dtm.store, "_current", None)
+    default = dtm.store.current()
+    default.put("hparams/w", np.full(2, -1.0, np.float32))
+    yield default
+    default.close()
+
+
+@pytest.fixture
+def graph_store(tmp_path):
+    with dtm.store.open(tmp_path / "graph") as s:
+        s.put("hparams/w", FRESH)
+        yield s
+
+
+def _used_only(graph_store, default, written=("out", "seen/w")) -> None:
+    """The tasks read the graph's `hparams/w` and wrote their keys there, none in `default`."""
+    np.testing.assert_array_equal(graph_store.get_array("out"), 2 * FRESH)
+    assert set(written) <= set(graph_store.keys())
+    assert default.keys() == ["hparams/w"]
+
+
+def test_cli_tasks_run_uses_its_store_not_the_default(tmp_path, stale_default, graph_store):
+    from click.testing import CliRunner
+
+    from dtm.cli import main
+
+    (tmp_path / "m.dtm").write_text(STORE_MODULE)
+    out = CliRunner().invoke(main, ["tasks", "run", str(tmp_path / "m.dtm"), "--store", str(tmp_path / "graph"),
+                                    "--kernels", "ref"])
+    assert out.exit_code == 0, out.output
+    _used_only(graph_store, stale_default)
+    np.testing.assert_array_equal(graph_store.get_array("seen/w"), FRESH)
+
+
+@pytest.mark.parametrize("kernels", ["ref", "cpu"])
+def test_from_module_uses_the_graph_store_without_use(stale_default, graph_store, kernels):
+    Graph.from_module(dtm.ir.parse(STORE_MODULE), graph_store, kernels).run(workers=2).wait(timeout=120)
+    _used_only(graph_store, stale_default)
+    assert dtm.store.current() is stale_default  # the run did not change the process's store
+
+
+def test_graph_built_in_python_uses_its_store(stale_default, graph_store):
+    g = Graph(graph_store)
+    g.task(dtm.tasks.IRFunction(dtm.ir.parse(STORE_MODULE), "load"), [], ["out"])
+    g.task(lambda: np.asarray(dtm.store.current().get_array("hparams/w")) * 3.0, [], ["thrice"], jit=False)
+    g.run(workers=2).wait(timeout=120)
+    _used_only(graph_store, stale_default, ("out", "seen/w", "thrice"))
+    np.testing.assert_array_equal(graph_store.get_array("thrice"), 3 * FRESH)
+
+
+def test_process_task_uses_the_graph_store(stale_default, graph_store):
+    g = Graph(graph_store)
+    g.task(tf.doubled_from_current_store, [], ["out"], process=True)
+    g.run(workers=1).wait(timeout=120)
+    _used_only(graph_store, stale_default, ("out",))

@@ -151,3 +151,19 @@ def test_ctrl_c_while_waiting_cancels_the_run_and_leaves_no_half_written_key(tmp
     assert "never started" in d["states"] or "cancelled" in d["states"], d
     # exactly the finished tasks' outputs are in the store: none half-written, none from a cancelled task
     assert d["keys"] == sorted(["k0"] + [f"k{i + 1}" for i, ok in enumerate(done) if ok]), d
+
+
+def test_a_later_run_over_the_same_store_reuses_its_workers(st, tmp_path):
+    """Workers outlive a run (a fresh one imports dtm), but only for the same Store object."""
+    st.put("raw", np.ones(3, np.float32))
+
+    def worker_of(store) -> str:
+        g = Graph(store)
+        g.task(tf.scale, ["raw"], ["scaled"], process=True)
+        return g.run(workers=1).wait(timeout=120).tasks[0].worker
+
+    first = worker_of(st)
+    assert worker_of(st) == first
+    with dtm.store.open(tmp_path / "other") as other:
+        other.put("raw", np.ones(3, np.float32))
+        assert worker_of(other) != first

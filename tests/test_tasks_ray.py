@@ -85,6 +85,14 @@ def test_ray_backend_matches_local_backend_bit_for_bit_and_numpy(ray_run):
         assert ray_st.verify().ok
 
 
+def test_ray_tasks_use_the_graph_store_not_the_default(ray_run):
+    out, _ = ray_run
+    with dtm.store.open(out / "scoped") as st, dtm.store.open(out / "default") as default:
+        np.testing.assert_array_equal(st.get_array("out"), 2 * tf.FRESH)
+        np.testing.assert_array_equal(st.get_array("seen/w"), tf.FRESH)
+        assert default.keys() == ["hparams/w"]
+
+
 def test_ray_report_has_the_local_shape(ray_run):
     _, result = ray_run
     ray_tasks, local_tasks = result["ray"]["tasks"], result["local"]["tasks"]

@@ -27,6 +27,7 @@ from ..errors import ErrorCode
 from ..ir.module import Module
 from ..ir.types import TensorType
 from ..runtime import execute
+from ..store import scoped
 from . import names
 from .errors import GraphError
 
@@ -145,8 +146,10 @@ def static_shape(t: TensorType) -> tuple[int, ...] | None:
 
 def run_task(store: Any, fn: PyFunction | IRFunction, inputs: tuple[str, ...], outputs: tuple[str, ...],
              stopping: Callable[[], bool]) -> Outcome:
-    """Run one task against `store`. `stopping()` is asked at every boundary (before the
-    reads, before the call, before the writes): once true the task raises `Interrupted`.
+    """Run one task against `store`: its reads and writes, and its function's own
+    `store_get` / `store_put` (and `dtm.store.current()`) while it runs. `stopping()` is
+    asked at every boundary (before the reads, before the call, before the writes): once
+    true the task raises `Interrupted`.
     The outputs are written only after the function returned every one of them, so a task
     that fails or is interrupted leaves none (each put is atomic per key, spec 9.2.2)."""
     start, outcome = time.perf_counter(), Outcome()
@@ -159,7 +162,8 @@ def run_task(store: Any, fn: PyFunction | IRFunction, inputs: tuple[str, ...], o
     outcome.read = sum(a.nbytes for a in arrays)
     if stopping():
         raise Interrupted
-    results = fn(arrays)
+    with scoped(store):  # the function's own store_get / store_put: this graph's store, not the process's
+        results = fn(arrays)
     if len(results) != len(outputs):
         raise GraphError(ErrorCode.RESULT_COUNT, f"{fn.name} returned {len(results)} value(s) for "
                          f"{len(outputs)} output key(s) {list(outputs)}")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DTMError, ErrorCode
 from .errors import GraphError, TaskError, TaskFailed, TaskTimeout, WorkerLost
 from .functions import Interrupted, Outcome, run_task
-from .procs import WorkerDied, WorkerProcess
+from .procs import WorkerDied, WorkerProcess, borrow, give_back
 from .progress import Bar, wanted
 from .run import RunBase
 from .report import CANCELLED, DONE, FAILED, QUEUED, RUNNING
@@ -146,7 +146,7 @@ class LocalRun(RunBase):
             if proc is None:
                 generation += 1
                 try:
-                    proc = WorkerProcess(self.store.url, f"process {lane}.{generation}")
+                    proc = borrow(self.store, f"process {lane}.{generation}")
                 except DTMError as e:
                     with self.lock:
                         if self._claim(i, f"process {lane}.{generation}"):
@@ -159,7 +159,7 @@ class LocalRun(RunBase):
             if not self._on_process(i, proc):
                 proc = None  # killed or died: the next task gets a fresh worker
         if proc is not None:
-            proc.close()
+            give_back(self.store, proc)
 
     def _on_process(self, i: int, proc: WorkerProcess) -> bool:
         """Run task i on `proc` to its end; False when the worker is gone afterwards."""

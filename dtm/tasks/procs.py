@@ -1,15 +1,23 @@
 """The parent's end of one task worker process (worker.py): start it, send it a task, read
-its answer within a deadline, interrupt or kill it. Every wait is bounded."""
+its answer within a deadline, interrupt or kill it. Every wait is bounded.
+
+A fresh worker costs a new interpreter importing dtm (about 0.7 s), far more than the tasks
+of a short run, so a run hands its healthy workers back (`give_back`) and the next run over
+the same Store object borrows them (`borrow`): they already hold that store open. They end
+with the Store object (its pipes close: EOF ends a worker's loop) or at exit."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from typing import Any
 
 from ..errors import DTMError, ErrorCode
@@ -78,3 +86,35 @@ class WorkerProcess:
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
         self.proc.stdout.close()
+
+
+_idle: "weakref.WeakKeyDictionary[Any, list[WorkerProcess]]" = weakref.WeakKeyDictionary()  # by Store object
+_idle_lock = threading.Lock()
+
+
+def borrow(store: Any, name: str) -> WorkerProcess:
+    """A worker on `store`: one an earlier run gave back and still alive, else a fresh one
+    named `name`."""
+    with _idle_lock:
+        idle = _idle.get(store, [])
+        while idle:
+            w = idle.pop()
+            if w.proc.poll() is None:
+                return w
+            w.kill()  # died while idle: reap it
+    return WorkerProcess(store.url, name)
+
+
+def give_back(store: Any, w: WorkerProcess) -> None:
+    """`w` finished a run in good health: keep it for the next run over `store`."""
+    with _idle_lock:
+        _idle.setdefault(store, []).append(w)
+
+
+@atexit.register
+def _close_idle() -> None:
+    with _idle_lock:
+        workers = [w for idle in _idle.values() for w in idle]
+        _idle.clear()
+    for w in workers:
+        w.close()
