@@ -4,9 +4,11 @@ batches that repeat across fresh loaders and processes."""
 import hashlib
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -48,6 +50,14 @@ def not_an_array(data: bytes) -> str:
     return "tokens"
 
 
+def logged_slow_ints(data: bytes) -> np.ndarray:
+    """`ints`, slowly, after a line in the file $INGEST_LOG: a file is about to be stored."""
+    with open(os.environ["INGEST_LOG"], "a") as f:
+        f.write("x\n")
+    time.sleep(0.2)
+    return ints(data)
+
+
 @pytest.fixture
 def corpus(tmp_path):
     files = []
@@ -74,8 +84,61 @@ def test_parallel_ingest_matches_inline_and_stores_a_manifest(corpus, store_dir)
         assert np.array_equal(st.get_array(a.key), want) and np.array_equal(st.get_array(b.key), want)
     assert load_manifest(st, "par") == m
     # a shorter ingest into the same prefix leaves no stale shards behind
-    ingest(corpus[:2], ints, "par", workers=0, store=st)
-    assert st.keys("par/shard/") == ["par/shard/000000", "par/shard/000001"]
+    short = ingest(corpus[:2], ints, "par", workers=0, store=st)
+    assert st.keys("par/shard/") == [s.key for s in short.shards]
+
+
+def _lines(path) -> int:
+    try:
+        with open(path) as f:
+            return len(f.readlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_reingest_midway(files, store_dir, log, workers: int) -> None:
+    """Re-ingest `files` into "ds" in another process (and its workers); SIGKILL them all
+    at a random moment once at least one file is stored (2 workers each log a file before
+    storing it, so 3 lines mean one stored) and before the last is."""
+    code = (f"import importlib, dtm\nfn = importlib.import_module({__name__!r}).logged_slow_ints\n"
+            f"dtm.data.ingest({files!r}, fn, 'ds', workers={workers}, store={store_dir!r})\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), INGEST_LOG=str(log))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    try:
+        at, deadline = random.randint(3, len(files) - 2), time.monotonic() + 60
+        while _lines(log) < at and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, "the re-ingest ended before it could be killed"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reingest_killed_midway_leaves_the_old_dataset_whole(tmp_path, store_dir, workers):
+    old_files, new_files = [], []
+    for i in range(8):
+        for name, files, salt in (("old", old_files, 1), ("new", new_files, 5)):
+            p = tmp_path / f"{name}{i}.txt"
+            p.write_bytes(bytes((i * salt + k) % 251 for k in range(200 + 20 * i)))
+            files.append(str(p))
+    st = dtm.store.open(store_dir)
+    old = ingest(old_files, ints, "ds", workers=0, store=st)
+    before = _digest(_take(Loader(st, "ds", 2, 16, seed=1, numpy=True), 10))
+    _kill_reingest_midway(new_files, store_dir, tmp_path / "log", workers)
+
+    st = dtm.store.open(store_dir)
+    assert load_manifest(st, "ds") == old
+    for s, f in zip(old.shards, old_files):
+        assert np.array_equal(st.get_array(s.key), ints(open(f, "rb").read()))
+    opened_on_old = Loader(st, "ds", 2, 16, seed=1, numpy=True)
+    assert _digest(_take(Loader(st, "ds", 2, 16, seed=1, numpy=True), 10)) == before
+
+    new = ingest(new_files, ints, "ds", workers=2, store=st)
+    for s, f in zip(new.shards, new_files):
+        assert np.array_equal(st.get_array(s.key), ints(open(f, "rb").read()))
+    assert set(st.keys("ds/shard/")) == {s.key for s in new.shards}  # the old run's and the killed run's: gone
+    assert _digest(_take(opened_on_old, 10)) == before  # a loader opened before the switch keeps its data
 
 
 def test_a_lambda_or_nested_function_is_refused_before_any_work(corpus, store_dir):
@@ -203,7 +266,7 @@ def test_loader_faults(tokens_store):
     with pytest.raises(DataError) as e:
         Loader(tokens_store, "tok", 10_000, 64)
     assert e.value.code is E.DATA_TOO_SMALL
-    tokens_store.put_array("tok/shard/000001", np.zeros(5, np.uint8))
+    tokens_store.put_array(load_manifest(tokens_store, "tok").shards[1].key, np.zeros(5, np.uint8))
     with pytest.raises(DataError) as e:
         Loader(tokens_store, "tok", 2, 8)
     assert e.value.code is E.DATA_MANIFEST_INVALID and "replaced" in e.value.message
@@ -211,3 +274,14 @@ def test_loader_faults(tokens_store):
     with pytest.raises(DataError) as e:
         Loader(tokens_store, "bad", 2, 8)
     assert e.value.code is E.DATA_MANIFEST_INVALID
+
+
+def test_dtm_ingest_piped_keeps_every_column_and_ends_the_table_with_a_newline(corpus, store_dir):
+    out = subprocess.run([sys.executable, "-m", "dtm.cli", "ingest", *corpus, "--prefix", "p", "--store", store_dir,
+                          "--fn", f"{__name__}:ints", "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stdout
+    header = next(line for line in out.stdout.splitlines() if "worker" in line)
+    for col in ("worker", "CPU %", "RSS", "files", "files/s", "sent", "recv", "MB/s", "state", "heard", "last op"):
+        assert f" {col} " in header, header  # no column cut to "wor…" at rich's 80 columns for a pipe
+    assert any(line.startswith("5 shard(s)") for line in out.stdout.splitlines()), out.stdout

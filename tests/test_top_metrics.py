@@ -15,7 +15,7 @@ from rich.console import Console
 
 from dtm.cli import main
 from dtm.cluster import jobfile, top
-from dtm.cluster.activity import activity
+from dtm.cluster.activity import Row, activity
 from dtm.cluster.coordinator import Coordinator
 from dtm.cluster.membership import join
 from dtm.runtime.process_group import ProcessGroup
@@ -49,12 +49,13 @@ def mesh(runtime_dir):
     m, listener = join(coord.address, TOKEN, timeout=10)
     pg = ProcessGroup(0, 1, membership=m)
     a = activity()
-    saved = (a.items, a.bytes_read, a.bytes_written, a.state, a.helper_cpu_percent, a.helper_rss_bytes)
+    saved = (a.items, a.bytes_read, a.bytes_written, a.state, a.workers)
     a.items, a.bytes_read, a.bytes_written, a.state = 42, 1000, 2000, "ingest: 42/50 files"
-    a.helper_cpu_percent, a.helper_rss_bytes = 150.0, 3 << 30
+    a.report_worker(Row("w0 1", 100.0, 2 << 30))
+    a.report_worker(Row("w1 2", 50.0, 1 << 30))
     m.start(pg.figures)
     yield coord
-    a.items, a.bytes_read, a.bytes_written, a.state, a.helper_cpu_percent, a.helper_rss_bytes = saved
+    a.items, a.bytes_read, a.bytes_written, a.state, a.workers = saved
     m.leave("done")
     listener.close()
     coord.stop()

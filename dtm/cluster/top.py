@@ -19,7 +19,8 @@ import math
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,24 +30,10 @@ from rich.table import Table
 
 from ..errors import DTMError, ErrorCode as E
 from . import jobfile
+from .activity import Row
 
 SCRAPE_TIMEOUT_S = 2.0
 MAX_SCRAPE_BYTES = 16 << 20  # a mesh of thousands of ranks is a few MB of exposition
-
-
-@dataclass
-class Row:
-    """One rank's (or worker's) figures at one moment."""
-
-    name: str
-    cpu_percent: float = 0.0
-    rss_bytes: int = 0
-    ops: int = 0
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    state: str = ""
-    last_op: str = ""
-    age_s: float = math.inf
 
 
 @dataclass
@@ -133,12 +120,31 @@ def table(snap: Snapshot, prev: Snapshot | None = None, *, ops_name: str = "ops"
     return t
 
 
+PIPE_WIDTH = 250  # wider than every column of `table` at full width (last op is cut at 40)
+
+
+def table_console(*, stderr: bool = False) -> Console:
+    """A Console for `table`: a terminal's own width; piped, wide enough that no column is
+    squeezed (rich would assume 80 columns and cut every header)."""
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, width=PIPE_WIDTH)
+
+
+@contextmanager
+def live_view(con: Console) -> Iterator[Live]:
+    """A Live display on `con`. Piped, its last frame gets a newline of its own: rich leaves
+    the output after the table's bottom border, where the next line would be glued."""
+    with Live(console=con, auto_refresh=False, transient=False) as live:
+        yield live
+    if not con.is_terminal:
+        con.line()
+
+
 def run(address: str, *, interval: float = 1.0, iterations: int | None = None, console: Console | None = None) -> str:
     """Show the live view until the job ends, Ctrl-C, or `iterations` frames; why it ended."""
-    console = console or Console()
     prev: Snapshot | None = None
     frames = 0
-    with Live(console=console, auto_refresh=False, transient=False) as live:
+    with live_view(console or table_console()) as live:
         try:
             while iterations is None or frames < iterations:
                 try:

@@ -2,10 +2,14 @@
 
     m = dtm.data.ingest(paths, dtm.data.tokenize.word_tokens, "corpus", workers=2, store=st)
 
-Each input file becomes one shard, `PREFIX/shard/NNNNNN` in input order, holding what `fn`
-returned for the file's bytes; then the manifest (manifest.py) is written, and shards an
-earlier ingest left under the prefix past this one's are removed. The manifest is the
-commit point: a reader sees the earlier manifest or this one.
+Each input file becomes one shard, `PREFIX/shard/RUN/NNNNNN` in input order, holding what
+`fn` returned for the file's bytes, RUN being this ingest's fresh id; then the manifest
+(manifest.py) is written. The manifest is the commit point: a reader sees the earlier
+manifest or this one, and since no shard of the earlier dataset is overwritten, a re-ingest
+killed at any moment leaves the earlier dataset whole. After the switch every shard under
+the prefix that the new manifest does not name is removed: the earlier dataset's, and those
+of runs killed before their manifest (so one ingest at a time per prefix: a second, running
+beside it, would lose its shards to the first one's sweep).
 
 How the work is seen: the parent samples every worker's CPU and resident memory from /proc
 and counts its files and bytes from its replies (workers send no heartbeats; they are not
@@ -32,11 +36,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..cluster.activity import activity
-from ..cluster.top import Row
+from ..cluster.activity import Row
 from ..errors import ErrorCode as E
 from .errors import DataError, IngestError
 from .fnref import name_of
-from .manifest import Manifest, Shard, save, shard_key
+from .manifest import Manifest, Shard, new_run, save, shard_key, shards_prefix
 from .pool import Worker
 from .worker import ingest_one
 
@@ -97,7 +101,8 @@ def ingest(paths: Sequence[str | os.PathLike], fn: Callable[[bytes], object], ou
     if workers and str(st.url).startswith("memory://"):
         raise DataError(E.ATTRIBUTE_VALUE, f"{st.url} lives in this process; worker processes cannot write to it: "
                                            "use a store directory or URL, or workers=0")
-    shards = [shard_key(prefix, i) for i in range(len(files))]
+    run = new_run()
+    shards = [shard_key(prefix, run, i) for i in range(len(files))]
     a = activity()
     try:
         if workers:
@@ -112,13 +117,23 @@ def ingest(paths: Sequence[str | os.PathLike], fn: Callable[[bytes], object], ou
                     progress(Progress(i + 1, len(files), sum(r["read"] for r in replies),
                                       sum(r["written"] for r in replies), time.monotonic() - start))
     finally:
-        a.state, a.helper_cpu_percent, a.helper_rss_bytes = "", 0.0, 0
+        a.state = ""
     m = Manifest(prefix, fn_name, [Shard(key, path, r["dtype"], tuple(r["shape"]), r["checksum"], r["read"])
                                    for key, path, r in zip(shards, files, replies)])
     save(st, m)
-    for stale in set(st.keys(f"{prefix}/shard/")) - set(shards):  # an earlier, longer ingest's
-        st.delete(stale)
+    _sweep(st, prefix, set(shards))
     return m
+
+
+def _sweep(st, prefix: str, keep: set[str]) -> None:
+    """Remove the shards under `prefix` that the manifest just written does not name."""
+    from ..store import KeyMissing
+
+    for stale in set(st.keys(shards_prefix(prefix))) - keep:
+        try:
+            st.delete(stale)
+        except KeyMissing:  # another sweep of this prefix got there first
+            pass
 
 
 class _Run:
@@ -159,6 +174,8 @@ class _Run:
                     self._tick(now)
                     next_tick = now + TICK_S
             self._tick(time.monotonic())
+            for w in self.workers:  # all at once: their interpreters' teardowns overlap
+                w.close_tasks()
             for w in self.workers:
                 w.finish()
             return self.results  # type: ignore[return-value] - every entry is set once done == len
@@ -168,6 +185,8 @@ class _Run:
             raise
         finally:
             self.sel.close()
+            for w in self.workers:
+                activity().drop_worker(w.row_name)
 
     def _dispatch(self) -> None:
         for w in self.workers:
@@ -204,6 +223,7 @@ class _Run:
     def _died(self, w: Worker) -> None:
         """`w` closed its replies pipe: it ended. Retry its file on a fresh worker, or fail."""
         self.sel.unregister(w.fd)
+        activity().drop_worker(w.row_name)
         how = w.status()
         w.finish()
         if not w.inflight:
@@ -233,8 +253,8 @@ class _Run:
     def _tick(self, now: float) -> None:
         rows = [w.sample() for w in self.workers]
         a = activity()
-        a.helper_cpu_percent = sum(r.cpu_percent for r in rows)
-        a.helper_rss_bytes = sum(r.rss_bytes for r in rows)
+        for r in rows:
+            a.report_worker(r)
         a.state = f"ingest: {self.done}/{len(self.files)} files"
         if self.progress is not None:
             self.progress(Progress(self.done, len(self.files), self.read, self.written, now - self.start, rows))

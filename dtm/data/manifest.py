@@ -3,16 +3,21 @@ its faults E1305/E1306).
 
 It is stored beside the shards, under `PREFIX/manifest`, as the UTF-8 bytes of a JSON
 object in a uint8 tensor: the store keeps tensors only, and JSON is read without running
-anything (no pickle). Shards are `PREFIX/shard/NNNNNN`, one per input file.
+anything (no pickle). Shards are `PREFIX/shard/RUN/NNNNNN`, one per input file, RUN naming
+the ingest that wrote them: a re-ingest writes fresh keys and never overwrites a shard the
+current manifest names, so until its own manifest replaces that one the old dataset stays
+whole (ingest.py).
 
     {"format": "dtm.data/1", "prefix": "corpus", "fn": "dtm.data.tokenize:word_tokens",
-     "shards": [{"key": "corpus/shard/000000", "source": "/data/a.txt", "dtype": "uint16",
+     "shards": [{"key": "corpus/shard/20250101T120000-9a1f03/000000", "source": "/data/a.txt", "dtype": "uint16",
                  "shape": [1234], "checksum": "9a1f03c2", "read_bytes": 5678}, ...]}
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -28,8 +33,19 @@ def manifest_key(prefix: str) -> str:
     return f"{prefix}/manifest"
 
 
-def shard_key(prefix: str, i: int) -> str:
-    return f"{prefix}/shard/{i:06d}"
+def shards_prefix(prefix: str) -> str:
+    """Where every run's shards of the dataset `prefix` live."""
+    return f"{prefix}/shard/"
+
+
+def new_run() -> str:
+    """A fresh run id: a key segment no earlier ingest used (time for the reader, random
+    bytes so that two runs in one second differ)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.urandom(3).hex()}"
+
+
+def shard_key(prefix: str, run: str, i: int) -> str:
+    return f"{shards_prefix(prefix)}{run}/{i:06d}"
 
 
 @dataclass(frozen=True)

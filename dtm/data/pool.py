@@ -17,7 +17,7 @@ import sys
 import time
 from collections import deque
 
-from ..cluster.top import Row
+from ..cluster.activity import Row
 from .procstat import ProcStat
 
 MAX_REPLY_LINE = 64 << 10  # replies are a few hundred bytes; error texts are cut at 4000 chars
@@ -86,9 +86,15 @@ class Worker:
         self._buf = bytearray(rest)
         return [json.loads(line) for line in lines]
 
+    @property
+    def row_name(self) -> str:
+        """Its name in `dtm top`'s table and this process's activity."""
+        return f"w{self.slot} {self.pid}"
+
     def sample(self) -> Row:
+        """Its figures now, CPU since the last sample (the parent's tick)."""
         self.cpu_percent, self.rss_bytes = self._stat.sample()
-        return Row(f"w{self.slot} {self.pid}", self.cpu_percent, self.rss_bytes, self.items, self.written_bytes,
+        return Row(self.row_name, self.cpu_percent, self.rss_bytes, self.items, self.written_bytes,
                    self.read_bytes, self.state, age_s=0.0)
 
     def status(self) -> str:
@@ -99,12 +105,16 @@ class Worker:
             return "still running"
         return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
-    def finish(self) -> None:
-        """Close its task pipe (it exits at the end of it); SIGKILL if it has not after a grace."""
+    def close_tasks(self) -> None:
+        """Close its task pipe: it exits once it has answered the files it holds."""
         try:
             os.close(self._task_w)
         except OSError:
             pass
+
+    def finish(self) -> None:
+        """Close its task pipe; wait for it to exit, SIGKILL if it has not after a grace."""
+        self.close_tasks()
         try:
             self.proc.wait(END_GRACE_S)
         except subprocess.TimeoutExpired:

@@ -2,7 +2,7 @@
 --tasks FD --replies FD`.
 
 It imports the function by name, opens the store, then reads one JSON line per file from the
-tasks pipe, `{"i": 3, "path": "...", "key": "corpus/shard/000003"}`, and answers on the
+tasks pipe, `{"i": 3, "path": "...", "key": "corpus/shard/RUN/000003"}`, and answers on the
 replies pipe with one JSON line:
 
     {"i": 3, "ok": true, "dtype": "u16", "shape": [n], "checksum": "...", "read": B, "written": B}
