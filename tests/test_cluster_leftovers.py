@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from dtm.cluster.leftovers import OWNER, claim, remove_orphans, scratch_base
+from dtm.cluster.leftovers import OWNER, RUN_ENV, claim, remove_noted, remove_orphans, scratch_base
 
 
 def _ended_pid() -> int:
@@ -55,3 +55,26 @@ def test_a_claim_names_this_process_and_the_base_follows_the_environment(tmp_pat
     assert [p.name for p in (tmp_path / "part").iterdir()] == [OWNER]  # no temporary name left
     monkeypatch.setenv("DTM_MESH_STORE", str(tmp_path))
     assert scratch_base() == str(tmp_path)
+
+
+def test_a_launcher_removes_what_its_ranks_claimed_wherever_it_lies_but_never_a_live_one(tmp_path, monkeypatch):
+    """Issue 29: a part in a base the launcher does not know stayed. Each directory a rank
+    of the run claims is noted in the run's directory; the launcher removes those whose
+    owner does not run (the owner record gone too: a peer's last read put files back after
+    its rank removed it), and nothing that the run did not note."""
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv(RUN_ENV, str(run))
+    dead, live, emptied = tmp_path / "a" / "dtmA_store" / "rank-0", tmp_path / "b" / "dtmB_store" / "rank-1", \
+        tmp_path / "a" / "dtmA_store" / "rank-2"
+    _claimed_by(dead, _ended_pid())
+    _claimed_by(live, os.getpid())
+    _claimed_by(emptied, _ended_pid())
+    (emptied / OWNER).unlink()
+    monkeypatch.delenv(RUN_ENV)
+    outside = tmp_path / "a" / "dtmC_store" / "rank-0"
+    _claimed_by(outside, _ended_pid())  # claimed by a rank of no launcher's run: noted nowhere
+    assert sorted(remove_noted(str(run))) == sorted([str(dead), str(emptied)])
+    assert not (tmp_path / "a" / "dtmA_store").exists() and live.exists()
+    assert outside.exists() and len(list(run.iterdir())) == 3  # the run's three claims, noted
+    assert remove_noted(str(tmp_path / "no-run")) == []

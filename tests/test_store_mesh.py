@@ -19,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 HERE = pathlib.Path(__file__).resolve()
 ROOT = HERE.parent.parent
@@ -153,6 +154,34 @@ def killed_parts_main() -> None:
     if pg.rank == 1:
         os.killpg(os.getpgid(0), signal.SIGKILL)
     time.sleep(TIMEOUT_S)
+
+
+def failover_main() -> None:
+    """Three ranks under `dtm launch`, their parts in the root argv[2] (set here, so the
+    launcher's environment does not name it); argv[3] "elastic" calls dtm.init(elastic=True).
+    Each rank puts 8 keys, then rank 1 is SIGKILLed; a survivor that goes on gets every key
+    (rank 1's from their replicas) and leaves as a program does (Leave to the live ranks)."""
+    os.environ["DTM_MESH_STORE"] = sys.argv[2]
+    import dtm
+
+    pg = dtm.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S, elastic=sys.argv[3] == "elastic")
+    st = dtm.store.mesh()  # replicas=2
+    for i in range(8):
+        st.put(f"r{pg.rank}/{i}", value(10 * pg.rank + i))
+    pg.barrier()
+    base = pathlib.Path(sys.argv[2])
+    print(json.dumps({"ready": pg.rank, "parts": sorted(p.name for p in base.glob("dtm*_store/rank-*"))}),
+          flush=True)
+    if pg.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + PG_TIMEOUT_S
+    while 1 not in pg.membership.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    equal = [bool(np.array_equal(st.get_array(f"r{r}/{i}"), value(10 * r + i))) for r in range(3) for i in range(8)]
+    knows_lost = 1 in pg.membership.lost
+    start = time.monotonic()
+    dtm.shutdown()
+    report(rank=pg.rank, knows_lost=knows_lost, equal=equal, shutdown_s=time.monotonic() - start)
 
 
 def sweep_main() -> None:
@@ -300,6 +329,38 @@ def test_dtm_launch_removes_the_parts_of_ranks_that_were_killed(tmp_path):
     assert not list((tmp_path / "parts").iterdir()), list((tmp_path / "parts").rglob("*"))
 
 
+@pytest.mark.parametrize("policy,declared", [(["--on-failure", "continue"], "not-elastic"), ([], "elastic"),
+                                             (["--on-failure", "stop"], "elastic"), ([], "not-elastic")])
+def test_dtm_launch_lets_the_survivors_finish_or_ends_them_and_removes_the_store(tmp_path, policy, declared):
+    """Issue 29: when rank 1 died, `dtm launch` ended ranks 0 and 2 before they could read its
+    keys from their replicas. With --on-failure continue, or by default when the job called
+    dtm.init(elastic=True), they go on, get every key and finish; with stop (the default of
+    a job that did not) they are ended. Either way nothing of the run is left in the root
+    its ranks chose for the mesh's store, which the launcher's own environment does not name
+    (the launcher removed only the parts in its own DTM_MESH_STORE before)."""
+    root = tmp_path / "job-store"
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "3", "--grace", "2", "--join-timeout",
+           str(PG_TIMEOUT_S), *policy, str(HERE), "failover", str(root), declared]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 128 + signal.SIGKILL, out  # rank 1's status
+    assert '"parts": ["rank-0", "rank-1", "rank-2"]' in proc.stdout, out  # they were there
+    report = next(line for line in proc.stderr.splitlines() if line.startswith("dtm launch: rank 1 failed"))
+    res = _results(proc.stdout)
+    if declared == "not-elastic" and not policy or "stop" in policy:
+        assert report.startswith("dtm launch: rank 1 failed first (killed by SIGKILL"), report
+        assert report.endswith("ended the other ranks [0, 2]"), report
+    else:
+        assert report.startswith("dtm launch: rank 1 failed (killed by SIGKILL; the coordinator lost rank 1"), report
+        assert report.endswith("the other ranks [0, 2] went on and finished (on failure: continue)"), report
+        assert sorted(res) == [0, 2], out
+        for d in res.values():
+            assert d["knows_lost"] and d["equal"] == [True] * 24, d  # rank 1's keys from their replicas
+            assert d["shutdown_s"] < PG_TIMEOUT_S / 2, d  # it waited op_timeout for rank 1's Leave before
+    assert not list(root.iterdir()), list(root.rglob("*"))
+    assert not (tmp_path / "parts").exists()  # the launcher's DTM_MESH_STORE: never used
+
+
 KILLED_OWNER = """
 import os, signal, sys
 from dtm.cluster.leftovers import claim
@@ -343,4 +404,4 @@ def test_the_next_init_on_a_host_removes_the_parts_that_killed_ranks_left(tmp_pa
 
 if __name__ == "__main__":
     {"killed": killed_rank_main, "program": program_rank_main, "stopped": stopped_rank_main,
-     "killed-parts": killed_parts_main, "sweep": sweep_main}[sys.argv[1]]()
+     "killed-parts": killed_parts_main, "sweep": sweep_main, "failover": failover_main}[sys.argv[1]]()

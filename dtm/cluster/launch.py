@@ -7,16 +7,24 @@ DTM_TOKEN (random per launch unless given) and DTM_COORDINATOR_EXTERNAL=1 in its
 environment, runs in its own session (so ending it ends its children too), and has its
 stdout and stderr forwarded line by line with a `[rank k] ` prefix.
 
-When a rank exits non-zero, the launcher ends the others (SIGTERM to their process groups,
-SIGKILL to what is left after `grace` seconds), says which rank failed first, and exits with
-that rank's status (128 + signal when it was killed). The rank it names is the first the
-coordinator declared lost, when the launcher runs the coordinator: a rank that hangs exits
-no sooner than its peers, which fail because of it. A lost rank that never ends (stopped)
-counts as failed once every other rank has ended. SIGINT or SIGTERM to the launcher ends
-every rank the same way. Once every rank ended, the launcher removes the shared-memory
-segment names their mesh left (a rank killed together with the resource tracker that would
-have removed them), and the store parts of this host whose owner was killed
-(`leftovers.remove_orphans`).
+When a rank fails, the launcher follows its failure policy (`on_failure`). "stop", the
+default: it ends the others (SIGTERM to their process groups, SIGKILL to what is left after
+`grace` seconds), says which rank failed first, and exits with that rank's status (128 +
+signal when it was killed). "continue", the default of a job that declared itself elastic
+(`dtm.init(elastic=True)` on any of its ranks before the failure): the others keep running
+(the coordinator has declared the failed rank lost, so their collectives with it fail at
+once and the mesh's store reads its keys from their replicas), the launcher waits for every
+rank, names each that failed and the ones that finished, and exits with the status of the
+first that failed. The rank it names first is the first the coordinator declared lost, when
+the launcher runs the coordinator: a rank that hangs exits no sooner than its peers, which
+fail because of it. A lost rank that never ends (stopped) counts as failed once every other
+rank has ended. SIGINT or SIGTERM to the launcher ends every rank the same way.
+
+Once every rank ended, the launcher removes the shared-memory segment names their mesh left
+(a rank killed together with the resource tracker that would have removed them), and the
+store parts whose owner no longer runs: those of this host in its own $DTM_MESH_STORE or
+/dev/shm (`leftovers.remove_orphans`), and every part a rank of this run claimed, whatever
+its base (the ranks note them in the run's directory, $DTM_LAUNCH_RUN).
 """
 
 from __future__ import annotations
@@ -24,25 +32,36 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from ..comm.shm import remove_segments
 from ..errors import DTMError, ErrorCode as E
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
 from .env import Axes, heartbeat_env, metrics_env, parse_address
-from .leftovers import remove_orphans, scratch_base
+from .leftovers import RUN_ENV, note, remove_noted, remove_orphans, scratch_base
 from .metrics import DEFAULT_HOST
 
 log = logging.getLogger("dtm.cluster")
 
 GRACE_S = 5.0
 POLL_S = 0.05
+STOP, CONTINUE = "stop", "continue"  # what the launcher does with the other ranks when one fails
+ELASTIC = "elastic"  # in a run's directory: a rank declared its job elastic
+
+
+def declare_elastic() -> None:
+    """Declare this rank's job elastic: it goes on when a rank fails, so its `dtm launch`
+    keeps the other ranks running (unless told `--on-failure stop`). Nothing for a rank that
+    `dtm launch` did not start."""
+    note(ELASTIC, "")
 
 
 def rank_command(argv: Sequence[str]) -> list[str]:
@@ -77,13 +96,17 @@ class _Forward(threading.Thread):
 
 def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, axes: Axes = (),
            grace: float = GRACE_S, join_timeout: float = JOIN_TIMEOUT_S, stdout: IO[str] | None = None,
-           stderr: IO[str] | None = None, metrics: tuple[str, int] | None = None) -> int:
+           stderr: IO[str] | None = None, metrics: tuple[str, int] | None = None,
+           on_failure: str | None = None) -> int:
     """Run `argv` as `nprocs` ranks (see the module doc); returns the exit status. The
     coordinator's heartbeat settings come from DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS;
     its Prometheus metrics are served at `metrics` (host, port), else as DTM_METRICS_PORT and
-    DTM_METRICS_HOST say, else at a free port of 127.0.0.1 (`dtm top` finds it)."""
+    DTM_METRICS_HOST say, else at a free port of 127.0.0.1 (`dtm top` finds it). `on_failure`
+    is "stop" or "continue"; None: continue when the job declared itself elastic, else stop."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     command = rank_command(argv)
+    if on_failure not in (None, STOP, CONTINUE):
+        raise DTMError(E.ATTRIBUTE_VALUE, f"on_failure is {STOP!r} or {CONTINUE!r}, not {on_failure!r}")
     coord = None
     if coordinator is None:
         token = os.environ.get("DTM_TOKEN") or secrets.token_hex(16)
@@ -98,6 +121,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
             raise DTMError(E.NOT_INITIALIZED, "dtm launch --coordinator needs DTM_TOKEN: the token the coordinator "
                                               "was started with")
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    run = tempfile.mkdtemp(prefix="dtm-launch-")  # what the ranks tell the launcher (leftovers.note)
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     forwards: list[_Forward] = []
@@ -113,14 +137,15 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         for k in range(nprocs):
             env = dict(os.environ, DTM_COORDINATOR=address, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs),
                        DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=threads)
+                       OMP_NUM_THREADS=threads, **{RUN_ENV: run})
             p = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True)
             procs.append(p)
             for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
                 forwards.append(_Forward(pipe, out, f"[rank {k}] ", lock))
                 forwards[-1].start()
-        failed = _watch(procs, interrupted, coord.lost if coord is not None else {})
+        failed, went_on = _watch(procs, interrupted, coord.lost if coord is not None else {},
+                                 lambda: _goes_on(on_failure, run))
     finally:
         _end(procs, grace)
         for f in forwards:
@@ -130,20 +155,49 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         if coord is not None:
             coord.stop()
             _remove_segments(coord, token)
-        for path in remove_orphans(scratch_base()):
-            log.info("dtm launch: removed %s, left by a rank that was killed", path)
+        _remove_parts(run)
     if interrupted:
         stderr.write(f"dtm launch: interrupted by {signal.Signals(interrupted[0]).name}; ended all {nprocs} ranks\n")
         return 128 + interrupted[0]
-    if failed is None:
+    if not failed:
         return 0
-    code = procs[failed].returncode
-    why = _status(code) + (f"; {coord.lost[failed]}" if coord is not None and failed in coord.lost else "")
-    others = [k for k in range(nprocs) if k != failed]
-    stderr.write(f"dtm launch: rank {failed} failed first ({why}); ended the other ranks "
-                 f"{others}\n" if others else f"dtm launch: rank {failed} failed ({why})\n")
+    stderr.write(_report(procs, failed, went_on, coord.lost if coord is not None else {}) + "\n")
     stderr.flush()
+    code = procs[failed[0]].returncode
     return code if code > 0 else 128 - code
+
+
+def _goes_on(on_failure: str | None, run: str) -> bool:
+    """Whether the other ranks keep running when one failed: as `on_failure` says, else when
+    a rank of the job declared it elastic (`declare_elastic`) in run directory `run`."""
+    if on_failure is not None:
+        return on_failure == CONTINUE
+    return os.path.exists(os.path.join(run, ELASTIC))
+
+
+def _remove_parts(run: str) -> None:
+    """Once every rank ended: the store parts of dead owners in this host's base, and those
+    the ranks of this run claimed wherever they lie (noted in `run`); then `run` itself."""
+    for path in remove_orphans(scratch_base()) + remove_noted(run):
+        log.info("dtm launch: removed %s, left behind by the ranks", path)
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def _report(procs: list[subprocess.Popen], failed: list[int], went_on: bool, lost: Mapping[int, str]) -> str:
+    """The launcher's last word on a run in which ranks `failed` (the one to name first,
+    first): that it ended the others, or that they went on (`went_on`) and finished."""
+    def why(k: int) -> str:
+        return _status(procs[k].returncode) + (f"; {lost[k]}" if k in lost else "")
+
+    if not went_on:
+        first = failed[0]
+        others = [k for k in range(len(procs)) if k != first]
+        return (f"dtm launch: rank {first} failed first ({why(first)}); ended the other ranks {others}" if others
+                else f"dtm launch: rank {first} failed ({why(first)})")
+    finished = [k for k in range(len(procs)) if k not in failed]
+    failures = "; ".join(f"rank {k} failed ({why(k)})" for k in failed)
+    rest = f"the other ranks {finished} went on and finished" if finished else "no rank finished"
+    return f"dtm launch: {failures}; {rest} (on failure: continue)"
 
 
 def _remove_segments(coord: Coordinator, token: str) -> None:
@@ -155,23 +209,27 @@ def _remove_segments(coord: Coordinator, token: str) -> None:
             log.info("dtm launch: removed shared memory %s that the ranks left behind", name)
 
 
-def _watch(procs: list[subprocess.Popen], interrupted: list[int], lost: Mapping[int, str]) -> int | None:
-    """Wait until every rank succeeded (None), one failed (its index), or a signal came. A
-    rank failed when it exited non-zero, or when it was declared lost (`lost`: the
-    coordinator's, updated by its thread) and every rank not lost has ended; the one named
-    is the first declared lost (but one that exited 0 without Leave), else the first seen to
-    exit non-zero."""
+def _watch(procs: list[subprocess.Popen], interrupted: list[int], lost: Mapping[int, str],
+           goes_on: Callable[[], bool]) -> tuple[list[int], bool]:
+    """Wait until every rank has ended, or one failed and `goes_on()` says that the others
+    stop, or a signal came: the ranks that failed ([] when none did, or on a signal) and
+    whether the others went on after a failure. A rank failed when it exited non-zero, or
+    when it was declared lost (`lost`: the coordinator's, updated by its thread) and every
+    rank not lost has ended; the ranks declared lost come first, in the order declared (but
+    one that exited 0 without Leave), then the others that exited non-zero."""
     while not interrupted:
         codes = [p.poll() for p in procs]
         declared = [k for k in list(lost) if codes[k] != 0]  # list(): the coordinator's thread adds to it
         running = [k for k, code in enumerate(codes) if code is None]
-        exited = next((k for k, code in enumerate(codes) if code), None)  # non-zero: an exit code or a signal
-        if exited is not None or (running and all(k in declared for k in running)):
-            return declared[0] if declared else exited
-        if not running:
-            return None
+        exited = [k for k, code in enumerate(codes) if code]  # non-zero: an exit code or a signal
+        failed = declared + [k for k in exited if k not in declared]
+        ended = all(k in declared for k in running)  # none left, or only lost ones that never end
+        if failed and (exited or ended) and not goes_on():
+            return failed, False
+        if ended:
+            return failed, bool(failed)
         time.sleep(POLL_S)
-    return None
+    return [], False
 
 
 def _end(procs: list[subprocess.Popen], grace: float) -> None:

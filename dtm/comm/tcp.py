@@ -571,7 +571,9 @@ class TcpTransport(Transport):
                     handles.append(self.send(c.peer, 0, MsgType.LEAVE, leave))
                 except DTMError:
                     pass
-        self._push_until(lambda: all(h.done for h in handles))
+        # A peer that is gone (a lost rank, when the others go on without it) takes no Leave:
+        # waiting for it would hold this rank until the timeout.
+        self._push_until(lambda: all(h.done or self._conns[h.peer].closed is not None for h in handles))
         for c in self._conns.values():
             if c.closed is None:
                 try:

@@ -33,6 +33,7 @@ from ..cluster.activity import activity
 from ..cluster.coordinator import Coordinator
 from ..cluster.env import Axes, metrics_env, rank_env
 from ..cluster.heartbeat import Figures
+from ..cluster.launch import declare_elastic
 from ..cluster.membership import Membership, join
 from ..comm.calls import call_site
 from ..comm.collectives import Communicator
@@ -243,11 +244,15 @@ def on_join(hook: Callable[[ProcessGroup], Callable[[], None] | None]) -> None:
     _join_hooks.append(hook)
 
 
-def init(timeout: float | None = None, *, op_timeout: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
+def init(timeout: float | None = None, *, op_timeout: float = DEFAULT_TIMEOUT_S, elastic: bool = False) -> ProcessGroup:
     """Join the mesh the DTM_* environment describes (cluster/env.py) and return once every
     pair of ranks is connected; TIMEOUT after `timeout` s (default 60) naming what did not
-    come. `op_timeout` bounds each collective. A second call returns the same group."""
+    come. `op_timeout` bounds each collective. `elastic=True` declares that this job goes on
+    when a rank fails: `dtm launch` then keeps the other ranks running (its `--on-failure`
+    default). A second call returns the same group."""
     global _current, _atexit_registered
+    if elastic:  # first: a rank that fails while the others join must find it declared
+        declare_elastic()
     with _lock:
         if _current is not None:
             return _current
