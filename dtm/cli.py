@@ -8,7 +8,7 @@
     dtm conformance protocol run the wire protocol conformance vectors
     dtm launch -n N script.py   run N local ranks (DTM_* environment, output prefixed by rank)
     dtm coordinator --world-size N   run a coordinator on its own
-    dtm store ls|info|get|put|rm|du|verify|export|import   the tensor store (--store PATH/URL)
+    dtm store ls|info|get|put|rm|du|gc|recover|verify|export|import   the tensor store (--store PATH/URL)
     dtm tasks run FILE --store DIR   run the task declarations of an IR module
     dtm ingest FILES... --fn MOD:FUNC --prefix P   files -> token shards in the store, in parallel
     dtm top [--coordinator HOST:PORT]   live view of a running job's ranks (its metrics endpoint)
@@ -194,12 +194,18 @@ def _axes_option(text: str | None):
                    "finds it)")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="DTM_METRICS_HOST",
               help="address the metrics are served at")
+@click.option("--on-failure", type=click.Choice(["stop", "continue"]), default=None,
+              help="when a rank fails: stop (end the other ranks) or continue (let them finish; the mesh's store "
+                   "reads the failed rank's keys from their replicas); default: continue when the job called "
+                   "dtm.init(elastic=True), else stop")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
-               metrics_port: int | None, metrics_host: str, command: tuple[str, ...]) -> None:
+               metrics_port: int | None, metrics_host: str, on_failure: str | None, command: tuple[str, ...]) -> None:
     """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
-    ranks; their output is forwarded with a `[rank k]` prefix, and when one rank fails the
-    others are ended and dtm launch exits non-zero naming it."""
+    ranks; their output is forwarded with a `[rank k]` prefix. When one rank fails, the
+    others are ended (--on-failure stop) or finish (continue), and dtm launch exits non-zero
+    naming the rank that failed. Once every rank has ended, the run's mesh store (its parts
+    in $DTM_MESH_STORE or /dev/shm, wherever each rank kept them) is removed."""
     import logging
 
     from .cluster.launch import launch
@@ -208,7 +214,8 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
     logging.basicConfig(level=logging.WARNING, format="dtm launch: %(message)s")
     try:
         status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
-                        join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0))
+                        join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0),
+                        on_failure=on_failure)
     except DTMError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(status)
@@ -272,10 +279,16 @@ def _store_errors() -> Iterator[None]:
 
 
 def _store():
-    """The store `--store` names (default: as dtm.store.open())."""
+    """The store `--store` names (default: as dtm.store.open()). A `memory://` store is
+    refused: it would die with this command, so a put would report success and lose its data."""
     from . import store
+    from .errors import DTMError, ErrorCode as E
 
-    return store.open(click.get_current_context().obj)
+    url = click.get_current_context().obj
+    if url is not None and str(url).startswith("memory://"):
+        raise DTMError(E.ATTRIBUTE_VALUE, f"{url}: a memory:// store lives only as long as its process, and each "
+                       "`dtm store` command is a process of its own; name a directory")
+    return store.open(url)
 
 
 def _table(title: str, columns: tuple[str, ...], rows) -> None:
@@ -390,9 +403,16 @@ def store_put(key: str, file: str, dtype: str | None) -> None:
 @store_group.command("rm")
 @click.argument("keys", nargs=-1, required=True)
 def store_rm(keys: tuple[str, ...]) -> None:
-    """Delete KEYS."""
+    """Delete KEYS: all of them, or none when one is missing (every missing key named), so
+    that a typo leaves the store as it was and the command can simply be run again."""
+    from .errors import DTMError, ErrorCode as E
+
     with _store_errors():
         st = _store()
+        missing = [k for k in keys if k not in st]
+        if missing:
+            raise DTMError(E.STORE_KEY_MISSING, f"no tensor is stored under {', '.join(map(repr, missing))}; "
+                           "nothing was deleted")
         for k in keys:
             st.delete(k)
 
@@ -400,12 +420,39 @@ def store_rm(keys: tuple[str, ...]) -> None:
 @store_group.command("du")
 @click.argument("prefix", default="")
 def store_du(prefix: str) -> None:
-    """Keys and bytes under PREFIX."""
+    """Keys and bytes under PREFIX, and the bytes of unfinished versions there (puts in
+    flight, or left by killed ones until `dtm store gc` or the next open removes them)."""
     with _store_errors():
         st = _store()
         keys = st.keys(prefix)
-        used = st.du(prefix)
-    _table(f"usage under {prefix!r}", ("prefix", "keys", "bytes"), [(prefix, len(keys), used)])
+        used, garbage = st.du(prefix), st.du(prefix, garbage=True)
+    _table(f"usage under {prefix!r}", ("prefix", "keys", "bytes", "unfinished bytes"),
+           [(prefix, len(keys), used, garbage)])
+
+
+@store_group.command("gc")
+def store_gc() -> None:
+    """Remove every version no key names and no live writer holds (left by killed puts)."""
+    with _store_errors():
+        removed = _store().collect(older_than_s=0)
+    click.echo(f"{len(removed)} unfinished version(s) removed")
+
+
+@store_group.command("recover")
+def store_recover() -> None:
+    """Rebuild a lost or damaged index from the versions on disk (each key's newest complete
+    one). Tensors kept inline in the index cannot be recovered. Run it while nothing writes."""
+    from . import store
+    from .store.format import INLINE_BYTES
+
+    with _store_errors():
+        report = store.recover(click.get_current_context().obj)
+    lost = (f"{report.inline_lost} tensor(s) kept inline in the old index are lost" if report.inline_lost is not None
+            else f"tensors kept inline in the index (<= {INLINE_BYTES} bytes) cannot be recovered; how many there "
+                 "were is unknown, the old index being unreadable")
+    for rel, why in report.skipped:
+        click.echo(f"skipped {rel}: {why}")
+    click.echo(f"{report.keys} key(s) recovered, {report.quotas} quota(s) kept; {lost}")
 
 
 @store_group.command("verify")
@@ -522,15 +569,14 @@ def ingest_cmd(paths: tuple[str, ...], fn_name: str, prefix: str, url: str | Non
     showing each worker's CPU, memory, files and bytes as it goes."""
     import time
 
-    from rich.console import Console, Group
-    from rich.live import Live
+    from rich.console import Group
     from rich.text import Text
 
     from . import data
-    from .cluster.top import Snapshot, human_bytes, table
+    from .cluster.top import Snapshot, human_bytes, live_view, table, table_console
     from .data.fnref import resolve
 
-    console = Console(stderr=True)
+    console = table_console(stderr=True)
     prev: list[Snapshot] = []
 
     def show(p: data.Progress) -> None:
@@ -544,7 +590,7 @@ def ingest_cmd(paths: tuple[str, ...], fn_name: str, prefix: str, url: str | Non
     with _store_errors():
         fn = resolve(fn_name)
         start = time.monotonic()
-        with Live(console=console, auto_refresh=False, transient=False) as live:
+        with live_view(console) as live:
             m = data.ingest(_expand(paths), fn, prefix, workers=workers, store=url, retries=retries, progress=show)
         took = time.monotonic() - start
     click.echo(f"{len(m.shards)} shard(s), {m.elements} element(s) from {human_bytes(m.read_bytes)} in {took:.1f} s "
