@@ -13,7 +13,10 @@ DTM's runtime libraries (its own C: the matrix products, the launch loop; the sa
 program, built once per machine and compiler) are built before the engines run, timed and
 printed; "dtm-jit-cold" is dtm-jit with nothing built at all, those libraries included.
 
-    python benchmarks/train.py [--model char|gpt2] [--steps 20] [--warmup 3] [--engines ...]
+    python benchmarks/train.py [--model char|gpt2] [--steps 20] [--warmup 3] [--engines ...] [--dropout 0.1]
+
+--dropout P trains with dropout P everywhere (the first losses then differ between engines:
+each draws its own masks); issue 30's goal: a step with dropout within 10% of one without.
 
 Goals (issue 15): char eager >= 1.0x torch eager, char jit >= 2x torch eager and >= 1.0x
 torch.compile; gpt2 jit >= 1.0x torch eager (goal 1.3x), peak RSS at most torch's; first
@@ -53,13 +56,13 @@ def weights_and_batches(model: str, steps: int) -> tuple[dict, list]:
     return random_weights(**fields), [(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def dtm_step(model: str, weights: dict, jitted: bool):
+def dtm_step(model: str, weights: dict, jitted: bool, dropout: float = 0.0):
     import dtm
     from dtm.models.gpt2 import GPT2, GPT2Config
     from dtm.nn.functional import cross_entropy
 
     fields = MODELS[model][0]
-    m = GPT2(GPT2Config(**fields), init=False)
+    m = GPT2(GPT2Config(**fields, dropout=dropout), init=False)
     m.train()
     load_weights(m, weights)
     opt = dtm.optim.AdamW(m.parameters(), lr=LR)
@@ -76,7 +79,7 @@ def dtm_step(model: str, weights: dict, jitted: bool):
     return lambda x, y: run(dtm.tensor(x), dtm.tensor(y)).item()
 
 
-def torch_step(model: str, weights: dict, compiled: bool):
+def torch_step(model: str, weights: dict, compiled: bool, dropout: float = 0.0):
     import torch
     import transformers
 
@@ -86,7 +89,8 @@ def torch_step(model: str, weights: dict, compiled: bool):
     fields = MODELS[model][0]
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=fields["vocab_size"], n_positions=fields["n_positions"], n_embd=fields["n_embd"],
-        n_layer=fields["n_layer"], n_head=fields["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        n_layer=fields["n_layer"], n_head=fields["n_head"], resid_pdrop=dropout, embd_pdrop=dropout,
+        attn_pdrop=dropout))
     m = GPT2(GPT2Config(**fields), init=False)
     for name, p in m.named_parameters():
         p._set_value(weights[name])
@@ -112,9 +116,9 @@ def worker(engine: str, args) -> dict:
     weights, batches = weights_and_batches(args.model, args.warmup + args.steps)
     t0 = time.perf_counter()
     if engine.startswith("dtm"):
-        step = dtm_step(args.model, weights, engine.startswith("dtm-jit"))
+        step = dtm_step(args.model, weights, engine.startswith("dtm-jit"), args.dropout)
     else:
-        step = torch_step(args.model, weights, engine == "torch-compile")
+        step = torch_step(args.model, weights, engine == "torch-compile", args.dropout)
     build = time.perf_counter() - t0
     t0 = time.perf_counter()
     first_loss = step(*batches[0])
@@ -156,7 +160,7 @@ def run_worker(engine: str, args, runtime: str) -> dict:
     # every DTM engine starts with an empty kernel cache; the cold one with no runtime library either
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as nothing:
         cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)]
+               "--warmup", str(args.warmup), "--dropout", str(args.dropout)]
         env = dict(os.environ, DTM_CACHE_DIR=cache, DTM_RUNTIME_DIR=nothing if engine.endswith("cold") else runtime)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=7200)
     if out.returncode != 0:
@@ -172,6 +176,8 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES)
     ap.add_argument("--warm-memory", type=float, default=None, metavar="GIB",
                     help="touch and free this much memory before each engine (default: 0 char, 4 gpt2; see warm_memory)")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout probability in every engine's model (embeddings, attention, residuals)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps is None:

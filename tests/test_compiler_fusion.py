@@ -295,7 +295,7 @@ def test_a_sampling_loops_concat_chain_stays_small(tmp_path, monkeypatch):
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     idx = dtm.tensor(np.zeros((2, 1), np.int64))
     for i in range(500):
-        idx = dtm.cat([idx, dtm.tensor(np.array([[i + 1], [-i - 1]], np.int64))], dim=1)
+        idx = dtm.cat([idx, dtm.tensor(np.array([[i + 1], [-i - 1]], np.int64)) * 1], dim=1)  # computed: recorded
     np.testing.assert_array_equal(idx.numpy(), np.arange(501) * np.array([[1], [-1]]))
     largest = max(p.stat().st_size for p in tmp_path.glob("*.c"))
     assert largest < 500 * 1000, f"{largest} bytes of C for 500 tokens"
@@ -309,6 +309,7 @@ def test_concats_nested_along_other_axes_grow_the_code_linearly(tmp_path, monkey
     for depth in (6, 12):
         x = T(2, 2)
         want = x.numpy()
+        x = x * 1  # a computed value: a cat of values all known is numpy's and compiles nothing
         for k in range(depth):
             y = T(*x.shape)
             x, want = dtm.cat([x, y], dim=k % 2), np.concatenate([want, y.numpy()], axis=k % 2)
@@ -395,3 +396,29 @@ def test_reductions_down_columns_keep_a_block_of_accumulators():
         a = rng.standard_normal((rows, 70)).astype(np.float32)
         for g, w in zip(CPU.plan(m, "f").run([a]), ref_run(m, "f", [a])):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dt", ["f32", "f64"])
+def test_a_dropout_mask_is_drawn_inside_its_consumers_kernel(dt):
+    """Uniform draws are compiled (Philox in C, c_random.py), fused with what reads them:
+    dropout is one kernel, and its draws are the reference's to the bit."""
+    m = parse(f"""dtm 1.0
+func @f(%k: u32[2], %x: {dt}[37, 129]) -> ({dt}[37, 129], {dt}[37, 129]) {{
+  %u = random %k {{distribution = "uniform"}} : {dt}[37, 129]
+  %p = full {{value = 0.1}} : {dt}[]
+  %keep = ge %u, %p : bool[37, 129]
+  %s = full {{value = 1.1111111}} : {dt}[]
+  %xs = mul %x, %s : {dt}[37, 129]
+  %z = full {{value = 0.0}} : {dt}[]
+  %y = where %keep, %xs, %z : {dt}[37, 129]
+  return %u, %y
+}}
+""")
+    verify(m)
+    x = rng.standard_normal((37, 129)).astype(np.float32 if dt == "f32" else np.float64)
+    for key in ([0, 0], [12345, 678], [0xFFFFFFFF, 0x80000001]):
+        k = np.array(key, np.uint32)
+        got, want = CPU.run(m, "f", [k, x]), ref_run(m, "f", [k, x])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    assert CPU.plan(m, "f").kernel_count == 1

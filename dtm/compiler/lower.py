@@ -154,6 +154,9 @@ class KernelBuilder:
             return Const(op.attrs["value"], v.type.dtype)
         if name == "iota":
             return self.let(L.Op("cast", (ix[op.attrs["dim"]],), v.type.dtype), key)
+        if name == "random":  # uniform: Philox of the element's row-major index (spec 3.8, dtm.ref.philox)
+            words = tuple(self.ev(op.operands[0], (Const(k, INDEX),)) for k in (0, 1))
+            return self.let(L.Op("philox_uniform", words + (L.flat_index(ix, v.type.shape),), v.type.dtype), key)
         if name in ("reshape", "permute", "broadcast_to", "slice", "flip"):
             return self.ev(op.operands[0], self.move_index(op, ix))
         if name == "pad":

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..ir.dtypes import DType
 from . import loopir as L
-from . import c_convert
+from . import c_convert, c_random
 from .c_narrow import HEADER as NARROW_HEADER
 from .c_runtime import HEADER
 from .loopir import INDEX
@@ -130,6 +130,14 @@ class _Renderer:
             body = f"return y == 0 ? 0 : ({t})(x {'%' if mod else '/'} y);"
         return self.helper(fn, f"static inline {t} {fn}({t} x, {t} y) {{ {body} }}")
 
+    def philox_uniform(self, dt: DType) -> str:
+        """The helper giving a uniform draw in [0, 1) of dtype dt (f32 or f64) for element i
+        under key (k0, k1): Philox4x32-10 of counter (i mod 2^32, i >> 32, 0, 0), its first
+        words made into a float exactly as dtm.ref.philox does, so the bits are the reference's."""
+        self.helper("dtm_philox", c_random.PHILOX)
+        fn = f"dtm_uniform_{dt.name}"
+        return self.helper(fn, c_random.uniform(fn, dt.name))
+
     def bitcast(self, src, dst: DType) -> str:
         s, t = ctype(src), CTYPE[dst.name]
         fn = f"dtm_bitcast_{_name(src)}_{dst.name}"
@@ -175,6 +183,8 @@ class _Renderer:
             return self.cast(a[0], src, dt)
         if op == "bitcast":
             return f"{self.bitcast(src, dt)}({a[0]})"
+        if op == "philox_uniform":
+            return f"{self.philox_uniform(dt)}({a[0]}, {a[1]}, (uint64_t){a[2]})"
         if op == "where":
             return f"({a[0]} ? {a[1]} : {a[2]})"
         if op in ("eq", "ne", "lt", "le", "gt", "ge"):

@@ -80,7 +80,7 @@ READS_LIMIT = 4  # arrays of its size a value read by several ops may read inlin
 
 
 def op_kind(op: Op) -> str:
-    """How the compiler handles an op: ew, move, source, const, reduce, scan, matmul or fallback."""
+    """How the compiler handles an op: ew, move, source, random, const, reduce, scan, matmul or fallback."""
     types = [v.type for v in op.operands] + [r.type for r in op.results]
     if op.name == "cast":
         src, dst = types[0].dtype.name, types[1].dtype.name
@@ -95,6 +95,8 @@ def op_kind(op: Op) -> str:
         return "ew"
     if op.name in MOVES:
         return "move"
+    if op.name == "random" and op.attrs["distribution"] == "uniform":
+        return "random"  # computed where it is read: Philox of the element's index (c_random)
     if op.name in SOURCES:
         return "source"
     if op.name == "constant":
@@ -368,6 +370,8 @@ class _Scheduler:
                 for x in op.operands:
                     stack.append((x, _move_mode(op, mode, F, R)))
             elif kind == "narrow":  # the product reads the narrow weight itself
+                stack.append((op.operands[0], OTHER))
+            elif kind == "random":  # reads the two words of its key
                 stack.append((op.operands[0], OTHER))
             elif kind == "scan":  # read element by element along the scan: what is not inlined is stored
                 stack.append((op.operands[0], OTHER))

@@ -1,0 +1,46 @@
+"""The `random` op's uniform draws in C: the spec's Philox4x32-10 (dtm/ref/philox.py), so a
+compiled dropout mask is generated where it is read, fused with its consumers, and holds the
+reference's bits (integer arithmetic and an exact scaling: no libm involved).
+
+Element i of a draw under key (k0, k1) is Philox of counter (i mod 2^32, i >> 32, 0, 0); its
+first two words x0, x1 make the value:
+
+    f32: (x0 >> 8) * 2^-24                                  (24 bits: exact, below 1)
+    f64: (((x0 << 21) ^ (x1 >> 11)) & (2^53 - 1)) * 2^-53
+
+Normal draws (Box-Muller: log and cos) stay reference steps: libm's last bits are not
+numpy's everywhere.
+"""
+
+from __future__ import annotations
+
+def _philox() -> str:
+    """dtm_philox: the ten rounds written out, with no loop and no branch, so that a kernel's
+    `omp simd` loop over elements vectorises (u32 x u32 -> u64 products: vpmuludq)."""
+    rounds = []
+    for r in range(10):
+        k0, k1 = f"k0 + {hex(r * 0x9E3779B9 % 2**32)}u", f"k1 + {hex(r * 0xBB67AE85 % 2**32)}u"
+        rounds.append(f"  p0 = (uint64_t)0xD2511F53u * c0; p1 = (uint64_t)0xCD9E8D57u * c2;\n"
+                      f"  n0 = (uint32_t)(p1 >> 32) ^ c1 ^ ({k0}); n2 = (uint32_t)(p0 >> 32) ^ c3 ^ ({k1});\n"
+                      "  c1 = (uint32_t)p1; c3 = (uint32_t)p0; c0 = n0; c2 = n2;")
+    return ("/* Philox4x32-10 (Salmon et al. 2011) of counter (i mod 2^32, i >> 32, 0, 0) under (k0, k1):\n"
+            "   the first two output words; round r's key is (k0 + r W0, k1 + r W1) mod 2^32 */\n"
+            "static inline void dtm_philox(uint32_t k0, uint32_t k1, uint64_t i, uint32_t *x0, uint32_t *x1) {\n"
+            "  uint32_t c0 = (uint32_t)i, c1 = (uint32_t)(i >> 32), c2 = 0, c3 = 0, n0, n2;\n"
+            "  uint64_t p0, p1;\n" + "\n".join(rounds) + "\n  *x0 = c0;\n  *x1 = c1;\n}")
+
+
+PHILOX = _philox()
+
+
+def uniform(fn: str, dtype: str) -> str:
+    """C for `fn(k0, k1, i)`: element i's uniform draw in [0, 1) as an f32 or f64."""
+    if dtype == "f32":
+        return (f"static inline float {fn}(uint32_t k0, uint32_t k1, uint64_t i) {{\n"
+                "  uint32_t x0, x1;\n  dtm_philox(k0, k1, i, &x0, &x1);\n"
+                "  return (float)(x0 >> 8) * 0x1p-24f;\n}")
+    assert dtype == "f64", dtype
+    return (f"static inline double {fn}(uint32_t k0, uint32_t k1, uint64_t i) {{\n"
+            "  uint32_t x0, x1;\n  dtm_philox(k0, k1, i, &x0, &x1);\n"
+            "  uint64_t m = (((uint64_t)x0 << 21) ^ ((uint64_t)x1 >> 11)) & ((UINT64_C(1) << 53) - 1);\n"
+            "  return (double)m * 0x1p-53;\n}")
