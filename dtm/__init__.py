@@ -16,7 +16,7 @@ from .tensor import inplace  # noqa: E402,F401 - in-place ops and views, over fu
 from .nn.serialization import load, save  # noqa: E402 - dtm.save / dtm.load, as torch.save / torch.load
 from .tensor import Generator, enable_grad, inference_mode, randint  # noqa: E402
 from .tensor.extra_ops import (all, allclose, any, argsort, bmm, cumsum, einsum, empty, isclose, isnan,  # noqa: E402
-                               linspace, multinomial, norm, outer, sort, topk, unbind)
+                               linspace, multinomial, norm, outer, randperm, sort, topk, unbind)
 from . import autograd  # noqa: E402 - dtm.autograd.grad
 from . import parallel  # noqa: E402
 from .parallel import Mesh, Partial, Replicate, Shard, devices, distribute, shard_map  # noqa: E402
@@ -27,6 +27,7 @@ from . import debug  # noqa: E402 - dtm.debug.count_kernels(...), as the README 
 from .comm import CollectiveMismatch, PeerLost  # noqa: E402 - what a failed collective raises
 from .protocol import ChecksumError  # noqa: E402
 from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E402
+from .runtime.cpu import get_num_threads, set_num_threads  # noqa: E402 - the cpu backend's OpenMP threads
 from . import store  # noqa: E402 - dtm.store.open(), the tensor store
 from .ref.context import bind_process_store  # noqa: E402
 from . import tasks  # noqa: E402 - dtm.tasks.Graph, task graphs over the store
@@ -37,6 +38,7 @@ tasks.install(jit=jit, tensor=Tensor.from_numpy)  # task functions take Tensors 
 bind_process_store(store.current)  # programs' store_get / store_put (layer 2) use the process's store
 from . import data  # noqa: E402 - dtm.data.ingest / dtm.data.Loader
 data.set_tensor_factory(Tensor.from_numpy)  # the loader (layer 8) yields Tensors without importing them
+from . import utils  # noqa: E402 - dtm.utils.data, as torch.utils.data
 
 # torch's short dtype names
 half, double, long = float16, float64, int64

@@ -432,9 +432,23 @@ def _fill_value(op: str, value: Any, dtype) -> Tensor:
     return as_tensor(value, dtype)
 
 
-def where(cond, x, y) -> Tensor:
+def where(cond, x=None, y=None):
+    """torch.where: x where cond holds, else y; with cond alone, nonzero(cond, as_tuple=True)."""
+    if x is None and y is None:
+        return nonzero(as_tensor(cond), as_tuple=True)
     d = result_type(x, y)
     return apply("where", cast(as_tensor(cond), bool_), _fill_value("where", x, d), _fill_value("where", y, d))
+
+
+def nonzero(x: Tensor, as_tuple: bool = False):
+    """torch.nonzero: the coordinates of the nonzero elements in row-major order, int64
+    [n, ndim]; with as_tuple, one 1-D tensor per dim (a 0-d x counts as 1-D). The result's
+    shape depends on the values, so this runs the pending graph, as torch syncs for it."""
+    found = np.argwhere(x.numpy()).astype(np.int64)
+    if not as_tuple:
+        return Tensor.from_numpy(found)
+    columns = found.T if x.ndim else np.zeros((1, len(found)), np.int64)
+    return tuple(Tensor.from_numpy(np.ascontiguousarray(c)) for c in columns)
 
 
 def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
@@ -791,29 +805,61 @@ def take(x: Tensor, index: Tensor, axis: int, wrap: bool = True) -> Tensor:
 
 
 def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
-    """torch.gather: out[i][j][k] = x[i][index[i][j][k]][k] for dim 1 (take along an axis).
+    """torch.gather: out[i][j][k] = x[i][index[i][j][k]][k] for dim 1 (take along an axis),
+    as one IR gather on the flattened tensor."""
+    return apply("gather", reshape(x, (-1,)), _positions_along("gather", x, dim, index), axis=0)
 
-    Written as one IR gather on the flattened tensor: the flat position of each picked
-    element is index * stride(dim) plus the position of the other coordinates."""
+
+def scatter(x: Tensor, dim: int, index: Tensor, src: Any) -> Tensor:
+    """torch.scatter (no reduce): x with out[i][index[i][j]] = src[i][j] for dim 1, src a
+    tensor (read over index's shape) or a number. Where index repeats a position, the last
+    write in row-major order wins (torch leaves it unspecified)."""
+    positions = _positions_along("scatter", x, dim, index)
+    if isinstance(src, Tensor):
+        if src.ndim != x.ndim or any(s < i for s, i in zip(src.shape, positions.shape)):
+            raise error(ErrorCode.SHAPE_MISMATCH, f"scatter: src {src._type} must have the rank of {x._type} and "
+                        f"be at least as large as index {list(positions.shape)} in every dim")
+        src = getitem(src, tuple(builtins.slice(0, n) for n in positions.shape))
+    src = expand(_fill_value("scatter", src, x.dtype), positions.shape)
+    return _scatter_into(x, positions, cast(src, x.dtype))
+
+
+def _positions_along(op: str, x: Tensor, dim: int, index: Any) -> Tensor:
+    """The flat positions in x that torch's gather / scatter `index` names along `dim`:
+    index * stride(dim) plus the position of the element's other coordinates (int64,
+    index's shape; indices checked as torch checks them)."""
     d = normalize_dim(dim, x.ndim)
     index = as_tensor(index)
     if not index.dtype.is_int:
-        raise error(ErrorCode.DTYPE_MISMATCH, f"gather: index must be an integer tensor, found {index.dtype}")
+        raise error(ErrorCode.DTYPE_MISMATCH, f"{op}: index must be an integer tensor, found {index.dtype}")
+    if index.ndim != x.ndim or any(i > n for a, (i, n) in enumerate(zip(index.shape, x.shape)) if a != d):
+        raise error(ErrorCode.RANK_MISMATCH, f"{op}: index {index._type} must have the rank of {x._type} and be no "
+                    f"larger in the dims other than {d}")
     index = cast(index, int64)
-    if index.ndim != x.ndim:
-        raise error(ErrorCode.RANK_MISMATCH, f"gather: index {index._type} must have the rank of {x._type}")
     strides = [1] * x.ndim
     for a in range(x.ndim - 2, -1, -1):
         strides[a] = strides[a + 1] * x.shape[a + 1]
     n = x.shape[d]
-    index = _checked(index, _index_check(f"gather along dim {d}", n, False))
+    index = _checked(index, _index_check(f"{op} along dim {d}", n, False))
     # Unchecked (pending) negative indices still wrap, so a flat index stays within its row.
     index = where(apply("lt", index, _scalar(0, int64)), apply("add", index, _scalar(n, int64)), index)
     flat = apply("mul", index, _scalar(strides[d], int64))
     for a in range(x.ndim):
         if a != d:
             flat = apply("add", flat, apply("mul", _iota(index.shape, a), _scalar(strides[a], int64)))
-    return apply("gather", reshape(x, (-1,)), flat, axis=0)
+    return flat
+
+
+def index_add(x: Tensor, dim: int, index: Any, source: Any, alpha: Any = 1) -> Tensor:
+    """torch.index_add: x with alpha * source's slice i added to x's slice index[i] along
+    `dim`, repeated indices accumulating: the IR's scatter_add, the transpose of index_select."""
+    d = normalize_dim(dim, x.ndim)
+    index = as_tensor(index)
+    if not index.dtype.is_int or index.ndim != 1:
+        raise error(ErrorCode.DTYPE_MISMATCH, f"index_add: index must be a 1-D integer tensor, found {index._type}")
+    index = cast(_checked(index, _index_check(f"index_add along dim {d}", x.shape[d], False)), int64)
+    source = as_tensor(source) if alpha == 1 else mul(source, alpha)
+    return apply("scatter_add", x, index, cast(source, x.dtype), axis=d)
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
@@ -1101,13 +1147,45 @@ def to(x: Tensor, *args, **kwargs) -> Tensor:
 
 def _to_dtype(args: tuple, kwargs: dict):
     """The dtype a torch-style .to(...) call names (a Tensor names its own), or None for
-    a device alone: Tensor.to and Module.to read their arguments alike."""
+    a device alone (which must be the CPU): Tensor.to and Module.to read their arguments alike."""
     dtype = kwargs.get("dtype")
+    if kwargs.get("device") is not None:
+        check_device(kwargs["device"], ".to")
     for a in args:
-        if isinstance(a, str) and a.startswith("cpu"):
+        if _device_type(a) is not None:
+            check_device(a, ".to")
             continue
         dtype = a.dtype if isinstance(a, Tensor) else a
     return dtype
+
+
+# torch's device types: a string that starts with one names a device, not a dtype
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hip", "meta", "xla", "npu", "hpu", "ipu", "mtia", "vulkan")
+
+
+def _device_type(device: Any) -> str | None:
+    """The device type `device` names ("cpu" for "cpu", "cpu:0" or a torch.device("cpu")),
+    or None when it names none (a dtype, a tensor)."""
+    if isinstance(device, str):
+        kind = device.partition(":")[0]
+        return kind if kind in _DEVICE_TYPES else None
+    kind = getattr(device, "type", None)  # torch.device and the like; Tensor.type is a method
+    return kind if isinstance(kind, str) else None
+
+
+def check_device(device: Any, what: str) -> None:
+    """Accept a CPU device ("cpu", "cpu:0", an object whose .type is "cpu"), where a torch
+    script moves tensors; any other device is a DTMError naming it: DTM's tensors live in
+    host memory (the backend, `DTM_BACKEND`, picks where kernels run)."""
+    if _device_type(device) != "cpu":
+        raise error(ErrorCode.UNKNOWN_BACKEND, f"{what}: device {str(device)!r} is not available; DTM tensors live "
+                    "on the CPU (device 'cpu'), and DTM_BACKEND chooses how their kernels run")
+
+
+def _format(x: Tensor, spec: str) -> str:
+    """format(x, spec), as torch: a 0-d tensor formats as its number (f"{loss:.4f}"); any
+    other takes only the empty spec (str(x))."""
+    return format(x.item(), spec) if x.ndim == 0 else object.__format__(x, spec)
 
 
 def _reflected(fn):
@@ -1138,13 +1216,14 @@ _METHODS = {
     "reshape": reshape, "view": view, "permute": permute, "transpose": transpose, "expand": expand,
     "broadcast_to": broadcast_to, "squeeze": squeeze, "unsqueeze": unsqueeze, "flatten": flatten,
     "split": split, "chunk": chunk, "flip": flip, "narrow": narrow, "gather": gather,
-    "index_select": index_select, "tril": tril, "triu": triu, "matmul": matmul,
+    "index_select": index_select, "scatter": scatter, "index_add": index_add, "nonzero": nonzero, "tril": tril,
+    "triu": triu, "matmul": matmul,
     "softmax": softmax, "log_softmax": log_softmax, "to": to, "type_as": lambda self, o: cast(self, o.dtype),
     "contiguous": lambda self: self, "clone": lambda self: self.detach() if not self.requires_grad else add(self, 0),
     "float": lambda self: cast(self, float32), "double": lambda self: cast(self, "f64"),
     "half": lambda self: cast(self, "f16"), "bfloat16": lambda self: cast(self, "bf16"),
     "long": lambda self: cast(self, int64), "int": lambda self: cast(self, "i32"), "bool": lambda self: cast(self, bool_),
-    "cpu": lambda self: self,
+    "cpu": lambda self: self, "__format__": _format,
     "t": lambda self: transpose(self, 0, 1) if self.ndim == 2 else self,
     "T": property(lambda self: permute(self, tuple(reversed(range(self.ndim))))),
     "mT": property(lambda self: transpose(self, -2, -1)),
@@ -1156,5 +1235,5 @@ for _name, _fn in _METHODS.items():
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "builtins", "namedtuple", "NamedTuple", "np", "Any", "Sequence", "ErrorCode", "TensorType", "Tensor",
     "apply", "as_dtype", "bool_", "capture", "error", "float32", "int64", "is_grad_enabled", "result_type", "numpy_dtype",
-    "normalize_dim", "tensor",
+    "normalize_dim", "tensor", "check_device",
     "DEFAULT_FLOAT", "MinMax", "Callable", "STATE", "user_line", "value_fault", "ValueCheck")]

@@ -15,23 +15,52 @@ from ..tensor.extra_ops import norm
 
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
-    """Mean negative log-likelihood of class indices `target` under softmax(`logits`).
-    logits: [N, C] (or [C]); target: [N] integer class ids; entries equal to
-    `ignore_index` count neither in the sum nor in the mean. With `label_smoothing` e the
-    target is the mix (1 - e) * one_hot + e / C, computed as torch does: the loss is
-    (1 - e) * nll + e / C * (-sum of the log-probabilities), each reduced alike."""
+    """Mean negative log-likelihood of class indices `target` under softmax(`logits`) over
+    the class dim 1: logits [N, C] (or [C], or [N, C, d1, ...] with target [N, d1, ...]),
+    target integer class ids; entries equal to `ignore_index` count neither in the sum nor
+    in the mean. With `label_smoothing` e the target is the mix (1 - e) * one_hot + e / C,
+    computed as torch does: the loss is (1 - e) * nll + e / C * (-sum of the
+    log-probabilities), each reduced alike."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"cross_entropy: label_smoothing must be in [0, 1], found {label_smoothing}")
-    if logits.ndim == 1:
-        logits, target = F.unsqueeze(logits, 0), F.reshape(target, (1,))
-    if logits.ndim != 2 or target.ndim != 1 or target.shape[0] != logits.shape[0]:
-        raise error(ErrorCode.SHAPE_MISMATCH, f"cross_entropy: expected logits [N, C] and target [N], "
-                    f"found {logits._type} and {target._type}")
-    if not target.dtype.is_int:
-        raise error(ErrorCode.DTYPE_MISMATCH, f"cross_entropy: target must hold integer class ids, found {target.dtype}")
-    n_classes = logits.shape[1]
+    logp, target, shape = _class_rows("cross_entropy", log_softmax(logits, dim=1 if logits.ndim > 1 else 0), target,
+                                      ignore_index)
+    keep = target != ignore_index
+    losses, counted = _picked_nll(logp, target, keep, None)
+    if label_smoothing:
+        smooth = F.neg(F.where(keep, F.sum(logp, -1), 0.0))
+        losses = F.add(F.mul(losses, 1.0 - label_smoothing), F.mul(smooth, label_smoothing / logp.shape[1]))
+    return _reduced("cross_entropy", losses, counted, reduction, shape)
 
-    message = (f"cross_entropy: target {{value}} is out of bounds for {n_classes} classes "
+
+def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, ignore_index: int = -100,
+             reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.nll_loss: -weight[t] * input[t] for each row's class id t, over
+    log-probabilities `input` shaped as cross_entropy's logits. The mean divides by the sum
+    of the weights of the rows counted (those whose target is not `ignore_index`)."""
+    logp, target, shape = _class_rows("nll_loss", input, target, ignore_index)
+    if weight is not None and weight.shape != (logp.shape[1],):
+        raise error(ErrorCode.SHAPE_MISMATCH, f"nll_loss: weight must be [{logp.shape[1]}], found {weight._type}")
+    losses, counted = _picked_nll(logp, target, target != ignore_index, weight)
+    return _reduced("nll_loss", losses, counted, reduction, shape)
+
+
+def _class_rows(name: str, input: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, tuple]:
+    """input [N, C, d1, ...] (or [C]) and target [N, d1, ...] (or []) as rows [M, C] and
+    ids [M], the class dim moved last, the ids checked as torch checks them (E0808); and
+    target's shape, for an unreduced loss."""
+    shape = target.shape
+    if input.ndim == 1:
+        input, target = F.unsqueeze(input, 0), F.reshape(target, (1,))
+    if input.ndim < 2 or target.shape != input.shape[:1] + input.shape[2:]:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"{name}: expected input [N, C, d1, ...] and target [N, d1, ...], "
+                    f"found {input._type} and {target._type}")
+    if not target.dtype.is_int:
+        raise error(ErrorCode.DTYPE_MISMATCH, f"{name}: target must hold integer class ids, found {target.dtype}")
+    n_classes = input.shape[1]
+    if input.ndim > 2:
+        input = F.reshape(F.permute(input, (0, *range(2, input.ndim), 1)), (-1, n_classes))
+    message = (f"{name}: target {{value}} is out of bounds for {n_classes} classes "
                f"(expected 0 <= target < {n_classes}, or ignore_index={ignore_index})")
 
     def fault(v: np.ndarray) -> str | None:  # as torch: a class id in [0, C), no wrapping
@@ -41,23 +70,36 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     def mask(t: Tensor) -> Tensor | None:
         outside = F._outside(t, 0, n_classes)
         return None if outside is None else F.logical_and(outside, F.ne(t, ignore_index))
-    target = F._checked(target, F.ValueCheck(ErrorCode.INDEX_OUT_OF_RANGE, fault, mask, message))
-    logp = log_softmax(logits, dim=-1)
-    keep = target != ignore_index
+    target = F._checked(F.reshape(target, (-1,)), F.ValueCheck(ErrorCode.INDEX_OUT_OF_RANGE, fault, mask, message))
+    return input, target, shape
+
+
+def _picked_nll(logp: Tensor, target: Tensor, keep: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each row's -logp[target] (times weight[target]; 0 where not `keep`), and the weight
+    each row counts with in a mean."""
     safe = F.where(keep, target, 0)
-    picked = F.squeeze(F.gather(logp, 1, F.unsqueeze(safe, 1)), 1)
-    losses = F.neg(F.where(keep, picked, 0.0))
-    if label_smoothing:
-        smooth = F.neg(F.where(keep, F.sum(logp, -1), 0.0))
-        losses = F.add(F.mul(losses, 1.0 - label_smoothing), F.mul(smooth, label_smoothing / logits.shape[1]))
+    # `where`, not a product with 0: an ignored row's -inf log-probability must not give NaN
+    picked = F.where(keep, F.neg(F.squeeze(F.gather(logp, 1, F.unsqueeze(safe, 1)), 1)), 0.0)
+    if weight is None:
+        return picked, F.cast(keep, logp.dtype)
+    counted = F.where(keep, take(weight, safe, 0), 0.0)
+    return F.mul(picked, counted), counted
+
+
+def _reduced(name: str, losses: Tensor, counted: Tensor, reduction: str, shape: tuple) -> Tensor:
+    """A loss per row reduced as torch's `reduction` says: 'none' (in target's shape),
+    'sum', or 'mean' (divided by the rows' total weight)."""
+    _check_reduction(name, reduction)
     if reduction == "none":
-        return losses
+        return F.reshape(losses, shape)
     total = F.sum(losses)
-    if reduction == "sum":
-        return total
-    if reduction != "mean":
-        raise error(ErrorCode.ATTRIBUTE_VALUE, f"cross_entropy: reduction must be 'mean', 'sum' or 'none', found {reduction!r}")
-    return F.div(total, F.sum(F.cast(keep, logits.dtype)))
+    return total if reduction == "sum" else F.div(total, F.sum(counted))
+
+
+def _check_reduction(name: str, reduction: str) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: reduction must be 'mean', 'sum' or 'none', "
+                    f"found {reduction!r}")
 
 
 def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
@@ -102,12 +144,45 @@ def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
-    if reduction not in ("mean", "sum", "none"):
-        raise error(ErrorCode.ATTRIBUTE_VALUE, f"mse_loss: reduction must be 'mean', 'sum' or 'none', found {reduction!r}")
+    """torch.nn.functional.mse_loss: (input - target)^2, reduced."""
     d = F.sub(input, target)
-    sq = F.mul(d, d)
-    return F.mean(sq) if reduction == "mean" else F.sum(sq) if reduction == "sum" else sq
+    return _elementwise("mse_loss", F.mul(d, d), reduction)
 
 
-__all__ = ["cross_entropy", "dropout", "embedding", "mse_loss", "gelu", "layer_norm", "linear", "log_softmax",
+def l1_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.l1_loss: |input - target|, reduced."""
+    return _elementwise("l1_loss", F.abs(F.sub(input, target)), reduction)
+
+
+def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                         reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.binary_cross_entropy of probabilities `input`: -(t log x +
+    (1 - t) log(1 - x)), each log clamped to >= -100 as torch does, so that x = 0 or 1
+    gives a finite loss."""
+    log_x = F.clamp(F.log(input), min=-100.0)
+    log_1mx = F.clamp(F.log(F.sub(1.0, input)), min=-100.0)
+    losses = F.neg(F.add(F.mul(target, log_x), F.mul(F.sub(1.0, target), log_1mx)))
+    return _elementwise("binary_cross_entropy", losses if weight is None else F.mul(losses, weight), reduction)
+
+
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                                     reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
+    """torch.nn.functional.binary_cross_entropy_with_logits: binary_cross_entropy of
+    sigmoid(input), in torch's stable form (1 - t) x + w_t (log(1 + e^-|x|) + max(-x, 0)),
+    w_t = 1 + (pos_weight - 1) t weighing the positive term, so no exp overflows."""
+    softplus_neg = F.add(F.log(F.add(1.0, F.exp(F.neg(F.abs(input))))), F.relu(F.neg(input)))
+    log_weight = 1.0 if pos_weight is None else F.add(F.mul(F.sub(pos_weight, 1.0), target), 1.0)
+    losses = F.add(F.mul(F.sub(1.0, target), input), F.mul(log_weight, softplus_neg))
+    return _elementwise("binary_cross_entropy_with_logits", losses if weight is None else F.mul(losses, weight),
+                        reduction)
+
+
+def _elementwise(name: str, losses: Tensor, reduction: str) -> Tensor:
+    """An elementwise loss reduced as torch's `reduction` says: 'mean', 'sum' or 'none'."""
+    _check_reduction(name, reduction)
+    return F.mean(losses) if reduction == "mean" else F.sum(losses) if reduction == "sum" else losses
+
+
+__all__ = ["cross_entropy", "nll_loss", "l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+           "dropout", "embedding", "mse_loss", "gelu", "layer_norm", "linear", "log_softmax",
            "pad", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "tanh", "one_hot", "normalize"]

@@ -15,7 +15,8 @@ from ..errors import ErrorCode
 from ..ir.types import TensorType
 from ..runtime import buffers
 from ..tensor import Tensor, as_dtype, bfloat16, error, float16, float32, float64, no_grad, rand, randn, zeros, ones
-from .functional import cross_entropy, dropout, embedding, mse_loss
+from .functional import (binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, dropout, embedding,
+                         l1_loss, mse_loss, nll_loss)
 from .weights import load_safetensors, save_safetensors
 
 
@@ -94,6 +95,19 @@ class Module:
         for _, p in self.named_parameters():
             yield p
 
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+        """Every registered buffer with its dotted name, non-persistent ones too (as torch)."""
+        seen = set()
+        for mname, m in self.named_modules(prefix):
+            for bname, b in m._buffers.items():
+                if id(b) not in seen:  # a buffer shared by two modules appears once
+                    seen.add(id(b))
+                    yield (f"{mname}.{bname}" if mname else bname), b
+
+    def buffers(self) -> Iterator[Tensor]:
+        for _, b in self.named_buffers():
+            yield b
+
     def train(self, mode: bool = True) -> "Module":
         for m in self.modules():
             object.__setattr__(m, "training", mode)
@@ -113,7 +127,8 @@ class Module:
 
     # -- dtype --
     def to(self, *args, **kwargs) -> "Module":
-        """module.to(dtype), .to("cpu"), .to("cpu", dtype), .to(tensor) (its dtype): the
+        """module.to(dtype), .to("cpu"), .to("cpu", dtype), .to(tensor) (its dtype; another
+        device than the CPU is an error): the
         float parameters and buffers take the dtype in place, as in torch, so an optimizer
         made before keeps holding them; integer ones keep theirs."""
         dtype = F._to_dtype(args, kwargs)
@@ -133,6 +148,10 @@ class Module:
                     t._type = TensorType(dtype, t.shape)
                     if t.grad is not None:
                         t.grad = F.cast(t.grad, dtype)
+        return self
+
+    def cpu(self) -> "Module":
+        """Where the module already is: DTM's tensors live on the CPU."""
         return self
 
     def half(self) -> "Module":
@@ -487,6 +506,38 @@ class MSELoss(Module):
         return mse_loss(input, target, self.reduction)
 
 
+class L1Loss(MSELoss):
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return l1_loss(input, target, self.reduction)
+
+
+class NLLLoss(Module):
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean"):
+        super().__init__()
+        self.weight, self.ignore_index, self.reduction = weight, ignore_index, reduction
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return nll_loss(input, target, self.weight, self.ignore_index, self.reduction)
+
+
+class BCELoss(Module):
+    def __init__(self, weight: Tensor | None = None, reduction: str = "mean"):
+        super().__init__()
+        self.weight, self.reduction = weight, reduction
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return binary_cross_entropy(input, target, self.weight, self.reduction)
+
+
+class BCEWithLogitsLoss(Module):
+    def __init__(self, weight: Tensor | None = None, reduction: str = "mean", pos_weight: Tensor | None = None):
+        super().__init__()
+        self.weight, self.reduction, self.pos_weight = weight, reduction, pos_weight
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return binary_cross_entropy_with_logits(input, target, self.weight, self.reduction, self.pos_weight)
+
+
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh",
            "Sequential", "ModuleList", "CrossEntropyLoss", "no_grad", "SiLU", "Identity", "Softmax", "Flatten",
-           "ModuleDict", "MSELoss"]
+           "ModuleDict", "MSELoss", "L1Loss", "NLLLoss", "BCELoss", "BCEWithLogitsLoss"]

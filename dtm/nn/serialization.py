@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from ..errors import DTMError, ErrorCode
+from ..functional import check_device
 from ..tensor import Tensor, error
 from .weights import read_safetensors, save_safetensors
 
@@ -53,9 +54,13 @@ def save(obj: Any, path: str) -> None:
     save_safetensors(tensors, path, metadata={"format": FORMAT, "structure": structure})
 
 
-def load(path: str) -> Any:
+def load(path: str, map_location: Any = None, weights_only: bool = True) -> Any:
     """What `save` wrote to `path`, with fresh tensors; a DTMError naming the file when it
-    is not such a file or is damaged."""
+    is not such a file or is damaged. `map_location`, as torch.load takes it, may name the
+    CPU (where every DTM tensor loads) and nothing else; `weights_only` is always the case
+    here (the file holds no code)."""
+    if map_location is not None:
+        check_device(map_location, f"dtm.load({path!r})")
     tensors, metadata = read_safetensors(path)
     if metadata.get("format") != FORMAT:
         if "structure" in metadata:

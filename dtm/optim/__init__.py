@@ -1,6 +1,6 @@
 """Optimizers and schedules, as in torch.optim."""
 
 from . import lr_scheduler
-from .optimizers import SGD, Adam, AdamW, Optimizer
+from .optimizers import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "lr_scheduler"]

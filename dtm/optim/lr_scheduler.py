@@ -26,15 +26,18 @@ class LRScheduler:
     `step()` (t + 1)."""
 
     def __init__(self, optimizer: Optimizer, last_epoch: int = -1):
-        if not isinstance(optimizer, Optimizer):
-            raise error(ErrorCode.ATTRIBUTE_TYPE, f"{type(self).__name__} needs a dtm.optim optimizer, found "
-                        f"{type(optimizer).__name__}")
-        self.optimizer = optimizer
+        self.optimizer = self._checked(optimizer)
         for g in optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])
         self.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
         self.last_epoch = last_epoch
         self.step()
+
+    def _checked(self, optimizer: Optimizer) -> Optimizer:
+        if not isinstance(optimizer, Optimizer):
+            raise error(ErrorCode.ATTRIBUTE_TYPE, f"{type(self).__name__} needs a dtm.optim optimizer, found "
+                        f"{type(optimizer).__name__}")
+        return optimizer
 
     def lr(self, i: int, t: int) -> float:
         """Param group i's learning rate at step t."""
@@ -93,6 +96,42 @@ class StepLR(LRScheduler):
 
     def lr(self, i: int, t: int) -> float:
         return self.base_lrs[i] * self.gamma ** (t // self.step_size)
+
+
+class MultiStepLR(LRScheduler):
+    """lr = initial_lr * gamma ** (the number of milestones <= t); a milestone given twice
+    counts twice, as in torch."""
+
+    def __init__(self, optimizer: Optimizer, milestones: Sequence[int], gamma: float = 0.1, last_epoch: int = -1):
+        self.milestones, self.gamma = sorted(milestones), gamma
+        super().__init__(optimizer, last_epoch)
+
+    def lr(self, i: int, t: int) -> float:
+        return self.base_lrs[i] * self.gamma ** bisect.bisect_right(self.milestones, t)
+
+
+class ExponentialLR(LRScheduler):
+    """lr = initial_lr * gamma ** t."""
+
+    def __init__(self, optimizer: Optimizer, gamma: float, last_epoch: int = -1):
+        self.gamma = gamma
+        super().__init__(optimizer, last_epoch)
+
+    def lr(self, i: int, t: int) -> float:
+        return self.base_lrs[i] * self.gamma ** t
+
+
+class ConstantLR(LRScheduler):
+    """lr = initial_lr * factor for the first total_iters steps, then initial_lr."""
+
+    def __init__(self, optimizer: Optimizer, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1):
+        if not 0 <= factor <= 1:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"ConstantLR: factor must be in [0, 1], found {factor}")
+        self.factor, self.total_iters = factor, total_iters
+        super().__init__(optimizer, last_epoch)
+
+    def lr(self, i: int, t: int) -> float:
+        return self.base_lrs[i] * (self.factor if t < self.total_iters else 1.0)
 
 
 class LinearLR(LRScheduler):
@@ -232,4 +271,64 @@ class SequentialLR(LRScheduler):
         return self.schedulers[k].lr(i, t - (self.milestones[k - 1] if k else 0))
 
 
-__all__ = ["LRScheduler", "LambdaLR", "StepLR", "LinearLR", "CosineAnnealingLR", "OneCycleLR", "SequentialLR"]
+class ReduceLROnPlateau(LRScheduler):
+    """torch's ReduceLROnPlateau: `step(metric)` after each evaluation; once the metric has
+    not improved (by `threshold`, relative or absolute, in `mode` "min" or "max") for more
+    than `patience` steps, each group's lr becomes max(lr * factor, its min_lr), unless
+    that changes it by eps or less; then `cooldown` steps pass before bad steps count.
+    Not a closed form of the count: it follows the metrics it is given, and writes the
+    group's "lr" as the other schedules do (a jitted step reads it before each replay)."""
+
+    def __init__(self, optimizer: Optimizer, mode: str = "min", factor: float = 0.1, patience: int = 10,
+                 threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0,
+                 min_lr: float | Sequence[float] = 0.0, eps: float = 1e-8):
+        self.optimizer = self._checked(optimizer)
+        n = len(optimizer.param_groups)
+        if factor >= 1.0:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"ReduceLROnPlateau: factor must be < 1, found {factor}")
+        if mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"ReduceLROnPlateau: mode must be 'min' or 'max' and "
+                        f"threshold_mode 'rel' or 'abs', found {mode!r} and {threshold_mode!r}")
+        self.min_lrs = list(min_lr) if isinstance(min_lr, (list, tuple)) else [min_lr] * n
+        if len(self.min_lrs) != n:
+            raise error(ErrorCode.OPERAND_COUNT, f"ReduceLROnPlateau: {len(self.min_lrs)} min_lr values for {n} "
+                        "param groups")
+        self.mode, self.factor, self.patience, self.threshold = mode, factor, patience, threshold
+        self.threshold_mode, self.cooldown, self.eps = threshold_mode, cooldown, eps
+        self.best = math.inf if mode == "min" else -math.inf
+        self.last_epoch = self.num_bad_epochs = self.cooldown_counter = 0
+
+    def _better(self, a: float) -> bool:
+        """Whether metric `a` improves on the best so far by more than the threshold."""
+        if self.mode == "min":
+            return a < (self.best * (1 - self.threshold) if self.threshold_mode == "rel" else
+                        self.best - self.threshold)
+        return a > (self.best * (1 + self.threshold) if self.threshold_mode == "rel" else self.best + self.threshold)
+
+    def step(self, metrics: Any) -> None:  # type: ignore[override]
+        """Count one evaluation with value `metrics` (a number or a 0-d tensor)."""
+        current = float(metrics)
+        self.last_epoch += 1
+        if self._better(current):
+            self.best, self.num_bad_epochs = current, 0
+        else:
+            self.num_bad_epochs += 1
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = 0
+        if self.num_bad_epochs > self.patience:
+            self._reduce()
+            self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+
+    def _reduce(self) -> None:
+        for g, floor in zip(self.optimizer.param_groups, self.min_lrs):
+            new = max(g["lr"] * self.factor, floor)
+            if g["lr"] - new > self.eps:  # a change of eps or less is not made, as torch
+                g["lr"] = new
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)  # the lrs themselves are in the optimizer's state_dict
+
+
+__all__ = ["LRScheduler", "LambdaLR", "StepLR", "MultiStepLR", "ExponentialLR", "ConstantLR", "LinearLR",
+           "CosineAnnealingLR", "OneCycleLR", "SequentialLR", "ReduceLROnPlateau"]

@@ -1,4 +1,4 @@
-"""SGD, Adam and AdamW, with PyTorch's update formulas (so a step matches torch's to rounding).
+"""SGD, Adam, AdamW, RMSprop and Adagrad, with PyTorch's update formulas (so a step matches torch's to rounding).
 
 A step is written with tensor ops under no_grad and run as one program for all parameters:
 each parameter and each piece of state (a leaf tensor per parameter, laid out like it)
@@ -50,11 +50,11 @@ class Optimizer:
         """p's new value and its state's ({name: new value}), from 0-d tensors `s`."""
         raise NotImplementedError
 
-    def _state(self, state: dict, name: str, p: Tensor) -> Tensor:
-        """p's state tensor `name`, made on first use: zeros, laid out like p."""
+    def _state(self, state: dict, name: str, p: Tensor, fill: float = 0.0) -> Tensor:
+        """p's state tensor `name`, made on first use: `fill` everywhere, laid out like p."""
         t = state.get(name)
         if t is None:
-            t = state[name] = _like(p, np.zeros(p.shape, numpy_dtype(p.dtype)))
+            t = state[name] = _like(p, np.full(p.shape, fill, numpy_dtype(p.dtype)))
         return t
 
     def state_dict(self) -> dict[str, Any]:
@@ -265,3 +265,62 @@ class AdamW(Adam):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
+
+
+class RMSprop(Optimizer):
+    """RMSprop (Hinton's lecture 6e) as torch computes it: the gradient is divided by the
+    root of a running mean of its square (centered: minus the square of its running mean),
+    plus eps; with momentum, that quotient feeds a momentum buffer. lr and momentum enter
+    the program as numbers of the step, so a schedule may change them (OneCycleLR cycles
+    the momentum)."""
+
+    def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
+                 momentum: float = 0.0, centered: bool = False):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      centered=centered))
+
+    def _scalars(self, group, step):
+        return {"lr": group["lr"], "momentum": group["momentum"]}
+
+    def _update(self, p, group, state, s):
+        alpha, g = group["alpha"], p.grad
+        if group["weight_decay"]:
+            g = F.add(g, F.mul(p, group["weight_decay"]))
+        sq = F.add(F.mul(self._state(state, "square_avg", p), alpha), F.mul(F.mul(g, g), 1 - alpha))
+        new_state = {"square_avg": sq}
+        if group["centered"]:
+            mean = self._state(state, "grad_avg", p)
+            mean = new_state["grad_avg"] = F.add(mean, F.mul(F.sub(g, mean), 1 - alpha))  # torch's lerp
+            sq = F.sub(sq, F.mul(mean, mean))
+        step = F.div(g, F.add(F.sqrt(sq), group["eps"]))
+        if group["momentum"] > 0:
+            step = new_state["momentum_buffer"] = F.add(F.mul(self._state(state, "momentum_buffer", p),
+                                                              s["momentum"]), step)
+        return F.sub(p, F.mul(step, s["lr"])), new_state
+
+
+class Adagrad(Optimizer):
+    """Adagrad (Duchi et al., 2011) as torch computes it: the gradient is divided by the
+    root of the sum of its squares so far (started at initial_accumulator_value) plus eps,
+    at a learning rate lr / (1 + (step - 1) * lr_decay). As in torch, each parameter's
+    state is made with the optimizer, so state_dict() holds it before the first step."""
+
+    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10):
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps))
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.setdefault(id(p), {"step": 0})
+                self._state(state, "sum", p, group["initial_accumulator_value"])
+
+    def _scalars(self, group, step):
+        return {"clr": group["lr"] / (1 + (step - 1) * group["lr_decay"])}
+
+    def _update(self, p, group, state, s):
+        g = p.grad
+        if group["weight_decay"]:
+            g = F.add(g, F.mul(p, group["weight_decay"]))
+        total = F.add(self._state(state, "sum", p, group["initial_accumulator_value"]), F.mul(g, g))
+        step = F.div(g, F.add(F.sqrt(total), group["eps"]))
+        return F.sub(p, F.mul(step, s["clr"])), {"sum": total}

@@ -25,6 +25,7 @@ A plan reads DTM_DEBUG when it is built (reading the environment costs a small r
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import sys
@@ -714,4 +715,42 @@ class CpuBackend:
         return self.plans.get(module, func).run(inputs, donated=donated)
 
 
-__all__ = ["CpuBackend", "Plan", "PlanCache", "ModuleHashes", "STATS", "TensorType"]
+# The OpenMP runtimes kernels link: GCC's (-fopenmp, build.py), else LLVM's (CC=clang).
+_OPENMP_LIBRARIES = ("libgomp.so.1", "libomp.so")
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime library the kernels use (loaded once; the process shares it with
+    every kernel by its name), or None when neither is installed."""
+    for name in _OPENMP_LIBRARIES:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def set_num_threads(n: int) -> None:
+    """torch.set_num_threads: the cpu backend's kernels launched from now on use at most n
+    OpenMP threads. OMP_NUM_THREADS covers a runtime not loaded yet (its default for every
+    thread, and for child processes); omp_set_num_threads, the thread calling this, which is
+    the one that launches a single device's kernels (an L0 mesh's device threads keep theirs)."""
+    if int(n) < 1:
+        raise DTMError(E.ATTRIBUTE_VALUE, f"set_num_threads: expected a positive number of threads, found {n}")
+    os.environ["OMP_NUM_THREADS"] = str(int(n))
+    lib = _openmp()
+    if lib is not None:
+        lib.omp_set_num_threads(ctypes.c_int(int(n)))
+
+
+def get_num_threads() -> int:
+    """torch.get_num_threads: the OpenMP threads a kernel launched from this thread may use."""
+    lib = _openmp()
+    if lib is None:
+        return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    return int(lib.omp_get_max_threads())
+
+
+__all__ = ["CpuBackend", "Plan", "PlanCache", "ModuleHashes", "STATS", "TensorType", "set_num_threads",
+           "get_num_threads"]

@@ -19,7 +19,7 @@ from ..compiler.spmd import FREE, propagate_shardings, resolve_free
 from ..errors import ErrorCode, user_error as error
 from ..ir import DType
 from ..ir.attrs import normalize_attrs
-from ..ir.dtypes import from_numpy as dtype_of_numpy
+from ..ir.dtypes import from_numpy as dtype_of_numpy, numpy_dtype
 from ..ir.module import Func, Module, Op, Value
 from ..ir.registry import REGISTRY
 from ..ir.typerules import TypeRuleError
@@ -324,6 +324,21 @@ class Tensor:
         t._placements = self._placements
         return t
 
+    def retain_grad(self) -> None:
+        """Have backward() fill this non-leaf's .grad too, as torch's retain_grad does: the
+        tensor becomes its own value plus a zero leaf that requires grad (a `_GradProbe`),
+        whose gradient, d(loss)/d(self), lands in this tensor's .grad. Every use of the
+        tensor goes through the sum, those recorded before too. A leaf: nothing to do."""
+        if not self.requires_grad:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, "retain_grad(): this tensor does not require grad")
+        if self._op is None or any(type(i) is _GradProbe for i in self._inputs):
+            return
+        same = Tensor(self._type, self._op, self._inputs, self._attrs, self._buffer, requires_grad=True)
+        probe = _GradProbe(self)
+        self._op, self._inputs, self._attrs = "add", (same, probe), {}
+        same._add_user(self)
+        probe._add_user(self)
+
     def __deepcopy__(self, memo: dict) -> "Tensor":
         """copy.deepcopy: a leaf of the same class (a Parameter stays one) with its own copy
         of the value, requires_grad and .grad; as in torch, only graph leaves copy."""
@@ -388,6 +403,25 @@ class Tensor:
         """"tensor f32[8, 4]", with the placements of a distributed tensor when known."""
         layout = f" {list(self._placements)}" if self._placements is not None else ""
         return f"tensor {self._type}{layout}"
+
+
+class _GradProbe(Tensor):
+    """The zero leaf retain_grad() adds to a tensor: its gradient is the tensor's, so its
+    .grad is the tensor's .grad (backward() accumulates into it as into any leaf's)."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, target: Tensor):
+        self._target = target  # first: Tensor.__init__ sets .grad
+        super().__init__(target._type, buffer=np.zeros(target.shape, numpy_dtype(target.dtype)), requires_grad=True)
+
+    @property
+    def grad(self) -> Tensor | None:
+        return self._target.grad
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        self._target.grad = value
 
 
 # --- recording ops ------------------------------------------------------------------------

@@ -375,6 +375,15 @@ def multinomial(input: Tensor, num_samples: int, replacement: bool = False,  # n
     return F.narrow(argsort(race, -1), -1, 0, num_samples)
 
 
+def randperm(n: int, generator: Generator | None = None, dtype: Any = int64, requires_grad: bool = False) -> Tensor:
+    """torch.randperm: a random permutation of 0..n-1, the order of n uniform draws (every
+    permutation equally likely, ties having probability ~0); torch's distribution, not its numbers."""
+    if n < 0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"randperm: n must be non-negative, found {n}")
+    out = F.cast(argsort(_uniform((n,), generator)), dtype)
+    return out.requires_grad_(True) if requires_grad else out
+
+
 def _type(x: Tensor, dtype: Any = None, non_blocking: bool = False) -> Any:
     """Tensor.type: with no dtype, the tensor type's name ('dtm.FloatTensor', torch's
     names under dtm); with one (a dtype, or such a name, torch's or dtm's), a cast."""
@@ -399,4 +408,4 @@ for _name, _fn in _METHODS.items():
     setattr(Tensor, _name, _fn)
 
 __all__ = ["cumsum", "argsort", "sort", "topk", "bmm", "outer", "einsum", "isnan", "isclose", "allclose", "any",
-           "all", "norm", "repeat", "unbind", "linspace", "empty", "multinomial", "SortResult"]
+           "all", "norm", "repeat", "unbind", "linspace", "empty", "multinomial", "randperm", "SortResult"]

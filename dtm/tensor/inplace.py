@@ -15,33 +15,37 @@ function applied to an iota of the base's shape); then every live view of the ba
 rebound to its function of the base's new value. A leaf that holds a value and requires
 grad (a parameter) is updated as an optimizer updates it (`assign`): under `no_grad` only,
 as in torch; inside `dtm.jit` as the traced step's `assign` effect, after which the step
-may not read it again (E0207, not a stale value).
+may not read it again (E0207, not a stale value). `t.data` is a view too, detached: a write
+through it changes t as an optimizer's update does, outside autograd.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import functional as F
 from ..errors import ErrorCode
-from .core import STATE, Tensor, assign, error, is_grad_enabled, weak_append
+from .core import STATE, Tensor, assign, error, is_grad_enabled, no_grad, weak_append
 from .creation import full_like, rand, randn, zeros_like
 
 
 # --- views ----------------------------------------------------------------------------------
 
-def _as_view(out: Tensor, x: Tensor, fn: Callable[[Tensor], Tensor], writable: bool = True) -> Tensor:
-    """Mark `out`, which is fn(x), a view of x's root base (composing x's own view function)."""
+def _as_view(out: Tensor, x: Tensor, fn: Callable[[Tensor], Tensor], writable: bool = True,
+             detached: bool = False) -> Tensor:
+    """Mark `out`, which is fn(x), a view of x's root base (composing x's own view function).
+    A detached view (`.data`, and views of it) writes to its base outside autograd."""
     if out is x:  # a view that changes nothing (a reshape to the same shape) is the tensor itself
         return out
     if x._view is not None:
-        base, inner, ok = x._view
-        out._view = (base, lambda b: fn(inner(b)), ok and writable)
+        base, inner, ok, free = x._view
+        out._view = (base, lambda b: fn(inner(b)), ok and writable, free or detached)
     else:
         base = x
-        out._view = (base, fn, writable)
+        out._view = (base, fn, writable, detached)
     base._views = weak_append(base._views, out)
     return out
 
@@ -71,6 +75,19 @@ def _getitem(self: Tensor, index: Any) -> Tensor:
     return _as_view(out, self, lambda b: F.getitem(b, index)) if _basic(index) else out
 
 
+def _data(self: Tensor) -> Tensor:
+    """Tensor.data: the value without gradient history, sharing it as torch's does: an
+    in-place write to it (p.data.mul_(0.5), p.data[0] = 1) changes the tensor, even a
+    parameter outside no_grad, and records no gradient."""
+    return _as_view(self.detach(), self, Tensor.detach, detached=True)
+
+
+def _set_data(self: Tensor, value: Any) -> None:
+    """`t.data = v`: t takes v's value in place, outside autograd. Unlike torch, in t's own
+    dtype and shape (v broadcast to it)."""
+    write(_data(self), value, "t.data = value")
+
+
 # --- writes ---------------------------------------------------------------------------------
 
 def _castable(src, dst) -> bool:
@@ -95,12 +112,14 @@ def write(t: Tensor, new: Tensor, op: str = "in-place op") -> Tensor:
     if t._view is None:
         _set(t, new, op)
         return t
-    base, fn, writable = t._view
+    base, fn, writable, detached = t._view
     if not writable:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"{op}: this view repeats elements of its base (expand), so an "
                     "in-place write is ambiguous; torch refuses it too (clone() it first)")
-    positions = fn(F.reshape(F._iota((base.numel(),), 0), base.shape))
-    _set(base, F._scatter_into(base, positions, new), op)
+    if fn is not Tensor.detach:  # (.data itself covers its whole base: no scatter)
+        new = F._scatter_into(base, fn(F.reshape(F._iota((base.numel(),), 0), base.shape)), new)
+    with no_grad() if detached else nullcontext():
+        _set(base, new, op)
     return t
 
 
@@ -177,7 +196,8 @@ _METHODS = {"add_": F.add, "sub_": F.sub, "mul_": F.mul, "div_": F.div, "pow_": 
             "sigmoid_": F.sigmoid, "tanh_": F.tanh, "floor_": F.floor, "ceil_": F.ceil, "round_": F.round,
             "clamp_": F.clamp, "clip_": F.clamp, "relu_": F.relu, "masked_fill_": F.masked_fill,
             "lerp_": lambda x, end, w: F.add(x, F.mul(F.sub(end, x), w)),
-            "zero_": _zero, "fill_": _fill, "copy_": _copy, "uniform_": _uniform, "normal_": _normal}
+            "zero_": _zero, "fill_": _fill, "copy_": _copy, "uniform_": _uniform, "normal_": _normal,
+            "index_add_": F.index_add, "scatter_": F.scatter}
 _VIEWS = {"view": (F.reshape, None), "reshape": (F.reshape, None), "flatten": (F.flatten, None),
           "squeeze": (F.squeeze, None), "unsqueeze": (F.unsqueeze, None), "permute": (F.permute, None),
           "transpose": (F.transpose, None), "narrow": (F.narrow, None), "expand": (F.expand, _expanded)}
@@ -195,6 +215,7 @@ def install() -> None:
     Tensor.mT = property(_view_method(lambda x: F.transpose(x, -2, -1)))
     Tensor.__getitem__ = _getitem
     Tensor.__setitem__ = _setitem
+    Tensor.data = property(_data, _set_data)
 
 
 install()
