@@ -279,8 +279,74 @@ def test_store_messages_bytes_as_the_spec_tables_lay_them_out():
 def test_levels_imply_the_capabilities_of_spec_8_2():
     spec_order = ["CAP_IR", "CAP_EXEC", "CAP_LOCAL_COLLECTIVES", "CAP_MEMBERSHIP", "CAP_WIRE_COLLECTIVES", "CAP_P2P",
                   "CAP_STORE", "CAP_TASKS", "CAP_QUANT", "CAP_CKPT", "CAP_CANCEL", "CAP_CHECKSUMS", "CAP_QUOTAS",
-                  "CAP_RESIZE"]
-    assert cap_names(2**64 - 1) == spec_order and [int(c) for c in Cap] == [1 << i for i in range(14)]
+                  "CAP_RESIZE", "CAP_WORKER_ROWS"]
+    assert cap_names(2**64 - 1) == spec_order and [int(c) for c in Cap] == [1 << i for i in range(15)]
     assert [len(cap_names(level_caps(n))) for n in range(4)] == [3, 6, 9, 14]
     with pytest.raises(ValueError):
         level_caps(4)
+
+
+# --- a Heartbeat's optional worker rows (spec 9.1.5, issue 29) --------------------------------------
+
+from dtm.cluster.activity import Row  # noqa: E402
+from dtm.cluster.heartbeat import worker_rows  # noqa: E402
+from dtm.protocol.messages import MAX_WORKERS, WorkerRow  # noqa: E402
+
+ROWS = (WorkerRow("ingest 1", 97.5, 3 << 20, 12, 4096, 8192, "file 12/50"),
+        WorkerRow("task 2", 0.0, 1 << 20, 0, 0, 0, ""))
+HB_WORKERS = Heartbeat(3, 187.5, 512 << 20, 1 << 33, 12345, 99, "ingest", ROWS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.builds(WorkerRow, text.filter(bool), st.floats(0, 1e6), u64, u64, u64, u64, text),
+                min_size=0, max_size=4, unique_by=lambda w: w.name), u64)
+def test_heartbeat_round_trips_with_and_without_worker_rows(rows, epoch):
+    msg = Heartbeat(1, 5.0, 1, 2, 3, 4, "op", tuple(rows))
+    frame = encode_message(msg, epoch=epoch, stream=0, seq=0)
+    [(header, payload)] = FrameDecoder(check_seq=True).feed(frame)
+    assert decode_message(header, payload) == msg
+    as_json = json.loads(json.dumps(frame_to_json(header, payload)))
+    assert ("workers" in as_json["message"]) == bool(rows)  # a 1.0 Heartbeat's JSON is unchanged
+    assert Heartbeat.from_json(as_json["message"]) == msg and encode_from_json(as_json) == frame
+
+
+def test_a_heartbeat_without_workers_has_the_1_0_bytes_and_a_1_0_reader_reads_it():
+    plain = Heartbeat(3, 187.5, 512 << 20, 1 << 33, 12345, 99, "ingest")
+    fixed = struct.pack("<Id4Q", 3, 187.5, 512 << 20, 1 << 33, 12345, 99) + struct.pack("<H", 6) + b"ingest"
+    assert plain.encode() == fixed                                  # no section: byte for byte 1.0
+    assert HB_WORKERS.encode().startswith(fixed)                    # the rows come after every 1.0 field
+    assert HB_WORKERS.without_workers() == plain                    # what a coordinator relays
+    # A reader of 1.0 layouts refuses the section as trailing bytes: why a rank sends it only to
+    # a peer that announced CAP_WORKER_ROWS, a bit no level implies.
+    with pytest.raises(ProtocolError) as e:
+        Leave.decode(Leave(1, "x").encode() + HB_WORKERS.encode()[len(fixed):])
+    assert e.value.code is E.BAD_PAYLOAD
+    assert not any(level_caps(n) & Cap.WORKER_ROWS for n in range(4))
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: Heartbeat(1, 0.0, 0, 0, 0, 0, "", tuple(WorkerRow(f"w{i}", 0.0, 0, 0, 0, 0, "")
+                                                     for i in range(MAX_WORKERS + 1))), "65 worker rows, at most 64"),
+    (lambda: Heartbeat(1, 0.0, 0, 0, 0, 0, "", (WorkerRow("w" * 65, 0.0, 0, 0, 0, 0, ""),)), "over 64 UTF-8 bytes"),
+    (lambda: Heartbeat(1, 0.0, 0, 0, 0, 0, "", (WorkerRow("w", 0.0, 0, 0, 0, 0, "s" * 201),)), "over 200 UTF-8"),
+    (lambda: Heartbeat(1, 0.0, 0, 0, 0, 0, "", (ROWS[0], ROWS[0])), "a worker name repeats"),
+    (lambda: Heartbeat(1, 0.0, 0, 0, 0, 0, "", (WorkerRow("", 0.0, 0, 0, 0, 0, ""),)), "name is empty"),
+])
+def test_oversized_worker_rows_are_refused(make, fragment):
+    with pytest.raises(ProtocolError) as e:
+        make()
+    assert e.value.code is E.BAD_PAYLOAD and fragment in str(e.value)
+
+
+@pytest.mark.parametrize("count", [0, MAX_WORKERS + 1])
+def test_a_worker_count_of_0_or_past_the_limit_is_e0910(count):
+    head = Heartbeat(1, 0.0, 0, 0, 0, 0, "").encode()
+    with pytest.raises(ProtocolError) as e:
+        Heartbeat.decode(head + bytes([count]) + bytes(44 * count))
+    assert e.value.code is E.BAD_PAYLOAD
+
+
+def test_a_rank_cuts_its_rows_to_the_bounds():
+    rows = worker_rows([Row(f"w{i:03d}", 1.0) for i in range(MAX_WORKERS + 5)] + [Row("a" * 100, state="s" * 300)])
+    assert len(rows) == MAX_WORKERS and rows[0].name == "a" * 64 and len(rows[0].state) == 200
+    Heartbeat(0, 0.0, 0, 0, 0, 0, "", rows)  # what it cut is valid

@@ -166,3 +166,87 @@ def test_dtm_top_live_in_tmux(mesh, tmp_path):
         assert "ingest: 42/50" in screen and "member" in screen, screen
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], timeout=10)
+
+
+# --- helper workers as rows of their own (issue 29) ------------------------------------------------
+
+def _worker_samples(url: str) -> dict[tuple[str, str, str], float]:
+    """(series, rank, worker) -> value of every `dtm_worker_*` sample."""
+    return {(s.name, s.labels["rank"], s.labels["worker"]): s.value
+            for f in text_string_to_metric_families(_get(url)) for s in f.samples if "worker" in s.labels}
+
+
+def _wait_until(cond, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_each_worker_is_a_series_with_rank_and_worker_labels(mesh):
+    url = mesh.metrics.url
+    s = _wait_until(lambda: _worker_samples(url) or None, "worker series")
+    assert s[("dtm_worker_cpu_percent", "0", "w0 1")] == 100.0
+    assert s[("dtm_worker_rss_bytes", "0", "w1 2")] == 1 << 30
+    assert {w for (_, _, w) in s} == {"w0 1", "w1 2"}
+    assert {n for (n, _, _) in s} >= {"dtm_worker_ops_total", "dtm_worker_sent_bytes_total",
+                                      "dtm_worker_received_bytes_total", "dtm_worker_info"}
+
+
+def test_dtm_top_once_shows_a_row_per_worker_under_its_rank(mesh):
+    _wait_until(lambda: _worker_samples(mesh.metrics.url), "worker series")
+    r = CliRunner().invoke(main, ["top", "--once"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    rank_line = next(i for i, line in enumerate(lines) if "ingest: 42/50 files" in line)
+    w0 = next(i for i, line in enumerate(lines) if "w0 1" in line)
+    w1 = next(i for i, line in enumerate(lines) if "w1 2" in line)
+    assert rank_line < w0 < w1
+    assert "2.0 GiB" in lines[w0] and "1.0 GiB" in lines[w1]
+
+
+def test_a_dropped_worker_leaves_the_metrics(mesh):
+    url = mesh.metrics.url
+    _wait_until(lambda: _worker_samples(url), "worker series")
+    activity().drop_worker("w0 1")
+    _wait_until(lambda: {w for (_, _, w) in _worker_samples(url)} == {"w1 2"}, "w0 1 gone")
+
+
+def test_too_many_workers_are_cut_to_the_spec_bound(mesh):
+    from dtm.protocol.messages import MAX_WORKER_NAME_BYTES, MAX_WORKERS
+
+    long_name = "a" * 300  # sorts first: kept, its name cut
+    for i in range(MAX_WORKERS + 10):
+        activity().report_worker(Row(f"extra {i:03d}", 1.0, 1 << 20, ops=i))
+    activity().report_worker(Row(long_name, 1.0, 1 << 20))
+    url = mesh.metrics.url
+    names = _wait_until(lambda: {w for (n, _, w) in _worker_samples(url) if n == "dtm_worker_info"}
+                        if len(_worker_samples(url)) > 12 else None, "the extra workers")
+    assert len(names) == MAX_WORKERS                   # the first 64 by name; the rest stay in the totals
+    assert "a" * MAX_WORKER_NAME_BYTES in names and "extra 000" in names and "w0 1" not in names
+    assert all(len(n.encode()) <= MAX_WORKER_NAME_BYTES for n in names)
+
+
+def test_a_process_task_lane_reports_its_worker_and_drops_it():
+    from dtm.tasks.watch import forget, watched
+
+    class Proc:  # what the lane's WorkerProcess offers: its Popen and its name
+        def __init__(self, child: subprocess.Popen):
+            self.proc, self.name = child, f"process 0.1 (pid {child.pid})"
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    proc = Proc(child)
+    try:
+        watched(proc).finished(4096, 1024)
+        watched(proc).tick(time.monotonic(), "task load")
+        row = activity().workers[proc.name]
+        assert (row.ops, row.received_bytes, row.sent_bytes, row.state) == (1, 4096, 1024, "task load")
+        assert row.rss_bytes > 0                            # read from the child's /proc
+        forget(proc)
+        assert proc.name not in activity().workers
+    finally:
+        child.kill()
+        child.wait()

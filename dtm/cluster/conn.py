@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import DTMError, ErrorCode as E
-from ..protocol.caps import level_caps
+from ..protocol.caps import Cap, level_caps
 from ..protocol.errors import ProtocolError
 from ..protocol.frame import Buffer, FrameDecoder, MsgType
 from ..protocol.handshake import CONTROL_STREAM, Handshake
@@ -21,6 +21,9 @@ from ..protocol.messages import Error, Message, decode_message, encode_message
 log = logging.getLogger("dtm.cluster")
 
 LEVEL = 1  # membership is level L1 (spec 8.1)
+# Both sides read a Heartbeat's worker rows (spec 9.1.5); a rank sends them only to a
+# coordinator that announced this too.
+CAPS = int(level_caps(LEVEL) | Cap.WORKER_ROWS)
 
 
 class Control:
@@ -30,7 +33,7 @@ class Control:
 
     def __init__(self, role: str, token: bytes, *, rank: int = -1, name: str = "", max_payload: int,
                  peer: str = "the peer"):
-        self.hs = Handshake(role, token, level=LEVEL, caps=int(level_caps(LEVEL)), rank=rank, name=name,
+        self.hs = Handshake(role, token, level=LEVEL, caps=CAPS, rank=rank, name=name,
                             max_payload=max_payload)
         self.decoder = FrameDecoder(max_payload=max_payload, check_seq=True)
         self.epoch = 0     # stamped on every frame this side sends
@@ -61,6 +64,11 @@ class Control:
         while self.decoder.discarded:
             log.warning("dropped a frame from %s: %s", self.peer, self.decoder.discarded.pop(0))
         return b"".join(reply), messages
+
+    @property
+    def peer_reads_worker_rows(self) -> bool:
+        """Whether the peer's Hello announced CAP_WORKER_ROWS (after the handshake)."""
+        return self.hs.peer is not None and bool(self.hs.peer.caps & Cap.WORKER_ROWS)
 
     def encode(self, msg: Message, *, flags: int = 0) -> bytes:
         """`msg`'s frame, numbered next on the control stream (after the handshake)."""

@@ -404,9 +404,10 @@ class Coordinator:
     def _beat(self, c: _Conn, hb: Heartbeat) -> None:
         if hb.rank != c.rank:
             raise DTMError(E.UNEXPECTED_MESSAGE, f"a Heartbeat for rank {hb.rank} on the connection of rank {c.rank}")
-        c.last_beat, c.last_heard = hb, time.monotonic()
+        c.last_beat, c.last_heard = hb, time.monotonic()  # its worker rows too: kept per rank for the metrics
+        relayed = hb.without_workers()  # members want a peer's last operation, not its helpers (spec 9.6.4)
         for o in self._members():
-            self._send(o, o.control.encode(hb, flags=FLAG_RELAYED))
+            self._send(o, o.control.encode(relayed, flags=FLAG_RELAYED))
 
     def _leave(self, c: _Conn, msg: Leave) -> None:
         if c.state == JOINED:  # before the view: its place is free again

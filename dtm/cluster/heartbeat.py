@@ -14,9 +14,12 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..protocol.messages import Heartbeat
+from ..protocol.messages import MAX_WORKER_NAME_BYTES, MAX_WORKER_STATE_BYTES, MAX_WORKERS, Heartbeat, WorkerRow, \
+    cut_utf8
+from .activity import Row
 
 HEARTBEAT_MS = 500   # default interval (DTM_HEARTBEAT_MS)
 TIMEOUT_MS = 5000    # default silence after which a rank is lost (DTM_HEARTBEAT_TIMEOUT_MS)
@@ -41,6 +44,7 @@ class Figures:
     # activity.py): their CPU and memory count as this rank's.
     helper_cpu_percent: float = 0.0
     helper_rss_bytes: int = 0
+    workers: tuple[Row, ...] = ()   # those helpers one by one, for their own rows in `dtm top`
 
 
 FiguresFn = Callable[[], Figures]
@@ -70,6 +74,22 @@ class ProcessStats:
         return max(pct, 0.0)
 
 
-def heartbeat(rank: int, stats: ProcessStats, figures: Figures) -> Heartbeat:
+def worker_rows(rows: Iterable[Row]) -> tuple[WorkerRow, ...]:
+    """`rows` as a Heartbeat carries them, cut to its bounds (spec 9.1.5): the first
+    MAX_WORKERS by name, names and states cut to their byte limits. Cutting here, not
+    refusing, keeps a rank with too many helpers heartbeating (its totals still count all)."""
+    out: dict[str, WorkerRow] = {}
+    for r in sorted(rows, key=lambda r: r.name):
+        name = cut_utf8(r.name, MAX_WORKER_NAME_BYTES)
+        if name and name not in out and len(out) < MAX_WORKERS:
+            out[name] = WorkerRow(name, max(r.cpu_percent, 0.0), r.rss_bytes, r.ops, r.sent_bytes, r.received_bytes,
+                                  cut_utf8(r.state, MAX_WORKER_STATE_BYTES))
+    return tuple(out.values())
+
+
+def heartbeat(rank: int, stats: ProcessStats, figures: Figures, *, with_workers: bool = False) -> Heartbeat:
+    """This rank's Heartbeat now; its helpers' rows only `with_workers` (the coordinator
+    announced CAP_WORKER_ROWS)."""
     return Heartbeat(rank, stats.cpu_percent() + figures.helper_cpu_percent, rss_bytes() + figures.helper_rss_bytes,
-                     figures.bytes_sent, figures.bytes_received, figures.ops_done, figures.last_op[:1000])
+                     figures.bytes_sent, figures.bytes_received, figures.ops_done, figures.last_op[:1000],
+                     worker_rows(figures.workers) if with_workers else ())

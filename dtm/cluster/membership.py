@@ -199,7 +199,8 @@ class Membership:
                 now = time.monotonic()
                 if now >= next_beat:
                     self._sock.settimeout(self.timeout_s)  # a coordinator that does not read is not waited for
-                    self._sock.sendall(self._control.encode(heartbeat(self.rank, stats, self._figures())))
+                    beat = heartbeat(self.rank, stats, self._figures(), with_workers=self._control.peer_reads_worker_rows)
+                    self._sock.sendall(self._control.encode(beat))
                     next_beat = now + self.heartbeat_s
                 if now - heard > self.timeout_s:
                     return self._silent(now - heard)

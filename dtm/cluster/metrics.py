@@ -6,8 +6,9 @@
 
 Every scrape reads the coordinator's last heartbeat of each rank (no copies kept): one gauge
 or counter per figure, labelled by rank, plus `dtm_rank_info` whose labels carry the rank's
-membership state and last operation. Throughput is not served: a viewer takes it from the
-counters' deltas (Prometheus's `rate()`, `dtm top`).
+membership state and last operation; and one series per helper worker of a rank (labels
+`rank` and `worker`) from the worker rows of its last heartbeat. Throughput is not served: a
+viewer takes it from the counters' deltas (Prometheus's `rate()`, `dtm top`).
 
 While it serves, the server names itself in a job file (jobfile.py) so that `dtm top` on this
 machine finds it without being told the port.
@@ -27,7 +28,7 @@ from ..errors import DTMError, ErrorCode as E
 from . import jobfile
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from .coordinator import Coordinator, RankStatus
 
 log = logging.getLogger("dtm.cluster")
 
@@ -58,7 +59,8 @@ class _Collector:
             "info": GaugeMetricFamily("dtm_rank_info", "1 for each rank; labels: membership state and last "
                                       "operation", labels=["rank", "state", "last_op", "name"]),
         }
-        for r in c.ranks():
+        ranks = c.ranks()
+        for r in ranks:
             rank = str(r.rank)
             hb = r.beat
             fams["info"].add_metric([rank, r.state, hb.last_op if hb else "", r.name], 1)
@@ -71,6 +73,27 @@ class _Collector:
             fams["sent"].add_metric([rank], hb.bytes_sent)
             fams["recv"].add_metric([rank], hb.bytes_received)
         yield from fams.values()
+        yield from _worker_families(ranks)
+
+
+def _worker_families(ranks: "list[RankStatus]") -> list[Metric]:
+    """One series per helper worker of each rank (labels `rank`, `worker`), from the worker
+    rows of the rank's last heartbeat: a worker that ended is gone at the rank's next one."""
+    labels = ["rank", "worker"]
+    fams = [GaugeMetricFamily("dtm_worker_cpu_percent", "a helper worker's CPU use, percent of one core", labels=labels),
+            GaugeMetricFamily("dtm_worker_rss_bytes", "a helper worker's resident memory", labels=labels),
+            CounterMetricFamily("dtm_worker_ops", "files or tasks a helper worker finished", labels=labels),
+            CounterMetricFamily("dtm_worker_sent_bytes", "bytes a helper worker wrote", labels=labels),
+            CounterMetricFamily("dtm_worker_received_bytes", "bytes a helper worker read", labels=labels)]
+    info = GaugeMetricFamily("dtm_worker_info", "1 for each helper worker; label: its state",
+                             labels=[*labels, "state"])
+    for r in ranks:
+        for w in r.beat.workers if r.beat is not None else ():
+            key = [str(r.rank), w.name]
+            for fam, value in zip(fams, (w.cpu_percent, w.rss_bytes, w.ops, w.bytes_sent, w.bytes_received)):
+                fam.add_metric(key, value)
+            info.add_metric([*key, w.state], 1)
+    return [*fams, info]
 
 
 def _address(host: str, port: int) -> str:

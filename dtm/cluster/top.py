@@ -2,7 +2,9 @@
 
 It reads the coordinator's Prometheus endpoint (metrics.py) about once a second and shows a
 row per rank: CPU %, resident memory, operations done and their rate, bytes sent and received
-and their rate, membership state and last operation, and how long ago the rank was last heard.
+and their rate, membership state and last operation, and how long ago the rank was last heard;
+under each rank, indented, a row per helper worker it reported (ingest or process-task
+workers: CPU, RSS, files or tasks, bytes and MB/s, state).
 Rates come from the deltas between two scrapes, so the first frame shows none.
 
     address = find_local()                  # the newest live job file (jobfile.py), or None
@@ -56,6 +58,8 @@ def parse(text: str, at: float) -> Snapshot:
                 size = int(s.value)
             elif s.name == "dtm_mesh_epoch":
                 epoch = int(s.value)
+            elif "worker" in s.labels:
+                _worker_sample(rows, s.labels, s.name, s.value)
             elif "rank" in s.labels:
                 row = rows.setdefault(s.labels["rank"], Row(s.labels["rank"]))
                 if s.name == "dtm_rank_info":
@@ -63,8 +67,31 @@ def parse(text: str, at: float) -> Snapshot:
                 elif s.name in fields:
                     kind = float if fields[s.name] in ("cpu_percent", "age_s") else int
                     setattr(row, fields[s.name], kind(s.value))
-    ordered = dict(sorted(rows.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0]))
+    ordered = dict(sorted(rows.items(), key=lambda kv: _order(kv[0])))
     return Snapshot(at, ordered, f"mesh of {size} rank(s), epoch {epoch}")
+
+
+# metrics.py's per-worker series and the Row field each fills.
+_WORKER_FIELDS = {"dtm_worker_cpu_percent": "cpu_percent", "dtm_worker_rss_bytes": "rss_bytes",
+                  "dtm_worker_ops_total": "ops", "dtm_worker_sent_bytes_total": "sent_bytes",
+                  "dtm_worker_received_bytes_total": "received_bytes"}
+
+
+def _worker_sample(rows: dict[str, Row], labels: dict[str, str], name: str, value: float) -> None:
+    """Put one `dtm_worker_*` sample in its worker's row, keyed `RANK/WORKER` so that it
+    sorts under its rank (`_order`), and named indented as the rank's child."""
+    rank, worker = labels.get("rank", ""), labels["worker"]
+    row = rows.setdefault(f"{rank}/{worker}", Row(f"  {worker}"))
+    if name == "dtm_worker_info":
+        row.state = labels.get("state", "")
+    elif name in _WORKER_FIELDS:
+        setattr(row, _WORKER_FIELDS[name], float(value) if name == "dtm_worker_cpu_percent" else int(value))
+
+
+def _order(key: str) -> tuple[int, str, str]:
+    """Ranks in numeric order, each followed by its workers by name."""
+    rank, _, worker = key.partition("/")
+    return (int(rank), "", worker) if rank.isdigit() else (-1, rank, worker)
 
 
 def scrape(address: str, timeout: float = SCRAPE_TIMEOUT_S) -> Snapshot:

@@ -14,7 +14,8 @@ from .frame import (EPOCH_EXEMPT, FLAG_COMPRESSED, FLAG_LAST, FLAG_RELAYED, HEAD
                     FrameDecoder, FrameHeader, MsgType, decode_header, encode_frame, encode_header, verify_payload)
 from .caps import Cap, cap_names, level_caps
 from .messages import (DATA_HEADER_SIZE, MESSAGES, Cancel, CollectiveStart, Data, Error, Heartbeat, Hello, JoinMesh,
-                       Leave, Member, MeshView, Message, P2PSend, decode_message, encode_message, frame_parts)
+                       Leave, Member, MeshView, Message, P2PSend, WorkerRow, decode_message, encode_message,
+                       frame_parts)
 from .handshake import SPOKEN, Handshake, check_answer, hmac_answer, negotiate
 
 __all__ = [
@@ -22,7 +23,7 @@ __all__ = [
     "MAGIC", "HEADER_SIZE", "MAX_PAYLOAD", "PROTOCOL_VERSION", "FLAG_LAST", "FLAG_COMPRESSED", "FLAG_RELAYED", "EPOCH_EXEMPT",
     "MsgType", "FrameHeader", "encode_header", "encode_frame", "decode_header", "verify_payload", "FrameDecoder",
     "Cap", "cap_names", "level_caps",
-    "Message", "Hello", "JoinMesh", "Member", "MeshView", "Heartbeat", "Leave", "CollectiveStart", "Data", "P2PSend",
-    "Error", "Cancel", "MESSAGES", "DATA_HEADER_SIZE", "frame_parts", "encode_message", "decode_message",
+    "Message", "Hello", "JoinMesh", "Member", "MeshView", "Heartbeat", "WorkerRow", "Leave", "CollectiveStart", "Data",
+    "P2PSend", "Error", "Cancel", "MESSAGES", "DATA_HEADER_SIZE", "frame_parts", "encode_message", "decode_message",
     "SPOKEN", "Handshake", "negotiate", "hmac_answer", "check_answer",
 ]

@@ -24,6 +24,9 @@ class Cap(enum.IntFlag):
     CHECKSUMS = 1 << 11
     QUOTAS = 1 << 12
     RESIZE = 1 << 13
+    # Not implied by a level: the peer reads a Heartbeat's worker section (spec 9.1.5), an
+    # addition to 1.0 that a peer reading 1.0 layouts would refuse as trailing bytes.
+    WORKER_ROWS = 1 << 14
 
 
 _NEW_AT_LEVEL = (

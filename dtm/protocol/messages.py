@@ -338,15 +338,73 @@ class MeshView(Message):
         return cls(epoch, hb, timeout, members, axes)
 
 
+# A Heartbeat's optional worker section (spec 9.1.5): bounded so that a Heartbeat with every
+# row at its longest still fits the smallest max_payload a peer may announce (MIN_MAX_PAYLOAD).
+MAX_WORKERS = 64
+MAX_WORKER_NAME_BYTES = 64
+MAX_WORKER_STATE_BYTES = 200
+_WORKER_MIN_BYTES = 2 + 8 * 5 + 2  # a row of empty strings: name, five numbers, state
+
+
+def cut_utf8(s: str, limit: int) -> str:
+    """`s` cut to at most `limit` UTF-8 bytes, never inside a character."""
+    return s.encode("utf-8", "replace")[:limit].decode("utf-8", "ignore")
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """One helper process of a rank (an ingest or process-task worker) in its Heartbeat:
+    what `dtm top` shows in a row of its own under the rank."""
+
+    name: str
+    cpu_percent: float
+    rss_bytes: int
+    ops: int
+    bytes_sent: int
+    bytes_received: int
+    state: str
+
+    def problem(self) -> str | None:
+        """Why this row cannot travel, or None."""
+        return _first(
+            not self.name and "a worker row's name is empty",
+            _str_ok("worker name", self.name) or len(self.name.encode("utf-8")) > MAX_WORKER_NAME_BYTES
+            and f"worker name {self.name[:80]!r} is over {MAX_WORKER_NAME_BYTES} UTF-8 bytes",
+            not (0 <= self.cpu_percent < float("inf")) and f"worker {self.name!r}: cpu_percent {self.cpu_percent} "
+                                                            "is not a finite number >= 0",
+            _str_ok("worker state", self.state) or len(self.state.encode("utf-8")) > MAX_WORKER_STATE_BYTES
+            and f"worker {self.name!r}: state is over {MAX_WORKER_STATE_BYTES} UTF-8 bytes")
+
+    def write(self, w: Writer) -> None:
+        w.str(self.name, "worker name")
+        w.f64(self.cpu_percent, "worker cpu_percent")
+        for name in ("rss_bytes", "ops", "bytes_sent", "bytes_received"):
+            w.u64(getattr(self, name), f"worker {name}")
+        w.str(self.state, "worker state")
+
+    @classmethod
+    def read(cls, r: Reader) -> "WorkerRow":
+        return cls(r.str("worker name"), r.f64("worker cpu_percent"), r.u64("worker rss_bytes"), r.u64("worker ops"),
+                   r.u64("worker bytes_sent"), r.u64("worker bytes_received"), r.str("worker state"))
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "WorkerRow":
+        return cls(obj["name"], float(obj["cpu_percent"]), *(int_from_json(obj[k]) for k in
+                   ("rss_bytes", "ops", "bytes_sent", "bytes_received")), obj["state"])
+
+
 @dataclass(frozen=True)
 class Heartbeat(Message):
     """A rank's periodic sign of life, with what a monitor shows: CPU (percent of one core,
     so above 100 on several), resident memory, bytes moved, collectives completed, and a
-    description of its last operation (named in PeerLost when the rank goes silent)."""
+    description of its last operation (named in PeerLost when the rank goes silent).
+
+    `workers`, the rows of its helper processes, travel in an optional section after
+    `last_op`, written only when there are some: a Heartbeat without them has the bytes of
+    protocol 1.0, and a rank sends them only to a peer that announced CAP_WORKER_ROWS, so
+    a receiver that reads 1.0 layouts never sees one (spec 9.1.5)."""
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
-    WIRE = (("rank", "u32"), ("cpu_percent", "f64"), ("rss_bytes", "u64"), ("bytes_sent", "u64"),
-            ("bytes_received", "u64"), ("ops_done", "u64"), ("last_op", "str"))
     rank: int
     cpu_percent: float
     rss_bytes: int
@@ -354,11 +412,54 @@ class Heartbeat(Message):
     bytes_received: int
     ops_done: int
     last_op: str
+    workers: tuple[WorkerRow, ...] = ()
+
+    _JSON_IN: ClassVar = {"workers": lambda v: tuple(WorkerRow.from_json(w) for w in v)}
 
     def _check(self) -> str | None:
+        names = [w.name for w in self.workers]
         return _first(not (0 <= self.cpu_percent < float("inf")) and f"cpu_percent {self.cpu_percent} is not a "
                                                                     "finite number >= 0",
-                      _str_ok("last_op", self.last_op))
+                      _str_ok("last_op", self.last_op),
+                      len(self.workers) > MAX_WORKERS and f"{len(self.workers)} worker rows, at most {MAX_WORKERS}",
+                      len(set(names)) != len(names) and "a worker name repeats",
+                      *(w.problem() for w in self.workers))
+
+    def _write(self, w: Writer) -> None:
+        w.u32(self.rank, "rank")
+        w.f64(self.cpu_percent, "cpu_percent")
+        for name in ("rss_bytes", "bytes_sent", "bytes_received", "ops_done"):
+            w.u64(getattr(self, name), name)
+        w.str(self.last_op, "last_op")
+        if self.workers:
+            w.u8(len(self.workers), "workers")
+            for row in self.workers:
+                row.write(w)
+
+    @classmethod
+    def _read(cls, r: Reader) -> "Heartbeat":
+        head = (r.u32("rank"), r.f64("cpu_percent"), r.u64("rss_bytes"), r.u64("bytes_sent"),
+                r.u64("bytes_received"), r.u64("ops_done"), r.str("last_op"))
+        if not r.left:
+            return cls(*head)
+        n = r.count("u8", "workers", item_bytes=_WORKER_MIN_BYTES, limit=MAX_WORKERS)
+        if n == 0:  # an empty section is not written: one encoding per Heartbeat
+            raise r.fail("field workers counts 0 rows; a Heartbeat without workers has no worker section")
+        return cls(*head, tuple(WorkerRow.read(r) for _ in range(n)))
+
+    def without_workers(self) -> "Heartbeat":
+        """This Heartbeat as protocol 1.0 has it (what a coordinator relays to members)."""
+        return dataclasses.replace(self, workers=()) if self.workers else self
+
+    def to_json(self) -> dict:
+        obj = super().to_json()
+        if not self.workers:  # the vectors' JSON of a 1.0 Heartbeat has no such field
+            del obj["workers"]
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Heartbeat":
+        return super().from_json({"workers": [], **obj})
 
 
 @dataclass(frozen=True)
@@ -532,8 +633,7 @@ class Error(Message):
     @classmethod
     def from_exception(cls, err: DTMError, rank: int = -1) -> "Error":
         """The Error that reports `err`, its message cut to the string limit."""
-        text = str(err.message).encode("utf-8", "replace")[:MAX_STR_BYTES].decode("utf-8", "ignore")
-        return cls(err.code.value, text, rank)
+        return cls(err.code.value, cut_utf8(str(err.message), MAX_STR_BYTES), rank)
 
 
 @dataclass(frozen=True)
@@ -694,7 +794,8 @@ def decode_message(header: FrameHeader, payload: Buffer) -> Message:
     return msg
 
 
-__all__ = ["Message", "Hello", "JoinMesh", "Member", "MeshView", "Heartbeat", "Leave", "CollectiveStart", "Data",
+__all__ = ["Message", "Hello", "JoinMesh", "Member", "MeshView", "Heartbeat", "WorkerRow", "MAX_WORKERS",
+           "MAX_WORKER_NAME_BYTES", "MAX_WORKER_STATE_BYTES", "cut_utf8", "Leave", "CollectiveStart", "Data",
            "P2PSend", "Error", "Cancel", "StoreRequest", "StoreReply", "STORE_OPS", "FLAG_EXPECT_SHAPE", "MESSAGES", "frame_parts", "encode_message", "decode_message",
            "CHALLENGE_SIZE", "ANSWER_SIZE", "MIN_MAX_PAYLOAD", "MAX_MEMBERS", "MAX_AXES", "MAX_VERSIONS",
            "DATA_HEADER_SIZE", "COLLECTIVE_OPS", "REDUCE_OPS", "int_to_json", "int_from_json"]

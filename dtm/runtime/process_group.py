@@ -83,7 +83,8 @@ class ProcessGroup:
         """What this rank's heartbeats report (read on the heartbeat thread): its collectives
         and the L2 services' activity (ingest, loading) added together."""
         a = activity()
-        extra = dict(helper_cpu_percent=a.helper_cpu_percent, helper_rss_bytes=a.helper_rss_bytes)
+        extra = dict(helper_cpu_percent=a.helper_cpu_percent, helper_rss_bytes=a.helper_rss_bytes,
+                     workers=tuple(a.workers.values()))
         if self.comm is None:
             return Figures(a.bytes_written, a.bytes_read, a.items, a.state or "connecting to the mesh", **extra)
         tp = self.comm.transport

@@ -19,6 +19,7 @@ from .procs import WorkerDied, WorkerProcess, borrow, give_back
 from .progress import Bar, wanted
 from .run import RunBase
 from .report import CANCELLED, DONE, FAILED, QUEUED, RUNNING
+from .watch import forget, watched
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -157,8 +158,10 @@ class LocalRun(RunBase):
                 if not self._claim(i, proc.name):
                     continue
             if not self._on_process(i, proc):
+                forget(proc)
                 proc = None  # killed or died: the next task gets a fresh worker
         if proc is not None:
+            forget(proc)
             give_back(self.store, proc)
 
     def _on_process(self, i: int, proc: WorkerProcess) -> bool:
@@ -171,6 +174,7 @@ class LocalRun(RunBase):
             proc.send({"task": i, "fn": t.fn.ref, "jit": t.fn.jit, "inputs": t.inputs, "outputs": t.outputs})
             while (reply := proc.receive(time.monotonic() + TICK_S)) is None:
                 now = time.monotonic()
+                watched(proc).tick(now, f"task {t.name}")
                 if self.stop and interrupted_at is None:
                     proc.interrupt()
                     interrupted_at = now
@@ -195,6 +199,7 @@ class LocalRun(RunBase):
             return False
         with self.lock:
             if reply["ok"]:
+                watched(proc).finished(reply["read"], reply["written"])
                 self._settle(i, DONE, Outcome(reply["read"], reply["written"], reply["seconds"]))
             elif reply.get("cancelled"):
                 self._settle(i, CANCELLED)

@@ -37,7 +37,7 @@ from dtm.ir.version import SPEC_VERSION  # noqa: E402
 from dtm.protocol import (FLAG_COMPRESSED, FLAG_LAST, FLAG_RELAYED, PROTOCOL_VERSION, Cancel, Cap, CollectiveStart, Data,  # noqa: E402
                           Error, Handshake, Heartbeat, Hello, JoinMesh, Leave, Member, MeshView, MsgType, P2PSend,
                           encode_frame, encode_message, hmac_answer, level_caps)
-from dtm.protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest, int_to_json  # noqa: E402
+from dtm.protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest, WorkerRow, int_to_json  # noqa: E402
 from dtm.protocol.conformance import header_to_json, run_protocol_vectors, summary  # noqa: E402
 from dtm.protocol.frame import FrameDecoder  # noqa: E402
 
@@ -153,6 +153,11 @@ VALID = {
     "heartbeat": ("a heartbeat with CPU, memory and bytes moved",
                   [frame(Heartbeat(3, 187.5, 512 << 20, 1 << 33, 12345, 99, "all_reduce #17 at train.py:42"),
                          epoch=7, seq=12)], {"expected_epoch": 7, "next_seq": {"0": 12}}),
+    "heartbeat_workers": ("a heartbeat with the optional worker section (9.1.5): two helper workers' rows",
+                          [frame(Heartbeat(3, 187.5, 512 << 20, 1 << 33, 12345, 99, "ingest: 12/50 files",
+                                           (WorkerRow("ingest 1 (pid 4242)", 97.5, 3 << 20, 12, 4096, 8192, "file 12"),
+                                            WorkerRow("ingest 2 (pid 4243)", 0.0, 1 << 20, 0, 0, 0, ""))),
+                                 epoch=7, seq=13)], {"expected_epoch": 7, "next_seq": {"0": 13}}),
     "leave": ("the worked example of spec 9.1.11", [frame(Leave(2, "done"), epoch=3, seq=5)], {"next_seq": {"0": 5}}),
     "leave_unicode": ("strings are UTF-8: a reason in Greek and an emoji",
                       [frame(Leave(0, "τέλος 🏁"), epoch=1)], {}),
