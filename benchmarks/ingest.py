@@ -6,9 +6,9 @@ bytes on every machine with the same Python) is tokenized with dtm.data.tokenize
 (regex words, each hashed into 50,257 ids: Python work per token, as a BPE tokenizer costs)
 and every file's tokens are put into a directory store:
 
-- dtm: `dtm.data.ingest(files, word_tokens, prefix, workers=N)`, N = 1 and 2: fresh worker
-  interpreters fed file names over pipes, shards written by the workers, the manifest by
-  the parent; the timing includes starting the workers (importing dtm).
+- dtm: `dtm.data.ingest(files, word_tokens, prefix, workers=N)`, N = 1 and 2: worker
+  processes (forks of the fork server) fed file names over pipes, shards written by the
+  workers, the manifest by the parent; the timing includes starting the workers.
 - pool: `multiprocessing.Pool(N).map` (fork) of a function that reads a file, tokenizes it
   and puts the tokens into the same store: the same work, with Python's own pool.
 

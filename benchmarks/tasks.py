@@ -185,7 +185,7 @@ def shm_dir() -> str | None:
 
 def time_dtm_process(n: int, workers: int) -> tuple[float, float]:
     """`n` independent no-op `process=True` tasks on a store in /dev/shm, per task: the first
-    run (its workers start: a fresh interpreter importing dtm each) and a second run over
+    run (its workers start: each a fork of the fork server) and a second run over
     the same store (the workers the first gave back)."""
     import benchmarks.tasks as named  # the workers import `nothing` from this file by that name
 

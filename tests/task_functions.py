@@ -80,3 +80,13 @@ def doubled_from_current_store():
     import dtm
 
     return np.asarray(dtm.store.current().get_array("hparams/w")) * 2.0
+
+
+def parent_pid(a):
+    """The pid of its worker's parent: the fork server's, not the graph's process."""
+    return np.array([os.getppid()], np.int64)
+
+
+def environment_marker(a):
+    """$DTM_TEST_MARKER as its worker sees it, as bytes."""
+    return np.frombuffer(os.environ["DTM_TEST_MARKER"].encode(), np.uint8)

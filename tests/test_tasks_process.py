@@ -5,6 +5,7 @@ timeout, and a cancel interrupts the running task without half-written keys."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -167,3 +168,19 @@ def test_a_later_run_over_the_same_store_reuses_its_workers(st, tmp_path):
     with dtm.store.open(tmp_path / "other") as other:
         other.put("raw", np.ones(3, np.float32))
         assert worker_of(other) != first
+
+
+def test_workers_are_forks_of_the_fork_server_with_the_parents_environment(st, monkeypatch):
+    """Workers start in milliseconds: forked from the fork server (dtm/store/forkserver.py),
+    which has dtm imported, not fresh interpreters of this process; yet they see this
+    process's environment as it is now (set after the server started)."""
+    from dtm.store import forkserver
+
+    monkeypatch.setenv("DTM_TEST_MARKER", "set after the server was forked")
+    st.put("raw", np.ones(1, np.float32))
+    g = Graph(st)
+    g.task(tf.parent_pid, ["raw"], ["ppid"], process=True)
+    g.task(tf.environment_marker, ["raw"], ["marker"], process=True)
+    g.run(workers=1).wait(timeout=120)
+    assert int(st.get_array("ppid")[0]) == forkserver.server().pid != os.getpid()
+    assert bytes(st.get_array("marker")).decode() == "set after the server was forked"

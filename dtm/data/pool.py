@@ -1,10 +1,12 @@
 """The ingest parent's side of its worker processes (worker_main.py): start one, hand it files,
 read its replies, watch its CPU and memory, end it.
 
-Workers are fresh interpreters (`python -m dtm.data.worker_main`), not forks: they share nothing
-with the parent's threads (a heartbeat thread, a loader's prefetch thread) and receive only
-JSON on their own pipes, so nothing is pickled. They see the parent's `sys.path`, so a
-function the parent imports by name, they import too.
+Workers are forks of the fork server (dtm/store/forkserver.py), not of the parent: the server
+was forked before the parent opened SQLite (whose lock state a fork of the parent would
+inherit), so a worker starts in milliseconds with dtm imported and opens the store itself.
+It shares nothing with the parent's threads (a heartbeat thread, a loader's prefetch thread)
+and receives only JSON on its own pipes, so nothing is pickled. It imports the function by
+name, as the parent does.
 """
 
 from __future__ import annotations
@@ -13,20 +15,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 
 from ..cluster.activity import Row
+from ..store import forkserver
 from .procstat import ProcStat
 
 MAX_REPLY_LINE = 64 << 10  # replies are a few hundred bytes; error texts are cut at 4000 chars
 END_GRACE_S = 2.0
-
-
-def _worker_env() -> dict[str, str]:
-    paths = [p or os.getcwd() for p in sys.path]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
 
 
 class Worker:
@@ -37,9 +34,12 @@ class Worker:
         task_r, self._task_w = os.pipe()
         self.fd, reply_w = os.pipe()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtm.data.worker_main", "--fn", fn, "--store", store_url, "--tasks", str(task_r),
-                 "--replies", str(reply_w)], pass_fds=(task_r, reply_w), stdin=subprocess.DEVNULL, env=_worker_env())
+            self.proc = forkserver.server().spawn("dtm.data.worker_main:main", [fn, store_url], [task_r, reply_w],
+                                                  new_session=False)
+        except BaseException:
+            os.close(self._task_w)
+            os.close(self.fd)
+            raise
         finally:
             os.close(task_r)
             os.close(reply_w)
@@ -125,10 +125,7 @@ class Worker:
             pass
 
     def kill(self) -> None:
-        try:
-            self.proc.kill()
-        except ProcessLookupError:
-            pass
+        self.proc.kill()
         try:
             self.proc.wait(END_GRACE_S)
         except subprocess.TimeoutExpired:

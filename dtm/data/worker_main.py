@@ -1,5 +1,5 @@
-"""One ingest worker process: `python -m dtm.data.worker_main --fn MOD:QUAL --store URL
---tasks FD --replies FD`.
+"""One ingest worker process, forked by the fork server (dtm/store/forkserver.py), which
+calls `main` with its task and reply pipes, the function's name (`MOD:QUAL`) and the store's URL.
 
 It imports the function by name, opens the store, then reads one JSON line per file from the
 tasks pipe, `{"i": 3, "path": "...", "key": "corpus/shard/RUN/000003"}`, and answers on the
@@ -15,10 +15,8 @@ function's prints on stdout and stderr reach the terminal and cannot garble a re
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 
 from ..errors import DTMError
 from .worker import MAX_ERROR_CHARS, ingest_one
@@ -31,26 +29,22 @@ def _send(out, body: dict) -> None:
     out.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dtm.data.worker")
-    ap.add_argument("--fn", required=True)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--tasks", type=int, required=True)
-    ap.add_argument("--replies", type=int, required=True)
-    args = ap.parse_args(argv)
-    replies = os.fdopen(args.replies, "wb")
+def main(fds: list[int], fn_name: str, store_url: str) -> int:
+    """Ingest the files named on the task pipe `fds[0]` with the function `fn_name` into the
+    store at `store_url`, answering on the reply pipe `fds[1]`, until the task pipe closes."""
+    task_fd, replies = fds[0], os.fdopen(fds[1], "wb")
     worker = f"worker pid {os.getpid()}"
     try:
         from .. import store as stores
         from .fnref import resolve
 
-        fn = resolve(args.fn)
-        st = stores.open(args.store)
+        fn = resolve(fn_name)
+        st = stores.open(store_url)
     except DTMError as e:
         _send(replies, {"ready": False, "code": e.code.value, "error": e.message[:MAX_ERROR_CHARS]})
         return 1
     _send(replies, {"ready": True})
-    with os.fdopen(args.tasks, "rb") as tasks:
+    with os.fdopen(task_fd, "rb") as tasks:
         for line in iter(lambda: tasks.readline(MAX_TASK_LINE), b""):
             task = json.loads(line)
             try:
@@ -60,7 +54,3 @@ def main(argv: list[str] | None = None) -> int:
             _send(replies, {"i": task["i"], **reply})
     st.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

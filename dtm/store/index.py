@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
 
 from ..ir.dtypes import DTYPES, DType
+from . import forkserver
 from .errors import IndexLost, QuotaExceeded, StoreCorrupt, StoreIOError
 
 SCHEMA_VERSION = 2  # 2 added `keys.data`, the bytes of a tensor kept inline
@@ -99,6 +100,7 @@ class SqliteIndex:
 
     def __init__(self, path: str):
         deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        forkserver.before_sqlite()
         try:
             self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                        check_same_thread=False)

@@ -13,6 +13,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 
+from . import forkserver
 from . import format as fmt
 from .errors import IndexLost, InvalidKey
 from .files import LocalFiles
@@ -96,6 +97,7 @@ def _salvage(path: str) -> tuple[int | None, dict[str, int]]:
     quotas; (None, {}) when it is missing or unreadable."""
     if not os.path.exists(path):
         return None, {}
+    forkserver.before_sqlite()
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:

@@ -1,9 +1,10 @@
 """The parent's end of one task worker process (worker.py): start it, send it a task, read
 its answer within a deadline, interrupt or kill it. Every wait is bounded.
 
-A fresh worker costs a new interpreter importing dtm (about 0.7 s), far more than the tasks
-of a short run, so a run hands its healthy workers back (`give_back`) and the next run over
-the same Store object borrows them (`borrow`): they already hold that store open. They end
+A worker is a fork of the fork server (dtm/store/forkserver.py), which has dtm imported: a
+few milliseconds, where a fresh interpreter took about 0.7 s. Opening the store is still
+its own, so a run hands its healthy workers back (`give_back`) and the next run over the
+same Store object borrows them (`borrow`): they already hold that store open. They end
 with the Store object (its pipes close: EOF ends a worker's loop) or at exit."""
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 import weakref
 from typing import Any
 
 from ..errors import DTMError, ErrorCode
+from ..store import forkserver
 
-START_TIMEOUT_S = 120.0  # importing dtm in a fresh interpreter on a busy machine
+START_TIMEOUT_S = 120.0  # a fork, then opening the store, on a busy machine
 
 
 class WorkerDied(Exception):
@@ -35,10 +36,20 @@ class WorkerDied(Exception):
 
 class WorkerProcess:
     def __init__(self, store_url: str, name: str):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
-        # its own session: a terminal's Ctrl-C reaches the parent, which cancels in order
-        self.proc = subprocess.Popen([sys.executable, "-m", "dtm.tasks.worker", store_url], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, start_new_session=True)
+        task_r, task_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        try:
+            # its own session: a terminal's Ctrl-C reaches the parent, which cancels in order
+            self.proc = forkserver.server().spawn("dtm.tasks.worker:serve", [store_url], [task_r, reply_w],
+                                                  new_session=True)
+        except BaseException:
+            os.close(task_w)
+            os.close(reply_r)
+            raise
+        finally:
+            os.close(task_r)
+            os.close(reply_w)
+        self._tasks, self._replies = os.fdopen(task_w, "wb"), os.fdopen(reply_r, "rb")
         self.name = f"{name} (pid {self.proc.pid})"
         ready = self.receive(time.monotonic() + START_TIMEOUT_S)
         if ready is None or "ready" not in ready:
@@ -47,17 +58,17 @@ class WorkerProcess:
 
     def send(self, msg: dict[str, Any]) -> None:
         try:
-            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-            self.proc.stdin.flush()
+            self._tasks.write((json.dumps(msg) + "\n").encode())
+            self._tasks.flush()
         except (BrokenPipeError, OSError):
             raise WorkerDied(self._how()) from None
 
     def receive(self, deadline: float) -> dict[str, Any] | None:
         """The worker's next answer, or None at `deadline`; WorkerDied when it is gone."""
         wait = max(0.0, deadline - time.monotonic())
-        if not select.select([self.proc.stdout], [], [], wait)[0]:
+        if not select.select([self._replies], [], [], wait)[0]:
             return None
-        line = self.proc.stdout.readline()
+        line = self._replies.readline()
         if not line:
             raise WorkerDied(self._how())
         return json.loads(line)
@@ -70,22 +81,20 @@ class WorkerProcess:
         return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
     def interrupt(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGINT)
+        self.proc.send_signal(signal.SIGINT)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self.proc.kill()
         self.proc.wait(timeout=10)
 
     def close(self) -> None:
-        """Let it finish: EOF on its stdin ends its loop; killed if it does not within 5 s."""
+        """Let it finish: EOF on its task pipe ends its loop; killed if it does not within 5 s."""
         try:
-            self.proc.stdin.close()
+            self._tasks.close()
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
-        self.proc.stdout.close()
+        self._replies.close()
 
 
 _idle: "weakref.WeakKeyDictionary[Any, list[WorkerProcess]]" = weakref.WeakKeyDictionary()  # by Store object

@@ -1,6 +1,6 @@
-"""A task worker process: `python -m dtm.tasks.worker STORE_URL`. It opens the store the
-parent names and runs tasks it is sent as JSON lines on stdin, one at a time, answering
-each with one JSON line on stdout. Only function names (`module:qualname`) and store keys
+"""A task worker process, forked by the fork server (dtm/store/forkserver.py), which calls
+`serve`. It opens the store the parent names and runs tasks it is sent as JSON lines on its
+task pipe, one at a time, answering each with one JSON line on its reply pipe. Only function names (`module:qualname`) and store keys
 cross the pipe; tensors go through the store, and nothing is pickled.
 
     -> {"task": 3, "fn": "mymod:tokenize", "jit": false, "inputs": ["raw/0"], "outputs": ["tok/0"]}
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from typing import Any
 
 from ..errors import DTMError
@@ -30,14 +29,16 @@ def _answer(out: Any, reply: dict) -> None:
     out.flush()
 
 
-def serve(url: str) -> None:
-    out = os.fdopen(os.dup(1), "w")  # the replies; the task's own prints go to stderr
-    os.dup2(2, 1)
+def serve(fds: list[int], url: str) -> int:
+    """The worker's loop over its task pipe and reply pipe (`fds`), on the store at `url`;
+    it ends when the task pipe closes. The task's own prints reach the parent's stdout and
+    stderr, apart from the replies."""
+    tasks, out = os.fdopen(fds[0], "r"), os.fdopen(fds[1], "w")
     signal.signal(signal.SIGINT, on_signal)
     store = open_store(url)
     functions: dict[tuple[str, bool], Guarded] = {}
     _answer(out, {"ready": os.getpid()})
-    for line in sys.stdin:
+    for line in tasks:
         msg = json.loads(line)
         Flags.stop = None
         reply: dict[str, Any] = {"task": msg["task"]}
@@ -55,7 +56,4 @@ def serve(url: str) -> None:
                          type=type(e).__name__, message=e.message if isinstance(e, DTMError) else str(e))
         _answer(out, reply)
     store.close()
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1])
+    return 0
