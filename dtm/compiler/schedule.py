@@ -503,10 +503,14 @@ class _Scheduler:
         them all again."""
         g, cost, reads = self.g, {}, {}
         for op in g.func.ops:
-            if g.kind[op] not in ("ew", "move", "source"):
+            if g.kind[op] not in ("ew", "move", "source", "random"):
                 continue
             r = op.results[0]
-            c = 1 + sum(cost.get(v, 0) for v in op.operands if v not in self.stored)
+            # A draw costs as much as the limit (Philox: ten rounds): what reads it is stored,
+            # a dropout's mask, so the passes that read it again (a layer norm's, the backward
+            # pass's) read one byte an element instead of drawing again.
+            own = INLINE_LIMIT if g.kind[op] == "random" else 1
+            c = own + sum(cost.get(v, 0) for v in op.operands if v not in self.stored)
             size, arrays = _size(r.type.shape), set()
             for v in op.operands:
                 if v in reads and v not in self.stored:
