@@ -925,11 +925,18 @@ def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     return apply("log_softmax", x, axis=normalize_dim(dim, x.ndim))
 
 
-def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
-               eps: float = 1e-5) -> Tensor:
+def _normalized_shape(name: str, x: Tensor, normalized_shape) -> tuple[int, ...]:
+    """`normalized_shape` (an int or a sequence) as a tuple, checked to be how x's shape ends:
+    the trailing dims that layer_norm and rms_norm normalise over."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if x.shape[x.ndim - len(shape):] != shape:
-        raise error(ErrorCode.SHAPE_MISMATCH, f"layer_norm: normalized_shape {shape} does not end {x._type}")
+        raise error(ErrorCode.SHAPE_MISMATCH, f"{name}: normalized_shape {shape} does not end {x._type}")
+    return shape
+
+
+def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    shape = _normalized_shape("layer_norm", x, normalized_shape)
     lead = x.shape[:x.ndim - len(shape)]
     flat = reshape(x, lead + (int(np.prod(shape)),)) if len(shape) != 1 else x
     w = reshape(weight, (-1,)) if weight is not None else None

@@ -3,13 +3,14 @@ losses and layers that are compositions of them."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import ErrorCode
 from ..functional import (dropout, gelu, layer_norm, linear, log_softmax, pad, relu, scaled_dot_product_attention,
                           sigmoid, silu, softmax, tanh, take)
 from .. import functional as F
-from ..tensor import Tensor, arange, error, int64
+from ..tensor import Tensor, arange, error, int64, no_grad
 from ..tensor.extra_ops import norm
 
 
@@ -143,6 +144,81 @@ def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -
     return F.div(input, F.clamp(norm(input, p, dim, keepdim=True), min=eps))
 
 
+def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None = None,
+               bias: Tensor | None = None, training: bool = False, momentum: float | Tensor = 0.1,
+               eps: float = 1e-5) -> Tensor:
+    """torch.nn.functional.batch_norm of [N, C, *] per channel (dim 1). Training normalises
+    by the batch's mean and biased variance and, where running stats are given, blends the
+    batch's mean and unbiased variance into them in place with weight `momentum` (a tensor
+    for a cumulative average, so a jitted step recomputes it); otherwise the running stats
+    normalise."""
+    if input.ndim < 2:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"batch_norm: expected [N, C, *] input, found {input._type}")
+    axes = (0,) + tuple(range(2, input.ndim))
+    if training:
+        mean, var = F.mean(input, axes, keepdim=True), F.var(input, axes, keepdim=True, correction=0)
+        if running_mean is not None:
+            _update_running_stats(running_mean, running_var, mean, var, input.numel() // input.shape[1], momentum)
+    elif running_mean is None or running_var is None:
+        raise error(ErrorCode.UNDEFINED_VALUE, "batch_norm: running_mean and running_var are needed unless training")
+    else:
+        mean, var = _per_channel(running_mean, input.ndim), _per_channel(running_var, input.ndim)
+    return _channel_affine(F.mul(F.sub(input, mean), F.rsqrt(F.add(var, eps))), weight, bias)
+
+
+def _update_running_stats(running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, n: int,
+                          momentum: float | Tensor) -> None:
+    """running = (1 - momentum) running + momentum batch, in place and outside autograd (as
+    torch); the variance blended in is the unbiased one, from the `n` values per channel."""
+    if n < 2:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"batch_norm: expected more than 1 value per channel when training, "
+                    f"found {n}")
+    keep = 1.0 - momentum  # a float or a tensor, as momentum is
+    unbiased = F.mul(F.reshape(var, (-1,)), n / (n - 1))
+    # one write each: inside dtm.jit a second in-place op would read the updated buffer (E0207)
+    with no_grad():
+        running_mean.copy_(F.add(F.mul(running_mean, keep), F.mul(F.reshape(mean, (-1,)), momentum)))
+        running_var.copy_(F.add(F.mul(running_var, keep), F.mul(unbiased, momentum)))
+
+
+def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    """torch.nn.functional.group_norm of [N, C, *]: the channels split into `num_groups`
+    consecutive groups, each sample's group normalised by its own mean and biased variance,
+    then the per-channel affine."""
+    if input.ndim < 2 or input.shape[1] % num_groups:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"group_norm: expected [N, C, *] input with C divisible by "
+                    f"num_groups={num_groups}, found {input._type}")
+    grouped = F.reshape(input, (input.shape[0], num_groups, -1))
+    mean, var = F.mean(grouped, -1, keepdim=True), F.var(grouped, -1, keepdim=True, correction=0)
+    normed = F.reshape(F.mul(F.sub(grouped, mean), F.rsqrt(F.add(var, eps))), input.shape)
+    return _channel_affine(normed, weight, bias)
+
+
+def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+    """torch.nn.functional.rms_norm: input / sqrt(mean(input^2) + eps) over the trailing
+    `normalized_shape` dims, times weight. eps=None is torch's default, the input dtype's
+    machine epsilon."""
+    shape = F._normalized_shape("rms_norm", input, normalized_shape)
+    if eps is None:
+        eps = float(ml_dtypes.finfo(F.numpy_dtype(input.dtype)).eps)  # ml_dtypes' finfo knows bf16 too
+    axes = tuple(range(input.ndim - len(shape), input.ndim))
+    normed = F.mul(input, F.rsqrt(F.add(F.mean(F.mul(input, input), axes, keepdim=True), eps)))
+    return normed if weight is None else F.mul(normed, weight)
+
+
+def _per_channel(t: Tensor, ndim: int) -> Tensor:
+    """A [C] tensor shaped [1, C, 1, ...] to broadcast over an ndim-d [N, C, *] input."""
+    return F.reshape(t, (1, -1) + (1,) * (ndim - 2))
+
+
+def _channel_affine(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """x * weight + bias with [C] weight and bias applied along x's channel dim 1."""
+    if weight is not None:
+        x = F.mul(x, _per_channel(weight, x.ndim))
+    return x if bias is None else F.add(x, _per_channel(bias, x.ndim))
+
+
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """torch.nn.functional.mse_loss: (input - target)^2, reduced."""
     d = F.sub(input, target)
@@ -185,4 +261,5 @@ def _elementwise(name: str, losses: Tensor, reduction: str) -> Tensor:
 
 __all__ = ["cross_entropy", "nll_loss", "l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
            "dropout", "embedding", "mse_loss", "gelu", "layer_norm", "linear", "log_softmax",
-           "pad", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "tanh", "one_hot", "normalize"]
+           "pad", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "tanh", "one_hot", "normalize",
+           "batch_norm", "group_norm", "rms_norm"]

@@ -14,9 +14,10 @@ from .. import quant
 from ..errors import ErrorCode
 from ..ir.types import TensorType
 from ..runtime import buffers
-from ..tensor import Tensor, as_dtype, bfloat16, error, float16, float32, float64, no_grad, rand, randn, zeros, ones
-from .functional import (binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, dropout, embedding,
-                         l1_loss, mse_loss, nll_loss)
+from ..tensor import (Tensor, as_dtype, bfloat16, error, float16, float32, float64, int64, no_grad, rand, randn, tensor,
+                      zeros, ones)
+from .functional import (batch_norm, binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, dropout,
+                         embedding, group_norm, l1_loss, mse_loss, nll_loss, rms_norm)
 from .weights import load_safetensors, save_safetensors
 
 
@@ -329,6 +330,104 @@ class LayerNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class _BatchNorm(Module):
+    """BatchNorm1d and BatchNorm2d, which differ only in the input ranks they take
+    (`_ranks`). In training the batch's statistics normalise and, with
+    track_running_stats, update the running_mean / running_var / num_batches_tracked
+    buffers in place; in eval the running stats normalise. momentum=None weighs every
+    batch alike (a cumulative average)."""
+
+    _ranks: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight = Parameter(ones(num_features)) if affine else None
+        self.bias = Parameter(zeros(num_features)) if affine else None
+        if track_running_stats:
+            self.register_buffer("running_mean", zeros(num_features))
+            self.register_buffer("running_var", ones(num_features))
+            self.register_buffer("num_batches_tracked", tensor(0, dtype=int64))
+        else:  # as torch: the names exist, holding no state
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim not in self._ranks:
+            raise error(ErrorCode.SHAPE_MISMATCH, f"{type(self).__name__}: expected a "
+                        f"{' or '.join(f'{r}D' for r in self._ranks)} input, found {x._type}")
+        updating = self.training and self.track_running_stats
+        momentum = self._count_batch() if updating else 0.0
+        # without running stats there is nothing else to normalise by, even in eval (as torch)
+        return batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                          self.training or not self.track_running_stats, momentum, self.eps)
+
+    def _count_batch(self) -> float | Tensor:
+        """Count this batch; return the weight it gets in the running stats. For a cumulative
+        average that is 1 / batches, a tensor read before the count's in-place update so
+        that a jitted step recomputes it on every call."""
+        with no_grad():
+            weight = self.momentum
+            if weight is None:
+                weight = 1.0 / F.cast(self.num_batches_tracked + 1, self.running_mean.dtype)
+            self.num_batches_tracked.add_(1)
+        return weight
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of [N, C] or [N, C, L] per channel C."""
+
+    _ranks = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of [N, C, H, W] per channel C."""
+
+    _ranks = (4,)
+
+
+class GroupNorm(Module):
+    """Normalises each sample's `num_groups` groups of consecutive channels, then a
+    per-channel affine (weight 1, bias 0 to start)."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True):
+        super().__init__()
+        if num_channels % num_groups:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"GroupNorm: num_channels {num_channels} is not divisible by "
+                        f"num_groups {num_groups}")
+        self.num_groups, self.num_channels, self.eps, self.affine = num_groups, num_channels, eps, affine
+        self.weight = Parameter(ones(num_channels)) if affine else None
+        self.bias = Parameter(zeros(num_channels)) if affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+class RMSNorm(Module):
+    """x / sqrt(mean(x^2) + eps) over the trailing `normalized_shape` dims, times a weight
+    (ones to start). eps=None: the input dtype's machine epsilon, as torch."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True):
+        super().__init__()
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        self.weight = Parameter(ones(*self.normalized_shape)) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class Dropout(Module):
