@@ -19,9 +19,11 @@ step in this process's activity (its heartbeats' ops_done when it is a rank).
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -126,6 +128,7 @@ class Loader:
         if self._thread is None:
             self._thread = threading.Thread(target=self._produce, args=(self.step,), name="dtm-loader", daemon=True)
             self._thread.start()
+            _prefetching.add(self)
         try:
             i, item = self._queue.get(timeout=self.timeout)
         except queue.Empty:
@@ -160,9 +163,23 @@ class Loader:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        _prefetching.discard(self)
 
     def __enter__(self) -> "Loader":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Loaders whose prefetching thread runs. At exit each is stopped before the interpreter
+# finalizes: a daemon thread still inside numpy's C++ code (np.unique's sort) is then ended
+# by pthread_exit, whose unwinding through a noexcept frame aborts the whole process
+# ("terminate called without an active exception", about one exit in thirty).
+_prefetching: "weakref.WeakSet[Loader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_prefetching() -> None:
+    for loader in list(_prefetching):
+        loader.close()
