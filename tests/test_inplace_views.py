@@ -166,13 +166,15 @@ def test_a_view_of_a_computed_tensor_and_gradients_through_writes(backend):
 
 # --- what torch refuses -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["leaf", "expand", "int += float"])
+@pytest.mark.parametrize("case", ["leaf", "expand", "int += float", "copy_ of another shape"])
 def test_what_torch_refuses_is_refused(backend, case):
     def run(M):
         if case == "leaf":
             M.ones(2, requires_grad=True).add_(1)
         elif case == "expand":
             M.zeros(1, 3).expand(2, 3).add_(1)
+        elif case == "copy_ of another shape":
+            M.zeros(2, 3).copy_(M.ones(4))
         else:
             x = M.zeros(2, dtype=M.int64)
             x += 0.5
@@ -180,7 +182,7 @@ def test_what_torch_refuses_is_refused(backend, case):
         run(torch)
     with pytest.raises(TensorError) as e:
         run(dtm)
-    assert e.value.code in (ErrorCode.ATTRIBUTE_VALUE, ErrorCode.DTYPE_MISMATCH)
+    assert e.value.code in (ErrorCode.ATTRIBUTE_VALUE, ErrorCode.DTYPE_MISMATCH, ErrorCode.SHAPE_MISMATCH)
 
 
 # --- inside dtm.jit -----------------------------------------------------------------------------

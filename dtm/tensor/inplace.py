@@ -104,7 +104,11 @@ def write(t: Tensor, new: Tensor, op: str = "in-place op") -> Tensor:
         raise error(ErrorCode.DTYPE_MISMATCH, f"{op}: result type {new.dtype} can't be cast to the tensor's "
                     f"{t.dtype} in place (torch raises too)")
     if new.shape != t.shape:
-        if np.broadcast_shapes(new.shape, t.shape) != t.shape:
+        try:
+            fits = np.broadcast_shapes(new.shape, t.shape) == t.shape
+        except ValueError:  # shapes that do not broadcast at all
+            fits = False
+        if not fits:
             raise error(ErrorCode.SHAPE_MISMATCH, f"{op}: a result of shape {list(new.shape)} does not fit the "
                         f"tensor's {list(t.shape)} in place")
         new = F.expand(new, t.shape)
