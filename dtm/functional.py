@@ -111,7 +111,7 @@ def _checked(t: Tensor, check: ValueCheck) -> Tensor:
     """t, its values checked as torch checks them, at the user's line: values already
     known now (data, a realized result, through _value_source); a dtm.jit argument's on
     every call of the compiled program; values still to be computed by a `check` op in the
-    program (spec 3.14), which stops it before anything reads them. Use the tensor this
+    program (spec 3.15), which stops it before anything reads them. Use the tensor this
     returns: the check travels with it."""
     src = _value_source(t)
     if src._buffer is not None:

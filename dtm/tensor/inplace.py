@@ -29,6 +29,7 @@ import numpy as np
 from .. import functional as F
 from ..errors import ErrorCode
 from .core import STATE, Tensor, assign, error, is_grad_enabled, no_grad, weak_append
+from .dtypes import bool_
 from .creation import full_like, rand, randn, zeros_like
 
 
@@ -59,8 +60,9 @@ def _view_method(fn: Callable, writable: Callable[..., bool] | None = None) -> C
     return method
 
 
-def _expanded(x: Tensor, out: Tensor) -> bool:
-    """Whether `out` repeats elements of x (expand to a larger size): writes are refused."""
+def _no_repeats(x: Tensor, out: Tensor) -> bool:
+    """Whether `out` holds each element of x at most once (not an expand to a larger size):
+    writes through it are allowed."""
     return out.numel() == x.numel()
 
 
@@ -93,7 +95,7 @@ def _set_data(self: Tensor, value: Any) -> None:
 def _castable(src, dst) -> bool:
     """torch.can_cast for an in-place result: no float into an integer tensor, nothing but a
     bool into a bool one."""
-    return not ((src.is_float and not dst.is_float) or (dst.kind.value == "bool" and src.kind.value != "bool"))
+    return not ((src.is_float and not dst.is_float) or (dst is bool_ and src is not bool_))
 
 
 def write(t: Tensor, new: Tensor, op: str = "in-place op") -> Tensor:
@@ -204,7 +206,7 @@ _METHODS = {"add_": F.add, "sub_": F.sub, "mul_": F.mul, "div_": F.div, "pow_": 
             "index_add_": F.index_add, "scatter_": F.scatter}
 _VIEWS = {"view": (F.reshape, None), "reshape": (F.reshape, None), "flatten": (F.flatten, None),
           "squeeze": (F.squeeze, None), "unsqueeze": (F.unsqueeze, None), "permute": (F.permute, None),
-          "transpose": (F.transpose, None), "narrow": (F.narrow, None), "expand": (F.expand, _expanded)}
+          "transpose": (F.transpose, None), "narrow": (F.narrow, None), "expand": (F.expand, _no_repeats)}
 
 
 def install() -> None:
