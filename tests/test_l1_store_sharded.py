@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -64,9 +65,18 @@ def rank_main(store_dir: str) -> None:
     got = st.get("b", mesh=mesh, placements=[dtm.Shard(1)])
     assert got.local_shards()[pg.rank].numpy().tobytes() == b[:, 2 * pg.rank:2 * pg.rank + 2].tobytes()
 
-    # rank 1's disk fails: both ranks fail the put (rank 0 naming rank 1), and "a" keeps its tensor
+    # rank 1's disk fails: both ranks fail the put (rank 0 naming rank 1), and "a" keeps its tensor;
+    # rank 0 writes after rank 1 failed: rank 1 must not remove the version rank 0 is writing into
     if pg.rank == 1:
         Store._write_chunk = lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    else:
+        write = Store._write_chunk
+
+        def late_write(store, rel, *args):
+            time.sleep(0.5)  # rank 1 has failed by now
+            assert os.path.isdir(store._files.path(rel)), "rank 1 removed the version rank 0 writes into"
+            return write(store, rel, *args)
+        Store._write_chunk = late_write
     try:
         st.put("a", dtm.distribute(np.zeros((5, 6), np.float32), mesh, [dtm.Shard(0)]))
         raise AssertionError("the put should have failed")

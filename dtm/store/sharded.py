@@ -92,7 +92,7 @@ def put(store: "Store", key: str, x: Any, dtype: DType) -> Entry:
     code, part, err = 0, 0, None
     try:
         store._index.check_quota(key, layout.nbytes)
-        with store._writing(key, rel):
+        with store._writing(key, rel, remove=pg is None):  # (on a process mesh, rank 0 removes it below)
             store._files.make_dirs(rel, [])
             with store._files.hold(rel):  # (a garbage collection spares it; its commit holds it again)
                 for r in writers(pieces):

@@ -234,17 +234,20 @@ class Store:
         self._files.remove_version(old.dir, names, old.nbytes)
 
     @contextlib.contextmanager
-    def _writing(self, key: str, rel: str) -> Iterator[None]:
+    def _writing(self, key: str, rel: str, remove: bool = True) -> Iterator[None]:
         """Writing version `rel` of `key`: on any failure the version is removed (the key
-        keeps its earlier tensor), and an OSError becomes E1104."""
+        keeps its earlier tensor), and an OSError becomes E1104. `remove=False` where other
+        ranks write into the same version: the one that commits removes it once all are done."""
         try:
             yield
         except OSError as e:
-            self._files.remove_tree(rel)
+            if remove:
+                self._files.remove_tree(rel)
             raise StoreIOError(f"put {key!r} failed, the earlier tensor is kept: {e.strerror or e}",
                                self._files.path(rel), key) from None
         except BaseException:
-            self._files.remove_tree(rel)
+            if remove:
+                self._files.remove_tree(rel)
             raise
 
     def delete(self, key: str) -> None:
