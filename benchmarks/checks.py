@@ -15,7 +15,11 @@ checked then); for jit, the same traced program with its checks taken out (a che
 result replaced by its operand, no numpy check before the call): the difference is the
 check's own cost. Prints microseconds per call and the ratio to torch.
 
-    python benchmarks/checks.py [--tokens 16] [--vocab 50257] [--dim 768]
+Then nanoGPT's `get_batch` (issue 30): B windows of T tokens cut at random offsets from a
+realized int64 tensor of 1M tokens and stacked, inputs and targets, as the script writes
+it (`for i in ix`, `data[i:i + T]`); DTM does it in numpy at once, recording no program.
+
+    python benchmarks/checks.py [--tokens 16] [--vocab 50257] [--dim 768] [--batch 12] [--block 64]
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
+    ap.add_argument("--batch", type=int, default=12, help="get_batch's B")
+    ap.add_argument("--block", type=int, default=64, help="get_batch's T")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rng = np.random.default_rng(0)
@@ -93,6 +99,21 @@ def main() -> None:
     inside, inside_bare, n = timed_jit(lambda s: F.embedding(s.argmax(-1) * 2, W), [d_scores], args.budget)
     torch_inside = best_time(lambda: torch.nn.functional.embedding(t_scores.argmax(-1) * 2, tW).numpy(), args.budget)
     row("jit, inside", inside, inside_bare, torch_inside, n)
+
+    tokens = rng.integers(0, args.vocab, 1_000_000)
+    B, T = args.batch, args.block
+
+    def get_batch(M, data):
+        ix = M.randint(len(data) - T, (B,))
+        x = M.stack([data[i:i + T] for i in ix])
+        y = M.stack([data[i + 1:i + 1 + T] for i in ix])
+        return x.numpy(), y.numpy()
+
+    d_data, t_data = dtm.tensor(tokens).realize(), torch.tensor(tokens)
+    dtm_t = best_time(lambda: get_batch(dtm, d_data), args.budget)
+    torch_t = best_time(lambda: get_batch(torch, t_data), args.budget)
+    print(f"\nget_batch B={B} T={T}: dtm {dtm_t * 1e6:.1f} us, torch {torch_t * 1e6:.1f} us per call, "
+          f"dtm/torch {torch_t / dtm_t:.2f}x")
 
 
 if __name__ == "__main__":

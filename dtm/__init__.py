@@ -3,6 +3,9 @@ device, many devices, or many hosts. `dtm.ir` is the language-agnostic IR every 
 shares; `dtm.Tensor` the lazy, torch-like front end. See README.md for the tour and
 docs/spec/dtm-spec.md for the normative spec."""
 
+import sys as _sys
+import types as _types
+
 from . import ir
 from .errors import DTMError, ErrorCode, TensorError
 from .ir.version import PACKAGE_VERSION as __version__
@@ -17,6 +20,7 @@ from .nn.serialization import load, save  # noqa: E402 - dtm.save / dtm.load, as
 from .tensor import Generator, enable_grad, inference_mode, randint  # noqa: E402
 from .tensor.extra_ops import (all, allclose, any, argsort, bmm, cumsum, einsum, empty, isclose, isnan,  # noqa: E402
                                linspace, multinomial, norm, outer, randperm, sort, topk, unbind)
+globals().update({_name: inplace.view_function(_name) for _name in inplace.VIEW_FUNCTIONS})  # views, as torch's
 from . import autograd  # noqa: E402 - dtm.autograd.grad
 from . import parallel  # noqa: E402
 from .parallel import Mesh, Partial, Replicate, Shard, devices, distribute, shard_map  # noqa: E402
@@ -31,6 +35,8 @@ from .runtime.cpu import get_num_threads, set_num_threads  # noqa: E402 - the cp
 from . import store  # noqa: E402 - dtm.store.open(), the tensor store
 from .ref.context import bind_process_store  # noqa: E402
 from . import tasks  # noqa: E402 - dtm.tasks.Graph, task graphs over the store
+from . import ckpt as checkpoint  # noqa: E402 - dtm.checkpoint.save / load / list (spec 9.4)
+_sys.modules.setdefault("dtm.checkpoint", checkpoint)
 
 # the store (layer 8) returns Tensors, plain or distributed (a Shards value), without importing them
 store.set_tensor_factory(Tensor.from_numpy, lambda type, value: Tensor(type, buffer=value))
@@ -39,6 +45,12 @@ bind_process_store(store.current)  # programs' store_get / store_put (layer 2) u
 from . import data  # noqa: E402 - dtm.data.ingest / dtm.data.Loader
 data.set_tensor_factory(Tensor.from_numpy)  # the loader (layer 8) yields Tensors without importing them
 from . import utils  # noqa: E402 - dtm.utils.data, as torch.utils.data
+from .tensor.autocast import _CpuAutocast, autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402 - CPU autocast
+amp = _sys.modules.setdefault("dtm.amp", _types.ModuleType("dtm.amp", "torch.amp: dtm.amp.autocast"))  # no file of its own
+amp.autocast = autocast
+cpu = _sys.modules.setdefault("dtm.cpu", _types.ModuleType("dtm.cpu", "torch.cpu: dtm.cpu.amp.autocast"))
+cpu.amp = _sys.modules.setdefault("dtm.cpu.amp", _types.ModuleType("dtm.cpu.amp", "torch.cpu.amp"))
+cpu.amp.autocast = _CpuAutocast
 
 # torch's short dtype names
 half, double, long = float16, float64, int64
@@ -46,4 +58,4 @@ bool = bool_  # noqa: A001 - dtm.bool, as torch.bool
 float = float32  # noqa: A001
 int = int32  # noqa: A001
 
-__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "tasks", "data", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]
+__all__ = ["ir", "nn", "optim", "functional", "parallel", "distributed", "debug", "store", "tasks", "checkpoint", "data", "DTMError", "ErrorCode", "TensorError", "Tensor", "tensor", "__version__"]

@@ -198,9 +198,13 @@ def _axes_option(text: str | None):
               help="when a rank fails: stop (end the other ranks) or continue (let them finish; the mesh's store "
                    "reads the failed rank's keys from their replicas); default: continue when the job called "
                    "dtm.init(elastic=True), else stop")
+@click.option("--memory-quota", default=None, metavar="SIZE",
+              help="each rank's memory quota (2G, 512M): an allocation that would pass it is refused with E0811 "
+                   "(DTM_MEMORY_QUOTA in the ranks' environment)")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
-               metrics_port: int | None, metrics_host: str, on_failure: str | None, command: tuple[str, ...]) -> None:
+               metrics_port: int | None, metrics_host: str, on_failure: str | None, memory_quota: str | None,
+               command: tuple[str, ...]) -> None:
     """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
     ranks; their output is forwarded with a `[rank k]` prefix. When one rank fails, the
     others are ended (--on-failure stop) or finish (continue), and dtm launch exits non-zero
@@ -212,6 +216,13 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
     from .errors import DTMError
 
     logging.basicConfig(level=logging.WARNING, format="dtm launch: %(message)s")
+    if memory_quota is not None:
+        from .runtime.host import parse_bytes
+
+        try:
+            os.environ["DTM_MEMORY_QUOTA"] = str(parse_bytes(memory_quota, "--memory-quota"))  # the ranks inherit it
+        except DTMError as e:
+            raise click.BadParameter(e.message) from None
     try:
         status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
                         join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0),
@@ -506,6 +517,82 @@ def store_import(file: str, prefix: str) -> None:
 
 
 # --- task graphs ---------------------------------------------------------------------------
+
+@main.group("checkpoint")
+def checkpoint_group() -> None:
+    """List, describe and verify checkpoints (dtm.checkpoint, spec 9.4)."""
+
+
+@checkpoint_group.command("ls")
+@click.argument("directory", type=click.Path())
+def checkpoint_ls(directory: str) -> None:
+    """List the complete checkpoints under DIRECTORY, oldest first."""
+    from . import ckpt
+
+    with _store_errors():
+        found = ckpt.list(directory)
+    _table(f"{len(found)} checkpoint(s) in {directory}", ("step", "written", "bytes", "tensors", "mesh", "dtm"),
+           [(c.step, _when(c.time), c.size, c.tensors, c.mesh or "-", c.dtm_version) for c in found])
+
+
+@checkpoint_group.command("info")
+@click.argument("directory", type=click.Path())
+@click.option("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+def checkpoint_info(directory: str, step: int | None) -> None:
+    """Show a checkpoint's versions, state and tensors (type, mesh and placements at save time)."""
+    from . import ckpt
+
+    with _store_errors():
+        doc = ckpt.read_manifest(directory, step)
+    click.echo(f"step {doc['step']}, written {_when(doc['time'])}, {doc['bytes']} bytes, format "
+               f"{doc.get('format_version')}, DTM {doc.get('dtm_version')}, spec {doc.get('spec_version')}")
+    click.echo("state: " + ", ".join(f"{k} ({v.get('kind')})" for k, v in doc["state"].items()))
+    _table(f"{len(doc['tensors'])} tensor(s)", ("tensor", "type", "mesh", "placements", "chunks", "bytes"),
+           [(t["name"], f"{t['dtype']}{t['shape']}",
+             " x ".join(f"{a}={n}" for a, n in t["mesh"]["axes"]) if t.get("mesh") else "-",
+             ", ".join(t["placements"]) if t.get("placements") else "-", len(t["chunks"]), t.get("nbytes", ""))
+            for t in doc["tensors"]])
+
+
+@checkpoint_group.command("verify")
+@click.argument("directory", type=click.Path())
+@click.option("--step", type=int, default=None, help="only this step (default: every complete checkpoint)")
+def checkpoint_verify(directory: str, step: int | None) -> None:
+    """Re-read every chunk and check its length and CRC32C against the chunk and the
+    manifest; exit 1 naming each bad chunk."""
+    from . import ckpt
+
+    with _store_errors():
+        report = ckpt.verify(directory, step)
+    if report.bad:
+        _table("bad chunks", ("step", "tensor", "file", "problem"), report.bad)
+    click.echo(f"{report.checkpoints} checkpoint(s), {report.tensors} tensor(s), {report.chunks} chunk(s) checked, "
+               f"{len(report.bad)} bad chunk(s)")
+    sys.exit(0 if report.ok else 1)
+
+
+@checkpoint_group.command("export")
+@click.argument("directory", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+def checkpoint_export(directory: str, out: str, step: int | None) -> None:
+    """Write each tensor group of a checkpoint as OUT/<group>.safetensors; a GPT-2 saved as a
+    model (its config recorded) as OUT/<group>/, a directory transformers' from_pretrained reads."""
+    from . import ckpt
+    from .models.gpt2 import GPT2, GPT2Config
+
+    with _store_errors():
+        doc = ckpt.read_manifest(directory, step)
+        for group, file in ckpt.export(directory, out, doc["step"]).items():
+            config = doc["state"][group].get("hf_config")
+            if config is not None and config.get("model_type") == "gpt2":
+                model = GPT2(GPT2Config.from_hf(config), init=False)
+                ckpt.load({group: model}, directory, step=doc["step"], strict=False)
+                model.save_pretrained(os.path.join(out, group))
+                os.remove(file)
+                file = os.path.join(out, group)
+            click.echo(f"{group} -> {file}")
+
 
 @main.group("tasks")
 def tasks_group() -> None:

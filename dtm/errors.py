@@ -91,6 +91,7 @@ class ErrorCode(str, enum.Enum):
     INDEX_OUT_OF_RANGE = "E0808"
     DIVISION_BY_ZERO = "E0809"
     OUT_OF_MEMORY = "E0810"
+    MEMORY_QUOTA_EXCEEDED = "E0811"
     # E09xx: the wire protocol
     BAD_MAGIC = "E0901"
     UNSUPPORTED_PROTOCOL_VERSION = "E0902"
@@ -131,6 +132,11 @@ class ErrorCode(str, enum.Enum):
     DATA_MANIFEST_MISSING = "E1305"
     DATA_MANIFEST_INVALID = "E1306"
     DATA_TOO_SMALL = "E1307"
+    # E14xx: checkpoints (spec 9.4)
+    NOT_A_CHECKPOINT = "E1401"
+    CHECKPOINT_KEYS = "E1402"
+    CHECKPOINT_INVALID = "E1403"
+    CHECKPOINT_EXISTS = "E1404"
 
     def __str__(self) -> str:
         return self.value

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import operator
 from collections import namedtuple
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -22,6 +23,8 @@ from .tensor import (DEFAULT_FLOAT, STATE, Tensor, apply, as_dtype, bool_, captu
                      is_grad_enabled, normalize_dim, rand, result_type, tensor)
 from .tensor.dtypes import check_fits, convert_scalar
 from .tensor.jit import value_fault
+from .tensor import versions as _versions  # what torch's gradients of composites read (version counter)
+from .tensor import autocast as _autocast  # torch's CPU autocast lists: @_autocast.lower, @_autocast.fp32
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -75,6 +78,31 @@ def _arithmetic(op: str, a: Any, b: Any, dtype=None) -> Tensor:
     if d.is_float and d.bits < 32 and not (isinstance(a, Tensor) and isinstance(b, Tensor)):
         return cast(_binary(op, a, b, float32), d)
     return _binary(op, a, b, d)
+
+
+def _index_arithmetic(fn: Callable[[int, int], int], a: Any, b: Any) -> Tensor | None:
+    """a + b, a - b or a * b of a known i64 number (an index from iterating a tensor) and a
+    Python int or another such number, in Python at once (wrapping as i64 does): the
+    arithmetic of a data loader's loop, `data[i:i + T]`. None: the general way."""
+    buf = getattr(a, "_buffer", None)
+    if type(buf) is not np.ndarray or buf.ndim or buf.dtype is not _I64 or a._mesh is not None:
+        return None
+    if type(b) is not int:
+        other = getattr(b, "_buffer", None)
+        if type(other) is not np.ndarray or other.ndim or other.dtype is not _I64 or b._mesh is not None:
+            return None
+        b = int(other)
+    if STATE.trace is not None:
+        return None
+    v = fn(int(buf), b)
+    if not -2**63 <= v < 2**63:
+        v = (v + 2**63) % 2**64 - 2**63
+    return Tensor(_I64_SCALAR, buffer=np.array(v, np.int64))
+
+
+_I64 = np.dtype(np.int64)
+_I64_SCALAR = TensorType(int64, ())
+_QUANT = as_dtype("q8_0").kind
 
 
 # --- checks on values the front end already knows ----------------------------------------
@@ -251,19 +279,32 @@ def logical_not(x: Tensor) -> Tensor:
 
 
 def add(a, b, alpha=1) -> Tensor:
-    if alpha == 1 and result_type(a, b) is bool_:
+    quick = _index_arithmetic(operator.add, a, b) if alpha == 1 else None
+    if quick is not None:
+        return quick
+    if alpha != 1:
+        return _arithmetic("add", a, mul(b, alpha))
+    d = result_type(a, b)
+    if d is bool_:
         return logical_or(a, b)  # torch: bool + bool is bool (True + True is True)
-    return _arithmetic("add", a, b if alpha == 1 else mul(b, alpha))
+    return _arithmetic("add", a, b, d)
 
 
 def sub(a, b, alpha=1) -> Tensor:
+    quick = _index_arithmetic(operator.sub, a, b) if alpha == 1 else None
+    if quick is not None:
+        return quick
     return _arithmetic("sub", a, b if alpha == 1 else mul(b, alpha))
 
 
 def mul(a, b) -> Tensor:
-    if result_type(a, b) is bool_:
+    quick = _index_arithmetic(operator.mul, a, b)
+    if quick is not None:
+        return quick
+    d = result_type(a, b)
+    if d is bool_:
         return logical_and(a, b)  # torch: bool * bool is bool
-    return _arithmetic("mul", a, b)
+    return _arithmetic("mul", a, b, d)
 
 
 def div(a, b, rounding_mode: str | None = None) -> Tensor:
@@ -339,10 +380,12 @@ def pow(a, b) -> Tensor:  # noqa: A001
         if b == 2:
             a = as_tensor(a, d)
             return apply("mul", a, a)
-        if b == 1:
-            return as_tensor(a, d)
+        if b == 1:  # a new tensor, as torch's: writing to it in place must not change a
+            x = as_tensor(a, d)
+            return apply("broadcast_to", x, shape=x.shape) if x is a else x
         if b == 0.5:
-            return sqrt(as_tensor(a, d))
+            return _versions.saves(sqrt(as_tensor(a, d)), "pow", _versions.INPUT)
+        return _versions.saves(_binary("pow", a, b, d), "pow", _versions.INPUT)  # torch's saves x, not the result
     return _binary("pow", a, b, d)
 
 
@@ -458,14 +501,14 @@ def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
     x = as_tensor(x, result_type(x, *(b for b in (min, max) if b is not None)))
     min, max = (b if b is None else _fill_value("clamp", b, x.dtype) for b in (min, max))
     if min is not None:
-        x = where(lt(x, min), min, x)
+        x = _versions.saves(where(lt(x, min), min, x), "clamp", _versions.CLAMP)
     if max is not None:
-        x = where(gt(x, max), max, x)
+        x = _versions.saves(where(gt(x, max), max, x), "clamp", _versions.CLAMP)
     return x
 
 
 def relu(x: Tensor) -> Tensor:
-    return apply("max", x, _scalar(0, x.dtype))
+    return _versions.saves(apply("max", x, _scalar(0, x.dtype)), "relu", _versions.RESULT)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -492,6 +535,7 @@ def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:  # no
     return apply("reduce_sum", x, axes=_axes(dim, x.ndim), keepdims=keepdim)
 
 
+@_autocast.fp32
 def prod(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
     x = cast(x, as_dtype(dtype) if dtype is not None else _sum_dtype(x))
     return apply("reduce_prod", x, axes=_axes(dim, x.ndim), keepdims=keepdim)
@@ -520,11 +564,13 @@ def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False
         n *= x.shape[a]
     centered = sub(x, mean(x, axes, keepdim=True))
     s = apply("reduce_sum", apply("mul", centered, centered), axes=axes, keepdims=keepdim)
-    return apply("div", s, _scalar(float(builtins.max(n - correction, 0)), x.dtype))
+    out = apply("div", s, _scalar(float(builtins.max(n - correction, 0)), x.dtype))
+    return _versions.saves(out, "var", (((0, 0, 0, 0),),)) if centered._op == "sub" else out  # torch's saves x
 
 
 def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, correction: int | None = None) -> Tensor:
-    return sqrt(var(x, dim, unbiased, keepdim, correction))
+    v = var(x, dim, unbiased, keepdim, correction)
+    return _versions.saves(sqrt(v), "std", ((_versions.OUT, (0, 0, 0, 0, 0)),) if v._saves else _versions.RESULT)
 
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
@@ -557,8 +603,8 @@ def _minmax(op: str, arg: str, x: Tensor, dim, keepdim: bool):
         return _extremum(op, x, tuple(range(x.ndim)), False)
     if not isinstance(dim, int):
         return _extremum(op, x, _axes(dim, x.ndim), keepdim)
-    return MinMax(_extremum(op, x, _axes(dim, x.ndim), keepdim), _arg(arg, cast(x, "u8") if x.dtype is bool_ else x,
-                                                                       dim, keepdim))
+    values = _versions.saves(_extremum(op, x, _axes(dim, x.ndim), keepdim), op[7:], _versions.NOTHING)  # torch's: indices
+    return MinMax(values, _arg(arg, cast(x, "u8") if x.dtype is bool_ else x, dim, keepdim))
 
 
 def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
@@ -701,8 +747,11 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     if not tensors:
         raise error(ErrorCode.OPERAND_COUNT, "stack() needs at least one tensor")
     d = normalize_dim(dim, tensors[0].ndim + 1)
-    if _known(*tensors) and len({(t.shape, t.dtype) for t in tensors}) == 1:
-        return Tensor.from_numpy(np.stack([t._buffer for t in tensors], axis=d))
+    if _known(*tensors) and all(t._type == tensors[0]._type for t in tensors):
+        arrays = [t._buffer for t in tensors]
+        out = (np.concatenate(arrays).reshape((len(arrays),) + tensors[0].shape) if d == 0 and tensors[0].ndim
+               else np.stack(arrays, d))
+        return Tensor.from_numpy(out)
     return cat([unsqueeze(t, d) for t in tensors], d)
 
 
@@ -766,11 +815,17 @@ def flip(x: Tensor, dims) -> Tensor:
     return apply("flip", x, axes=_axes(dims, x.ndim))
 
 
+_PAD_MODES = ("constant", "reflect", "replicate", "circular")
+
+
 def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float = 0.0) -> Tensor:
     """torch.nn.functional.pad: `pad` lists (left, right) for the last dim, then the one
-    before it, and so on; negative amounts crop."""
-    if mode != "constant":
-        raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: only mode='constant' is supported, found {mode!r}")
+    before it, and so on; negative amounts crop. `mode` is torch's: 'constant' (`value`),
+    'reflect' (mirrored about the edge element), 'replicate' (the edge element repeated)
+    or 'circular' (wrapped around), the last three padding what is left after cropping."""
+    if mode not in _PAD_MODES:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: mode must be one of {', '.join(map(repr, _PAD_MODES))}, "
+                    f"found {mode!r}")
     if len(pad) % 2 or len(pad) // 2 > x.ndim:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: {list(pad)} must hold (left, right) pairs for at most {x.ndim} dims")
     low, high = [0] * x.ndim, [0] * x.ndim
@@ -783,11 +838,50 @@ def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float = 0.
     high = tuple(builtins.max(v, 0) for v in high)
     if not any(low) and not any(high):
         return x
+    if mode != "constant":
+        return _pad_from_edges(x, low, high, mode)
     return apply("pad", x, low=low, high=high, value=value)
+
+
+def _pad_from_edges(x: Tensor, low: tuple[int, ...], high: tuple[int, ...], mode: str) -> Tensor:
+    """pad's reflect, replicate and circular modes, one dim at a time: slices of x (flipped
+    or broadcast) concatenated around it, so that autodiff and the compiler see movement
+    ops they already know and no new IR op is needed."""
+    for a in range(x.ndim):
+        lo, hi, n = low[a], high[a], x.shape[a]
+        if not lo and not hi:
+            continue
+        if mode == "reflect" and builtins.max(lo, hi) >= n:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: reflect padding ({lo}, {hi}) at dim {a} must be less than "
+                        f"the size of that dim of input {list(x.shape)}")
+        if mode == "circular" and builtins.max(lo, hi) > n:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: circular padding ({lo}, {hi}) at dim {a} of input "
+                        f"{list(x.shape)} would wrap around more than once")
+        if mode == "replicate" and n == 0:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"pad: replicate padding of dim {a}, which is empty in input "
+                        f"{list(x.shape)}")
+        if mode == "reflect":  # the edge element itself is not repeated
+            left, right = _slice(x, a, 1, lo + 1, 1), _slice(x, a, n - 1 - hi, n - 1, 1)
+            left, right = flip(left, a) if lo else left, flip(right, a) if hi else right
+        elif mode == "replicate":
+            left = expand(_slice(x, a, 0, 1, 1), x.shape[:a] + (lo,) + x.shape[a + 1:])
+            right = expand(_slice(x, a, n - 1, n, 1), x.shape[:a] + (hi,) + x.shape[a + 1:])
+        else:
+            left, right = _slice(x, a, n - lo, n, 1), _slice(x, a, 0, hi, 1)
+        x = cat([part for part, size in ((left, lo), (x, n), (right, hi)) if size], a)
+    return x
 
 
 def _iota(shape: tuple[int, ...], dim: int) -> Tensor:
     return apply("iota", type=TensorType(int64, shape), dim=dim)
+
+
+def _size_scalar(n: int) -> Tensor:
+    """The size n as an int64 rank-0 value read from a type (the last element of an iota over
+    n + 1; the compiler computes that one element), not a literal: a program whose sizes
+    change then stays one program of its family (dtm.tensor.dynamic), where a literal n
+    would make every size another."""
+    return reshape(_slice(_iota((n + 1,), 0), 0, n, n + 1, 1), ())
 
 
 def take(x: Tensor, index: Tensor, axis: int, wrap: bool = True) -> Tensor:
@@ -807,7 +901,8 @@ def take(x: Tensor, index: Tensor, axis: int, wrap: bool = True) -> Tensor:
 def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
     """torch.gather: out[i][j][k] = x[i][index[i][j][k]][k] for dim 1 (take along an axis),
     as one IR gather on the flattened tensor."""
-    return apply("gather", reshape(x, (-1,)), _positions_along("gather", x, dim, index), axis=0)
+    out = apply("gather", reshape(x, (-1,)), _positions_along("gather", x, dim, index), axis=0)
+    return _versions.saves(out, "gather", ((_versions.A, _versions.B),))  # torch's saves x too
 
 
 def scatter(x: Tensor, dim: int, index: Tensor, src: Any) -> Tensor:
@@ -885,6 +980,7 @@ def _triangle(x: Tensor, k: int, lower: bool) -> Tensor:
 
 # --- linear algebra -----------------------------------------------------------------------
 
+@_autocast.lower
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """torch.matmul: 1-D operands are promoted to matrices and the added dim removed."""
     d = result_type(a, b)
@@ -904,6 +1000,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
+@_autocast.lower
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias (weight is [out, in], as in torch). Operands of two dtypes are
     promoted (torch refuses them), the weight before its transpose: a bf16 weight's product
@@ -959,6 +1056,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     return where(keep, mul(x, 1.0 / (1.0 - p)), 0.0)
 
 
+@_autocast.lower
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None) -> Tensor:
     if attn_mask is not None and is_causal:
@@ -1006,9 +1104,13 @@ def _known(*tensors: Tensor) -> bool:
     nothing: not traced, no gradient to track, not distributed or quantized. Movement of
     such values is numpy's, at once: a batch sliced out of a dataset and stacked
     (nanoGPT's get_batch) builds and compiles no program."""
-    return STATE.trace is None and all(
-        type(t._buffer) is np.ndarray and not (t.requires_grad and is_grad_enabled()) and t._mesh is None
-        and not t.dtype.is_quant for t in tensors)
+    if STATE.trace is not None:
+        return False
+    for t in tensors:  # (a loop, not all(...): this runs for every slice a data loader cuts)
+        if type(t._buffer) is not np.ndarray or t._mesh is not None or (t.requires_grad and is_grad_enabled()) \
+                or t._type.dtype.kind is _QUANT:
+            return False
+    return True
 
 
 def _basic_index(index) -> bool:
@@ -1135,7 +1237,7 @@ def _scatter_into(x: Tensor, positions: Tensor, value: Tensor) -> Tensor:
         after = apply("concat", _slice(flat_pos, 0, 1, k, 1), apply("full", type=TensorType(int64, (1,)), value=-1),
                       axis=0)
         last = apply("ne", flat_pos, after)  # the next write goes elsewhere: this one stays
-        flat_pos = where(last, flat_pos, _scalar(n, int64))  # the others go past the end (ignored)
+        flat_pos = where(last, flat_pos, _size_scalar(n))  # the others go past the end (ignored)
     hit = apply("scatter_add", apply("full", type=TensorType(int64, (n + 1,)), value=0), flat_pos,
                 apply("full", type=TensorType(int64, flat_pos.shape), value=1), axis=0)
     vals_dtype = x.dtype if x.dtype is not bool_ else int64

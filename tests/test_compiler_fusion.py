@@ -422,3 +422,154 @@ func @f(%k: u32[2], %x: {dt}[37, 129]) -> ({dt}[37, 129], {dt}[37, 129]) {{
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
     assert CPU.plan(m, "f").kernel_count == 1
+
+
+def _philox_calls(body: list) -> int:
+    from dtm.compiler import loopir as L
+    n = 0
+    for s in body:
+        if isinstance(s, (L.Loop, L.If)):
+            n += _philox_calls(s.body)
+        for e in [getattr(s, a) for a in ("value", "index", "cond") if hasattr(s, a)]:
+            stack = [e]
+            while stack:
+                x = stack.pop()
+                if isinstance(x, L.Op):
+                    n += x.op == "philox_uniform"
+                    stack.extend(x.args)
+                elif isinstance(x, L.Load):
+                    stack.append(x.index)
+    return n
+
+
+@pytest.mark.parametrize("dt", ["f32", "f64"])
+def test_a_row_kernel_draws_each_element_once(dt):
+    """A dropout whose result a row kernel reduces (a layer norm of the residual, over the
+    dropped values: two passes and the stores) draws each element once, in a vectorised
+    loop over the row before the passes, which then read the stored mask; the mask is the
+    reference's to the bit (the sums' order is unspecified: the values to rounding)."""
+    m = parse(f"""dtm 1.0
+func @f(%k: u32[2], %x: {dt}[37, 129], %r: {dt}[37, 129]) -> ({dt}[37, 129], bool[37, 129]) {{
+  %u = random %k {{distribution = "uniform"}} : {dt}[37, 129]
+  %p = full {{value = 0.1}} : {dt}[]
+  %keep = ge %u, %p : bool[37, 129]
+  %s = full {{value = 1.1111111}} : {dt}[]
+  %xs = mul %x, %s : {dt}[37, 129]
+  %z = full {{value = 0.0}} : {dt}[]
+  %d = where %keep, %xs, %z : {dt}[37, 129]
+  %h = add %d, %r : {dt}[37, 129]
+  %sum = reduce_sum %h {{axes = [1], keepdims = true}} : {dt}[37, 1]
+  %n = full {{value = 129.0}} : {dt}[]
+  %mean = div %sum, %n : {dt}[37, 1]
+  %c = sub %h, %mean : {dt}[37, 129]
+  %c2 = mul %c, %c : {dt}[37, 129]
+  %ss = reduce_sum %c2 {{axes = [1], keepdims = true}} : {dt}[37, 1]
+  %y = div %c, %ss : {dt}[37, 129]
+  return %y, %keep
+}}
+""")
+    verify(m)
+    npt = np.float32 if dt == "f32" else np.float64
+    x, r = (rng.standard_normal((37, 129)).astype(npt) for _ in range(2))
+    for key in ([0, 0], [12345, 678], [0xFFFFFFFF, 0x80000001]):
+        k = np.array(key, np.uint32)
+        (y, keep), (y_ref, keep_ref) = CPU.run(m, "f", [k, x, r]), ref_run(m, "f", [k, x, r])
+        np.testing.assert_array_equal(keep, keep_ref)
+        np.testing.assert_allclose(y, y_ref, rtol=1e-4 if dt == "f32" else 1e-12, atol=1e-7 if dt == "f32" else 1e-15)
+    steps = CPU.plan(m, "f").program.steps
+    assert len(steps) == 1
+    assert _philox_calls(steps[0].kernel.body) == 1
+
+
+def _kernels_with(steps: list, op: str) -> int:
+    """How many of the steps' kernels compute `op` somewhere in their loop IR (epilogues included)."""
+    from dtm.compiler import loopir as L
+
+    def has(body: list) -> bool:
+        for s in body:
+            if isinstance(s, (L.Loop, L.If)) and has(s.body):
+                return True
+            if isinstance(s, L.Gemm) and s.epilogue and has(s.epilogue):
+                return True
+            stack = [getattr(s, a) for a in ("value", "index", "cond") if hasattr(s, a)]
+            while stack:
+                x = stack.pop()
+                if isinstance(x, L.Op):
+                    if x.op == op:
+                        return True
+                    stack.extend(x.args)
+                elif isinstance(x, L.Load):
+                    stack.append(x.index)
+        return False
+
+    return sum(has(s.kernel.body) for s in steps if hasattr(s, "kernel"))
+
+
+def test_dropout_over_a_softmax_stores_the_softmax():
+    """Attention's dropout: where(keep, softmax(q k^T) * s, 0), its probabilities read again
+    later (by the backward pass; here by a product of what the dropout fed). The softmax is
+    stored, by q k^T's epilogue, as without dropout: the later reader does not run the softmax
+    again from a stored q k^T (its exponentials are computed in one kernel), and the dropout
+    is an elementwise kernel whose draws vectorise. The mask is the reference's to the bit."""
+    m = parse("""dtm 1.0
+func @f(%k: u32[2], %a: f32[6, 24], %b: f32[24, 40], %v: f32[40, 8], %w: f32[8, 40]) -> (f32[6, 40], bool[6, 40]) {
+  %s = matmul %a, %b : f32[6, 40]
+  %y = softmax %s {axis = 1} : f32[6, 40]
+  %u = random %k {distribution = "uniform"} : f32[6, 40]
+  %p = full {value = 0.1} : f32[]
+  %keep = ge %u, %p : bool[6, 40]
+  %c = full {value = 1.1111111} : f32[]
+  %ys = mul %y, %c : f32[6, 40]
+  %z = full {value = 0.0} : f32[]
+  %d = where %keep, %ys, %z : f32[6, 40]
+  %o = matmul %d, %v : f32[6, 8]
+  %h = matmul %o, %w : f32[6, 40]
+  %gy = mul %y, %h : f32[6, 40]
+  return %gy, %keep
+}
+""")
+    verify(m)
+    args = [rng.standard_normal(s).astype(np.float32) for s in ((6, 24), (24, 40), (40, 8), (8, 40))]
+    for key in ([0, 0], [12345, 678]):
+        k = np.array(key, np.uint32)
+        (gy, keep), (gy_ref, keep_ref) = CPU.run(m, "f", [k, *args]), ref_run(m, "f", [k, *args])
+        np.testing.assert_array_equal(keep, keep_ref)
+        np.testing.assert_allclose(gy, gy_ref, rtol=1e-4, atol=1e-6)
+    assert _kernels_with(CPU.plan(m, "f").program.steps, "exp") == 1
+
+
+def test_dropout_over_a_causal_softmax_stores_the_softmax():
+    """The same with a causal mask (GPT-2's attention): the softmax of masked scores is a
+    where(causal, row value, full value), which the dropout's scaling is not pushed into
+    while the backward pass reads the softmax itself (both would then compute it apart)."""
+    m = parse("""dtm 1.0
+func @f(%k: u32[2], %a: f32[2, 6, 24], %b: f32[2, 24, 6], %v: f32[2, 6, 8], %w: f32[2, 8, 6]) -> (f32[2, 6, 6], bool[2, 6, 6]) {
+  %s = matmul %a, %b : f32[2, 6, 6]
+  %r = iota {dim = 0} : i64[6, 6]
+  %c = iota {dim = 1} : i64[6, 6]
+  %future = gt %c, %r : bool[6, 6]
+  %fb = broadcast_to %future {shape = [2, 6, 6]} : bool[2, 6, 6]
+  %ninf = full {value = -inf} : f32[]
+  %ms = where %fb, %ninf, %s : f32[2, 6, 6]
+  %y = softmax %ms {axis = 2} : f32[2, 6, 6]
+  %u = random %k {distribution = "uniform"} : f32[2, 6, 6]
+  %p = full {value = 0.1} : f32[]
+  %keep = ge %u, %p : bool[2, 6, 6]
+  %sc = full {value = 1.1111111} : f32[]
+  %ys = mul %y, %sc : f32[2, 6, 6]
+  %z = full {value = 0.0} : f32[]
+  %d = where %keep, %ys, %z : f32[2, 6, 6]
+  %o = matmul %d, %v : f32[2, 6, 8]
+  %h = matmul %o, %w : f32[2, 6, 6]
+  %gy = mul %y, %h : f32[2, 6, 6]
+  return %gy, %keep
+}
+""")
+    verify(m)
+    args = [rng.standard_normal(s).astype(np.float32) for s in ((2, 6, 24), (2, 24, 6), (2, 6, 8), (2, 8, 6))]
+    for key in ([0, 0], [12345, 678]):
+        k = np.array(key, np.uint32)
+        (gy, keep), (gy_ref, keep_ref) = CPU.run(m, "f", [k, *args]), ref_run(m, "f", [k, *args])
+        np.testing.assert_array_equal(keep, keep_ref)
+        np.testing.assert_allclose(gy, gy_ref, rtol=1e-4, atol=1e-6)
+    assert _kernels_with(CPU.plan(m, "f").program.steps, "exp") == 1

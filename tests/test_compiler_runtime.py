@@ -35,7 +35,7 @@ def test_cpu_is_the_default_and_ref_is_registered(monkeypatch):
 
 
 def test_pass_list():
-    assert [name for name, _ in PASSES] == ["decompose", "simplify", "fuse", "lower_loops", "plan_memory",
+    assert [name for name, _ in PASSES] == ["widen", "decompose", "simplify", "fuse", "lower_loops", "plan_memory",
                                            "share_kernels", "render_c"]
 
 

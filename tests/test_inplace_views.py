@@ -128,7 +128,18 @@ VIEWS = {
     "row": lambda x: x[1], "col": lambda x: x[:, 2], "slice": lambda x: x[1:, ::2], "step": lambda x: x[::2, 1::2],
     "narrow": lambda x: x.narrow(1, 1, 2), "chain": lambda x: x.view(2, 6)[1].view(3, 2).T,
     "ellipsis": lambda x: x[..., 1:3],
+    # views that torch gives and DTM shared later
+    "detach": lambda x: x.detach(), "detach_row": lambda x: x.detach()[1], "t": lambda x: x.t(),
+    "unbind": lambda x: x.unbind(1)[2], "unbind0": lambda x: x.unbind()[0], "split": lambda x: x.split(3, dim=1)[1],
+    "split_sizes": lambda x: x.split([1, 2], 0)[1], "chunk": lambda x: x.chunk(2, 1)[0],
+    "select": lambda x: x.select(1, 2), "select_neg": lambda x: x.select(0, -1), "diagonal": lambda x: x.diagonal(),
+    "diagonal_above": lambda x: x.diagonal(1), "diagonal_below": lambda x: x.diagonal(-1),
+    "diagonal_T": lambda x: x.diagonal(0, 1, 0), "view_as": lambda x: x.view_as(x.reshape(6, 2)),
+    "unflatten": lambda x: x.unflatten(1, (2, 2)), "movedim": lambda x: x.movedim(0, 1),
+    "moveaxis": lambda x: x.moveaxis(1, 0), "swapaxes": lambda x: x.swapaxes(0, 1), "swapdims": lambda x: x.swapdims(1, 0),
 }
+# views that repeat elements of their base: writes to the base reach them; writes through them are refused
+REPEATING = {"expand_as": lambda x: x[:1].expand_as(x), "expand_as_col": lambda x: x[:, 1:2].expand_as(x)}
 
 
 @pytest.mark.parametrize("name", list(VIEWS))
@@ -143,14 +154,94 @@ def test_writes_through_a_view_reach_the_base_and_other_views(backend, name):
     same(fn)
 
 
-@pytest.mark.parametrize("name", list(VIEWS))
+@pytest.mark.parametrize("name", list(VIEWS) + list(REPEATING))
 def test_writes_to_the_base_reach_every_view(backend, name):
     def fn(M):
         x = start(M)
-        v = VIEWS[name](x)
+        v = {**VIEWS, **REPEATING}[name](x)
         x.mul_(2)
         x[0, 0] = 50
         return v
+    same(fn)
+
+
+@pytest.mark.parametrize("name", list(REPEATING))
+def test_writes_through_a_view_that_repeats_elements_are_refused(name):
+    with pytest.raises(RuntimeError):
+        REPEATING[name](start(torch)).add_(1)
+    with pytest.raises(TensorError):
+        REPEATING[name](start(dtm)).add_(1)
+
+
+# one of several views one call returns: torch refuses in-place writes to it under autograd
+SEVERAL = ("unbind", "unbind0", "split", "split_sizes", "chunk")
+
+
+@pytest.mark.parametrize("name", [n for n in VIEWS if "detach" not in n])
+def test_gradients_through_writes_to_a_view_and_to_its_base(name):
+    """Each view op records its gradient: a write through the view, then one to the base,
+    and both read after: the gradients are torch's."""
+    def fn(M):
+        w = M.tensor(np.linspace(0.5, 2.0, 12, dtype=np.float32).reshape(3, 4), requires_grad=True)
+        u = M.tensor(np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(3, 4), requires_grad=True)
+        x = w * 1.0
+        v = VIEWS[name](x)
+        v.mul_(3)
+        v.add_(VIEWS[name](u))
+        x.sub_(u * 0.5)
+        loss = (x * M.arange(12.0).reshape(3, 4)).sum() + (v * v).sum()
+        if M.is_grad_enabled():
+            loss.backward()
+        return x, v, w.grad, u.grad
+    if name in SEVERAL:
+        with pytest.raises(RuntimeError, match="inplace"):
+            fn(torch)
+        with pytest.raises(TensorError, match="in place") as e:
+            fn(dtm)
+        assert e.value.code is ErrorCode.ATTRIBUTE_VALUE
+        with dtm.no_grad():  # torch allows it outside autograd
+            fn(dtm)
+        return
+    same(fn)
+
+
+def test_every_piece_of_split_chunk_and_unbind_is_a_view():
+    def fn(M):
+        x = start(M)
+        a, b = x.split(2, dim=1)
+        c, d = x.chunk(2, 0)
+        rows = x.unbind(0)
+        a += 1
+        d.mul_(-1)
+        rows[1][0] = 7
+        return x, a, b, c, d, *rows
+    same(fn)
+
+
+def test_detach_shares_the_elements_and_records_no_gradient():
+    def fn(M):
+        w = M.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        d = w.detach()
+        assert not d.requires_grad
+        d.zero_()  # changes w, outside autograd (torch allows it on a leaf that requires grad)
+        (w * M.tensor([1.0, 2.0, 3.0])).sum().backward()
+        d2 = w.detach()
+        with M.no_grad():
+            w += 1
+        return w, d, d2, w.grad
+    same(fn)
+    x = dtm.ones(3)
+    x.detach().zero_()
+    np.testing.assert_array_equal(x.numpy(), [0, 0, 0])
+
+
+def test_clone_does_not_share():
+    def fn(M):
+        x = start(M)
+        c = x.clone()
+        x += 1
+        c.mul_(2)
+        return x, c
     same(fn)
 
 
@@ -234,3 +325,104 @@ def test_a_batch_sliced_from_a_dataset_is_computed_at_once_and_shares_its_elemen
         piece[0] = -7
         return d[8:16], piece
     same(fn)
+
+
+def test_get_batch_runs_no_program_but_randint(monkeypatch):
+    """nanoGPT's get_batch as written: iterating the drawn offsets, `i + T` on each and the
+    slices and stacks are numpy's at once; only randint runs a program. Equal to torch's
+    for the same offsets."""
+    from dtm.runtime import execute
+    data_np = np.arange(10_000, dtype=np.int64) * 3
+    data, T = dtm.tensor(data_np).realize(), 8
+    runs = []
+    real_run = execute.run
+    monkeypatch.setattr(execute, "run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    ix = dtm.randint(len(data) - T, (5,))
+    x = dtm.stack([data[i:i + T] for i in ix])
+    y = dtm.stack([data[i + 1:i + 1 + T] for i in ix])
+    assert len(runs) == 1 and x._buffer is not None and y._buffer is not None
+    t_data, t_ix = torch.tensor(data_np), torch.tensor(ix.numpy())
+    np.testing.assert_array_equal(x.numpy(), torch.stack([t_data[i:i + T] for i in t_ix]).numpy())
+    np.testing.assert_array_equal(y.numpy(), torch.stack([t_data[i + 1:i + 1 + T] for i in t_ix]).numpy())
+
+
+def test_arithmetic_on_an_index_is_torchs():
+    """The quick i64 arithmetic on 0-d known numbers wraps as torch's does, keeps i64, and
+    leaves other dtypes and Python-number types to the general path."""
+    def fn(M):
+        big = M.tensor(2**63 - 1)
+        i = M.tensor([4, 5])[1]
+        return (big + 1, big * 2, M.tensor(-2**63) - 1, i + 3, i - M.tensor(7), i * i, 3 + i, i + 0.5, i * True,
+                M.tensor(3, dtype=M.int32) + 2)
+    want, got = fn(torch), fn(dtm)
+    for w, g in zip(want, got):
+        assert g.numpy().dtype == w.numpy().dtype
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def test_iterating_a_tensor_gives_views():
+    def fn(M):
+        x = start(M)
+        rows = list(x)
+        rows[1] += 100
+        x[2, 0] = -5
+        items = list(M.tensor([1, 2, 3]))
+        return (x, *rows, *items)
+    same(fn)
+
+
+def test_views_of_a_weight_follow_an_optimizer_step():
+    """A view held across optimizer steps (a transposed weight) shows the stepped weight and
+    keeps its gradient history, as torch's does."""
+    def fn(M):
+        w = M.tensor(np.arange(6, dtype=np.float32).reshape(2, 3), requires_grad=True)
+        wt, row = w.T, w[1]
+        opt = M.optim.SGD([w], lr=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            (wt * M.arange(6.0).reshape(3, 2)).sum().backward()
+            opt.step()
+        return w, wt, row, w.grad
+    same(fn)
+
+
+def test_views_of_a_buffer_follow_a_jitted_update(backend):
+    count = dtm.zeros(2, 2)
+    view = count.T
+
+    @dtm.jit
+    def step(x):
+        count.add_(x)
+        return x * 2
+
+    for i in range(2):
+        step(dtm.tensor([[1.0, 2.0], [3.0, 4.0]]) * (i + 1))
+        np.testing.assert_array_equal(view.numpy(), count.numpy().T)
+    np.testing.assert_array_equal(view.numpy(), [[3, 9], [6, 12]])
+
+
+def test_a_first_power_is_a_new_tensor_as_torch_s():
+    """x ** 1 was x itself: an in-place write to the result changed x."""
+    x, tx = dtm.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])
+    y, ty = x ** 1, tx ** 1
+    y.add_(1)
+    ty.add_(1)
+    np.testing.assert_array_equal(x.numpy(), tx.numpy())
+    np.testing.assert_array_equal(y.numpy(), ty.numpy())
+
+
+@pytest.mark.parametrize("call", [
+    lambda M, x: M.transpose(x, 0, 1), lambda M, x: M.reshape(x, (-1,)), lambda M, x: M.flatten(x),
+    lambda M, x: M.permute(x, (1, 0)), lambda M, x: M.unsqueeze(x, 0), lambda M, x: M.narrow(x, 1, 1, 2),
+    lambda M, x: M.split(x, 1)[1], lambda M, x: M.chunk(x, 2, 1)[0], lambda M, x: M.unbind(x)[0],
+    lambda M, x: M.select(x, 1, 2), lambda M, x: M.movedim(x, 0, 1), lambda M, x: M.swapaxes(x, 0, 1),
+    lambda M, x: M.diagonal(x), lambda M, x: M.t(x), lambda M, x: M.detach(x), lambda M, x: M.squeeze(x)])
+def test_torch_functions_that_give_views_give_them(call):
+    """dtm.transpose(x, 0, 1) as torch.transpose: a write through it reaches x."""
+    got = []
+    for M in (torch, dtm):
+        x = M.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+        v = call(M, x)
+        v.mul_(10)
+        got.append(x.numpy().copy())
+    np.testing.assert_array_equal(got[1], got[0])

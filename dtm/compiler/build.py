@@ -36,15 +36,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
-from . import c_move, c_narrow, kernel_cache
+from . import c_bf16, c_move, c_narrow, kernel_cache
 from .c_runtime import SOURCES as _GEMM_SOURCES
 from .render_c import render_unit, vector_math_decls
 
 log = logging.getLogger("dtm.compiler")
-# the runtime libraries by the name a kernel's CFunction.gemm_dtype gives: f32, f64 and the
-# products with narrow weights (c_narrow.py); "move": the movement steps and the plan's
+# the runtime libraries by the name a kernel's CFunction.gemm_dtype gives: f32, f64, the
+# products with narrow weights (c_narrow.py), bf16 x bf16 products (c_bf16.py); "move": the movement steps and the plan's
 # launch loop (c_move.py), which the executor calls
-RUNTIME_SOURCES = {**_GEMM_SOURCES, "narrow": c_narrow.SOURCE, "move": c_move.SOURCE}
+RUNTIME_SOURCES = {**_GEMM_SOURCES, "narrow": c_narrow.SOURCE, "move": c_move.SOURCE, "bf16": c_bf16.SOURCE}
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
@@ -429,3 +429,41 @@ def _probe_vector_math() -> bool:
 def _anonymous(f) -> str:
     """Kernel f's C with its symbol replaced: equal for kernels that differ only by name."""
     return "\n".join([*f.decls, f.code]).replace(f.symbol, "@") + "\0" + "\n".join(sorted(f.helpers))
+
+
+_TARGET_FEATURES = {"avx512bf16": "-mavx512bf16", "amx": "-mamx-bf16"}
+
+
+def compiler_offers(feature: str) -> bool:
+    """Whether -march=native lets the C compiler use `feature` ("avx512bf16", "amx") on this
+    CPU: the detection the bf16 products' library is built with (its #if on the compiler's
+    macros), as the f32 products' is for AVX-512."""
+    flag = _TARGET_FEATURES[feature]
+    return any(t == flag for t in native_target(compiler()).split())
+
+
+def _bf16_lib() -> ctypes.CDLL:
+    lib = runtime_library("bf16")
+    lib.dtm_rt_bf16_kernel.restype = ctypes.c_int
+    lib.dtm_rt_bf16_force.argtypes = [ctypes.c_int]
+    return lib
+
+
+def bf16_kernel() -> str:
+    """The microkernel the bf16 products run in this process: "avx512bf16" or "portable"
+    (c_bf16.py)."""
+    return c_bf16.KERNELS[_bf16_lib().dtm_rt_bf16_kernel()]
+
+
+class bf16_forced:  # noqa: N801 - a context manager, like a function
+    """Inside, the bf16 products run `kernel` ("portable", or "avx512bf16" where built with
+    it), whatever DTM_BF16_PORTABLE says: for tests comparing the two on one machine."""
+
+    def __init__(self, kernel: str):
+        self.code = {v: k for k, v in c_bf16.KERNELS.items()}[kernel]
+
+    def __enter__(self):
+        _bf16_lib().dtm_rt_bf16_force(self.code)
+
+    def __exit__(self, *exc):
+        _bf16_lib().dtm_rt_bf16_force(-1)

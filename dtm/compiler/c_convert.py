@@ -87,7 +87,11 @@ static inline uint16_t dtm_f16_nan_f64(uint64_t b) {
 static inline float dtm_f16_f32(uint16_t h) {
   uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
   if (e == 0x1f) return dtm_f32_bits(s | 0x7f800000u | (m << 13));
+#if defined(__FLT16_MAX__)
+  _Float16 v; memcpy(&v, &h, 2); return (float)v;  /* exact, as the decoding below */
+#else
   return (float)dtm_nf_decode(h, 10, 5, 0);
+#endif
 }
 static inline double dtm_f16_f64(uint16_t h) {
   uint64_t s = (uint64_t)(h & 0x8000u) << 48, e = (h >> 10) & 0x1f, m = h & 0x3ff;
@@ -115,6 +119,32 @@ static inline double dtm_NAME_f64(T b) { return dtm_nf_decode(b, MB, EB, FN); }
 """
 
 
+# f32 -> bf16 and f32 -> f16 without the generic rounding (a double's frexp, nearbyint and
+# ldexp: 40 ns an element, the whole time of an autocast step's elementwise kernels), the
+# same bits: bf16 is f32's high half, so rounding its low half to nearest even is an integer
+# add (overflow carries into the exponent: inf, as the generic rounding gives); f16 is
+# the compiler's own _Float16 conversion (one rounding, to nearest even) where it has one.
+_FAST_OF_F32 = {
+    "bf16": """static inline uint16_t dtm_bf16_of_f32(float x) {  /* round to nearest even on the bits */
+  uint32_t b = dtm_bits_f32(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((b >> 16) & 0x8000u) | 0x7fc0u);  /* NaN: quiet, its sign
+                                                            (not signbit: GCC 12 fails on it vectorized) */
+  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+""",
+    "f16": """static inline uint16_t dtm_f16_of_f32(float x) {
+#if defined(__FLT16_MAX__)
+  if (x != x) return dtm_f16_nan_f32(dtm_bits_f32(x));
+  _Float16 h = (_Float16)x;
+  uint16_t b; memcpy(&b, &h, sizeof(b)); return b;
+#else
+  return x != x ? dtm_f16_nan_f32(dtm_bits_f32(x)) : (uint16_t)dtm_nf_round((double)x, 10, 5, 0, 65504.0);
+#endif
+}
+""",
+}
+
+
 def _per_type(name: str) -> str:
     mb, eb, fn, maxf = FORMATS[name]
     total = 1 + mb + eb
@@ -124,10 +154,15 @@ def _per_type(name: str) -> str:
     else:
         f32nan = f64nan = "dtm_NAME_nan(signbit(x) != 0)"
     code = _PER_TYPE + ("" if name in ("f16", "bf16") else _DECODE)
+    if name in _FAST_OF_F32:
+        head, _, rest = code.partition("static inline T dtm_NAME_of_f32(float x) {")
+        code = head + "@fast@" + rest.partition("}\n")[2]
     for k, v in (("F32NAN", f32nan), ("F64NAN", f64nan), ("NAME", name), ("T", BITS_T[name]),
                  ("SIGN", f"{1 << (total - 1):#x}u"), ("QNAN", f"{qnan:#x}u"), ("MB", str(mb)),
                  ("EB", str(eb)), ("FN", str(fn)), ("MAXF", maxf)):
         code = code.replace(k, v)
+    if name in _FAST_OF_F32:  # (written with its names: the replacements above would change its macros)
+        code = code.replace("@fast@", _FAST_OF_F32[name])
     return code
 
 

@@ -16,18 +16,22 @@ from __future__ import annotations
 
 def _philox() -> str:
     """dtm_philox: the ten rounds written out, with no loop and no branch, so that a kernel's
-    `omp simd` loop over elements vectorises (u32 x u32 -> u64 products: vpmuludq)."""
+    `omp simd` loop over elements vectorises. The four 32-bit words are held in 64-bit
+    variables (each below 2^32): vectorised, every step stays in 64-bit lanes, where words of
+    32 bits multiplied into 64 made GCC pack and unpack lanes around each product (1.84 ns a
+    draw on one AVX-512 core against 1.33, the same bits)."""
     rounds = []
     for r in range(10):
         k0, k1 = f"k0 + {hex(r * 0x9E3779B9 % 2**32)}u", f"k1 + {hex(r * 0xBB67AE85 % 2**32)}u"
-        rounds.append(f"  p0 = (uint64_t)0xD2511F53u * c0; p1 = (uint64_t)0xCD9E8D57u * c2;\n"
-                      f"  n0 = (uint32_t)(p1 >> 32) ^ c1 ^ ({k0}); n2 = (uint32_t)(p0 >> 32) ^ c3 ^ ({k1});\n"
-                      "  c1 = (uint32_t)p1; c3 = (uint32_t)p0; c0 = n0; c2 = n2;")
+        rounds.append("  p0 = UINT64_C(0xD2511F53) * c0; p1 = UINT64_C(0xCD9E8D57) * c2;\n"
+                      f"  n0 = (p1 >> 32) ^ c1 ^ (uint32_t)({k0}); n2 = (p0 >> 32) ^ c3 ^ (uint32_t)({k1});\n"
+                      "  c1 = p1 & 0xFFFFFFFFu; c3 = p0 & 0xFFFFFFFFu; c0 = n0; c2 = n2;")
     return ("/* Philox4x32-10 (Salmon et al. 2011) of counter (i mod 2^32, i >> 32, 0, 0) under (k0, k1):\n"
-            "   the first two output words; round r's key is (k0 + r W0, k1 + r W1) mod 2^32 */\n"
+            "   the first two output words; round r's key is (k0 + r W0, k1 + r W1) mod 2^32. Each word\n"
+            "   is held in 64 bits (below 2^32), so vectorised it stays in 64-bit lanes */\n"
             "static inline void dtm_philox(uint32_t k0, uint32_t k1, uint64_t i, uint32_t *x0, uint32_t *x1) {\n"
-            "  uint32_t c0 = (uint32_t)i, c1 = (uint32_t)(i >> 32), c2 = 0, c3 = 0, n0, n2;\n"
-            "  uint64_t p0, p1;\n" + "\n".join(rounds) + "\n  *x0 = c0;\n  *x1 = c1;\n}")
+            "  uint64_t c0 = (uint32_t)i, c1 = i >> 32, c2 = 0, c3 = 0, n0, n2, p0, p1;\n"
+            + "\n".join(rounds) + "\n  *x0 = (uint32_t)c0;\n  *x1 = (uint32_t)c1;\n}")
 
 
 PHILOX = _philox()

@@ -387,6 +387,7 @@ class Gemm:
     ivar: str = "i"
     jvar: str = "j"
     b_dtype: DType | None = None     # B's buffer holds this narrow dtype (c_narrow.py), else dtype
+    ab_dtype: DType | None = None    # both A's and B's buffers hold this dtype (bf16: c_bf16.py), else dtype
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The cpu lowering as a flat, named list of passes: each takes the previous one's output.
 
+    widen         Func -> Func          ops on f16 / bf16 computed in f32, rounded once (the spec's rule)
     decompose     Func -> Func          composites into primitives (spec 3.9)
     simplify      Func -> Func          identities, constant folding, CSE, dead code
     fuse          Func -> Schedule      which values are stored, which kernel computes each
@@ -39,6 +40,7 @@ from .render_c import render_kernel, render_unit
 from .schedule import Schedule, fuse, gemm_dtype
 from .share import share_kernels
 from .simplify import simplify
+from .widen import widen
 from .spmd import partition, propagate_shardings  # noqa: F401 - the SPMD passes, run before PASSES
 
 
@@ -50,6 +52,7 @@ def render_c(program: Program) -> Program:
 
 
 PASSES: list[tuple[str, Callable[[Any], Any]]] = [
+    ("widen", widen),
     ("decompose", decompose),
     ("simplify", simplify),
     ("fuse", fuse),

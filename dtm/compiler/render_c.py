@@ -31,6 +31,7 @@ from ..ir.dtypes import DType
 from . import loopir as L
 from . import c_convert, c_random
 from .c_narrow import HEADER as NARROW_HEADER
+from .c_bf16 import HEADER as BF16_HEADER
 from .c_runtime import HEADER
 from .loopir import INDEX
 
@@ -322,7 +323,8 @@ class _Renderer:
             ctx_t, epi_fn, fields = self.ctx
             out.append(f"{pad}  struct {ctx_t} ctx = {{{', '.join(fields)}}};")
             ctx, epi = "&ctx", epi_fn
-        fn = f"dtm_rt_gemm_{g.dtype.name}" + (f"_{g.b_dtype.name}" if g.b_dtype is not None else "")
+        fn = (f"dtm_rt_gemm_{g.ab_dtype.name}" if g.ab_dtype is not None
+              else f"dtm_rt_gemm_{g.dtype.name}" + (f"_{g.b_dtype.name}" if g.b_dtype is not None else ""))
         b = f"(const uint8_t *){g.b.buf}" if g.b_dtype is not None else g.b.buf
         out.append(f"{pad}  {fn}(nbatch, offs, {self.expr(g.m)}, {self.expr(g.n)}, {self.expr(g.k)}, "
                    f"{g.a.buf}, {self.expr(g.a.rows)}, {self.expr(g.a.cols)}, "
@@ -368,7 +370,7 @@ class CFunction:
     helpers: dict
     decls: list
     code: str
-    gemm_dtype: str | None  # the runtime library it calls, if any: f32, f64 or narrow (build.RUNTIME_SOURCES)
+    gemm_dtype: str | None  # the runtime library it calls, if any: f32, f64, narrow or bf16 (build.RUNTIME_SOURCES)
 
 
 def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
@@ -393,7 +395,8 @@ def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
     main.append("  (void)bufs; (void)dims;")
     r.body(k.body, 1, main)
     main.append("}")
-    library = None if gemm is None else "narrow" if gemm.b_dtype is not None else gemm.dtype.name
+    library = (None if gemm is None else "narrow" if gemm.b_dtype is not None
+               else gemm.ab_dtype.name if gemm.ab_dtype is not None else gemm.dtype.name)
     return CFunction(symbol, r.helpers, pre, "\n".join(main), library)
 
 
@@ -421,6 +424,8 @@ def render_unit(funcs: list[CFunction], vector_math: bool = False) -> str:
         lines += [HEADER, ""]
     if any(f.gemm_dtype == "narrow" for f in funcs):
         lines += [NARROW_HEADER, ""]
+    if any(f.gemm_dtype == "bf16" for f in funcs):
+        lines += [BF16_HEADER, ""]
     helpers: dict = {}
     for f in funcs:
         helpers.update(f.helpers)

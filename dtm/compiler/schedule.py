@@ -474,6 +474,30 @@ class _Scheduler:
                         and not self.is_view(op.results[0])):
                     self.stored.add(self.reshaped_from(op.results[0]))
         self.bound_inlining()
+        self.stored.update(self.dropped_reductions())
+
+    def dropped_reductions(self) -> set[Value]:
+        """The operands x of dropouts, where(keep, x * s, 0) with keep a stored comparison of a
+        draw and s a scalar, that compute a reduction inline and are read by another op as
+        well: attention's probabilities, softmax(q k^T), which the backward pass reads again.
+        Stored, the softmax is q k^T's epilogue as it is without dropout; inlined, q k^T was
+        stored and the dropout's kernel and the backward's each ran the softmax again from it
+        (a step of the char model: 0.45 ms a layer). simplify keeps x * s whole for this."""
+        g, out = self.g, set()
+        for op in g.func.ops:
+            if op.name != "where" or op.operands[0] not in self.stored:
+                continue
+            cmp = g.producer.get(op.operands[0])
+            if cmp is None or not any(g.kind.get(g.producer.get(x)) == "random" for x in cmp.operands):
+                continue
+            scaled = g.producer.get(op.operands[1])
+            if scaled is None or scaled.name != "mul":
+                continue
+            x, s = scaled.operands if _size(scaled.operands[1].type.shape) == _SCALAR else scaled.operands[::-1]
+            if (_size(s.type.shape) == _SCALAR and x.type.shape == op.results[0].type.shape and x not in self.stored
+                    and x not in g.params and len(set(g.users.get(x, ()))) >= 2 and self.cone_reduces(x)):
+                out.add(x)
+        return out
 
     def view(self, v: Value):
         """strided_view of v over the values stored so far and the parameters."""
@@ -551,11 +575,14 @@ class _Scheduler:
         for op in g.func.ops:
             if g.kind[op] != "matmul" or not gemm_dtype(op):
                 continue
-            for x in op.operands:
+            casts = bf16_operands(op, g.producer)
+            for n, x in enumerate(op.operands):
                 view = self.view(x)
                 # not a view: the value its reshapes start from is stored, and read through them
                 target = self.reshaped_from(x) if view is None else view[0]
-                if g.kind.get(g.producer.get(target)) == "narrow":
+                if casts is not None:
+                    target = casts[n].operands[0]  # the bf16 product reads the bf16 value the cast widens
+                elif g.kind.get(g.producer.get(target)) == "narrow":
                     target = g.producer[target].operands[0]  # the gemm reads the narrow weight the cast reads
                 if target not in g.params and target not in self.stored:
                     self.stored.add(target)
@@ -744,6 +771,29 @@ def gemm_dtype(op: Op) -> bool:
     return op.results[0].type.dtype.name in ("f32", "f64")
 
 
+def bf16_operands(mm: Op, producer: dict) -> tuple[Op, Op] | None:
+    """The casts through which f32 matmul `mm` reads two bf16 values, when both its operands
+    are strided views (movement ops only) of cast(x, f32) with x bf16: the product then runs
+    on the bf16 values themselves, with f32 sums (c_bf16.py), the same sums as on the
+    widened values (a product of two bf16 values is exact in f32). widen.py makes every
+    product of an autocast program so."""
+    if mm.results[0].type.dtype.name != "f32":
+        return None
+    out = []
+    for x in mm.operands:
+        view = strided_view(x, producer, lambda u: _bf16_cast(producer.get(u)))
+        cast = None if view is None else producer.get(view[0])
+        if not _bf16_cast(cast):
+            return None
+        out.append(cast)
+    return out[0], out[1]
+
+
+def _bf16_cast(op: Op | None) -> bool:
+    return (op is not None and op.name == "cast" and op.operands[0].type.dtype.name == "bf16"
+            and op.results[0].type.dtype.name == "f32")
+
+
 NARROW_WEIGHTS = ("q8_0", "q4_0", "bf16")  # the weight dtypes of c_narrow's products
 
 
@@ -753,8 +803,8 @@ def narrow_weight(mm: Op, producer: dict) -> Op | None:
     and B is the plain transpose of cast(W, f32) (broadcast along batch dims), W a static
     2-d q8_0, q4_0 or bf16 value [N, K], so that each column of B is a whole row of W (the
     layout of a Linear's weight, and of a tied embedding used as the output head)."""
-    if mm.results[0].type.dtype.name != "f32":
-        return None
+    if mm.results[0].type.dtype.name != "f32" or bf16_operands(mm, producer) is not None:
+        return None  # (two bf16 operands: the bf16 product reads both)
     view = strided_view(mm.operands[1], producer, lambda u: getattr(producer.get(u), "name", None) == "cast")
     if view is None:
         return None

@@ -302,16 +302,26 @@ def _size(t) -> int | None:
     return int(np.prod(t.shape)) if all(isinstance(d, int) for d in t.shape) else None
 
 
-def _into_where(op: Op, defs: dict, e: Emitter) -> bool:
+def _into_where(op: Op, defs: dict, e: Emitter, readers: dict | None = None) -> bool:
     """f(.., where(c, x, k), ..) -> where(c, f(.., x, ..), f(.., k, ..)) for an elementwise f
     when k and f's other operands together are smaller than f's result (see the module
-    docstring); element by element the same op on the same values. True when done."""
+    docstring); element by element the same op on the same values. True when done. Not for
+    a scaling by a scalar (f's other operands of one element) of a select that an op other
+    than f and reductions reads as well (`readers`: a value -> the ops reading it): a
+    dropout's scaling of attention's probabilities, which the backward pass reads too, then
+    read the probabilities' pieces instead of the one value the backward reads, and the two
+    could not share it (the fusion stored the scores' product instead, and each kernel ran
+    the softmax again from it)."""
     if REGISTRY[op.name].category not in _EW or op.name == "where" or len(op.results) != 1:
         return False
     size = _size(op.results[0].type)
     for i, v in enumerate(op.operands):
         sel = defs.get(v)
         if sel is None or sel.name != "where" or size is None:
+            continue
+        if (readers is not None and all(_size(u.type) == 1 for j, u in enumerate(op.operands) if j != i)
+                and len(op.operands) > 1
+                and any(u is not op and u.name not in _REDUCTIONS for u in readers.get(v, ()))):
             continue
         c, x, y = sel.operands
         others = [u.type for j, u in enumerate(op.operands) if j != i]
@@ -325,6 +335,18 @@ def _into_where(op: Op, defs: dict, e: Emitter) -> bool:
             e("where", c, *branches, result=op.results[0])
             return True
     return False
+
+
+_REDUCTIONS = frozenset(("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin"))
+
+
+class _Returned:
+    """What reads a returned value, for _into_where's readers."""
+
+    name = "return"
+
+
+_RETURNED = _Returned()
 
 
 def _chain(op: Op, defs: dict, e: Emitter) -> bool:
@@ -360,6 +382,12 @@ def simplify(func: Func) -> Func:
             uses[v] = uses.get(v, 0) + 1
     for v in func.returns:
         uses[v] += 1
+    readers: dict[Value, list] = {}
+    for op in func.ops:
+        for v in op.operands:
+            readers.setdefault(v, []).append(op)
+    for v in func.returns:
+        readers.setdefault(v, []).append(_RETURNED)
     repl: dict[Value, Value] = {}
     defs: dict[Value, Op] = {}
     seen: dict[tuple, Op] = {}
@@ -373,7 +401,7 @@ def simplify(func: Func) -> Func:
             op = Op(op.name, tuple(repl.get(v, v) for v in op.operands), op.attrs, op.results, op.loc, op.attrs_key)
         if _pure(op) and op.results:
             start = len(ops)
-            if _fold(op, defs, e) or _chain(op, defs, e) or _into_where(op, defs, e) or \
+            if _fold(op, defs, e) or _chain(op, defs, e) or _into_where(op, defs, e, readers) or \
                     (op.name == "permute" and _transposed_product(op, defs, uses, e)):
                 emitted = ops[start:]
                 del ops[start:]

@@ -360,16 +360,21 @@ class GPT2(nn.Module):
         out["lm_head.weight"] = out["transformer.wte.weight"]
         return out
 
+    def hf_config(self) -> dict:
+        """This model's config.json as transformers writes GPT-2's (a checkpoint records it:
+        `dtm checkpoint export` then writes the model as transformers reads it)."""
+        c = self.config
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
+                "n_positions": c.n_positions, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+                "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+                "attn_pdrop": c.dropout, "activation_function": "gelu_new"}
+
     def save_pretrained(self, path: str) -> None:
         """Write an HF GPT-2 checkpoint directory (config.json, model.safetensors)."""
         os.makedirs(path, exist_ok=True)
         c = self.config
-        config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
-                  "n_positions": c.n_positions, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-                  "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
-                  "attn_pdrop": c.dropout, "activation_function": "gelu_new"}
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
+            json.dump(self.hf_config(), f, indent=2)
         # narrow weights (dtm.quant) keep this model's layout: blocks cannot be transposed
         state, narrow = {}, {}
         for name, t in self.state_dict().items():

@@ -3,6 +3,9 @@ losses and layers that are compositions of them."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 
 from ..errors import ErrorCode
@@ -11,8 +14,10 @@ from ..functional import (dropout, gelu, layer_norm, linear, log_softmax, pad, r
 from .. import functional as F
 from ..tensor import Tensor, arange, error, int64, no_grad
 from ..tensor.extra_ops import norm
+from ..tensor import autocast as _autocast  # torch's CPU autocast lists
 
 
+@_autocast.fp32
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
     """Mean negative log-likelihood of class indices `target` under softmax(`logits`) over
@@ -33,6 +38,7 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     return _reduced("cross_entropy", losses, counted, reduction, shape)
 
 
+@_autocast.fp32
 def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, ignore_index: int = -100,
              reduction: str = "mean") -> Tensor:
     """torch.nn.functional.nll_loss: -weight[t] * input[t] for each row's class id t, over
@@ -220,17 +226,139 @@ def _channel_affine(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Te
     return x if bias is None else F.add(x, _per_channel(bias, x.ndim))
 
 
+@_autocast.lower
+def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """torch.nn.functional.conv1d: input [N, C_in, L] (or unbatched [C_in, L]), weight
+    [C_out, C_in / groups, k], bias [C_out]; stride, padding and dilation an int or a
+    1-tuple, padding also 'valid' (none) or 'same' (the output as long as the input,
+    stride 1). Composed of pad, strided slices and a matrix product (see `_conv`)."""
+    return _conv("conv1d", 1, input, weight, bias, stride, padding, dilation, groups)
+
+
+@_autocast.lower
+def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """torch.nn.functional.conv2d: input [N, C_in, H, W] (or unbatched [C_in, H, W]),
+    weight [C_out, C_in / groups, kH, kW], bias [C_out]; stride, padding and dilation an
+    int or a pair, padding also 'valid' or 'same' (stride 1). Composed as conv1d is."""
+    return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups)
+
+
+def _conv_tuple(name: str, what: str, value, dims: int) -> tuple[int, ...]:
+    """A convolution's int-or-sequence argument (stride, padding, dilation, kernel_size)
+    as `dims` ints, refused as torch refuses a sequence of another length."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return (int(value),) * dims
+    if isinstance(value, (tuple, list)) and len(value) == dims and all(isinstance(v, (int, np.integer)) for v in value):
+        return tuple(int(v) for v in value)
+    shown = list(value) if isinstance(value, (tuple, list)) else value
+    raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: expected {what} to be a single integer value or a list of {dims} "
+                f"values to match the convolution dimensions, but got {what}={shown}")
+
+
+def _same_padding(dilation: tuple[int, ...], kernel: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """padding='same' as torch pads it: d * (k - 1) in all per dim, the odd one on the right."""
+    total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+    return tuple(t // 2 for t in total), tuple(t - t // 2 for t in total)
+
+
+def _conv(name: str, dims: int, input: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation,
+          groups: int) -> Tensor:
+    """An N-d convolution (cross-correlation, as torch's) as im2col and one product: the
+    zero-padded input's window at each of the k1 * k2 * ... kernel offsets is a strided
+    slice [N, C, *out]; stacked they are the columns [N, groups, C/groups * K, L], which
+    the weight [groups, C_out/groups, C/groups * K] multiplies. Everything is a movement op
+    or a matmul, so autodiff differentiates it and the compiler fuses it with no conv op
+    in the IR; the slices' gradients are pads that sum back into the input's gradient."""
+    stride, dilation = _conv_tuple(name, "stride", stride, dims), _conv_tuple(name, "dilation", dilation, dims)
+    if any(s <= 0 for s in stride):
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: non-positive stride is not supported, found {list(stride)}")
+    if any(d <= 0 for d in dilation):
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: dilation should be greater than zero, but got "
+                    f"{list(dilation)}")
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups <= 0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: non-positive groups is not supported, found {groups!r}")
+    if not isinstance(input, Tensor) or not isinstance(weight, Tensor):
+        raise error(ErrorCode.ATTRIBUTE_TYPE, f"{name}: input and weight must be tensors, found "
+                    f"{type(input).__name__} and {type(weight).__name__}")
+    if input.ndim not in (dims + 1, dims + 2):
+        raise error(ErrorCode.RANK_MISMATCH, f"Expected {dims + 1}D (unbatched) or {dims + 2}D (batched) input to "
+                    f"{name}, but got input of size: {list(input.shape)}")
+    if weight.ndim != dims + 2:
+        raise error(ErrorCode.RANK_MISMATCH, f"{name}: expected a {dims + 2}-D weight [C_out, C_in / groups, "
+                    f"{', '.join('k' * dims)}], but got weight of size {list(weight.shape)}")
+    dtype = F.result_type(input, weight)
+    if not dtype.is_float:
+        raise error(ErrorCode.DTYPE_MISMATCH, f"{name}: expected floating-point input and weight, found "
+                    f"{input.dtype} and {weight.dtype}")
+    unbatched = input.ndim == dims + 1
+    x = F.unsqueeze(F.cast(input, dtype), 0) if unbatched else F.cast(input, dtype)
+    w = F.cast(weight, dtype)
+    n, c = x.shape[:2]
+    out_c, c_group = w.shape[:2]
+    kernel = w.shape[2:]
+    if out_c % groups:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"Given groups={groups}, expected weight to be divisible by {groups} at "
+                    f"dimension 0, but got weight of size {list(w.shape)} instead")
+    if c != c_group * groups:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"Given groups={groups}, weight of size {list(w.shape)}, expected "
+                    f"input{list(x.shape)} to have {c_group * groups} channels, but got {c} channels instead")
+    if bias is not None and tuple(bias.shape) != (out_c,):
+        raise error(ErrorCode.SHAPE_MISMATCH, f"Given weight of size {list(w.shape)}, expected bias to be "
+                    f"1-dimensional with {out_c} elements, but got bias of size {list(bias.shape)} instead")
+    if isinstance(padding, str):
+        if padding == "valid":
+            low = high = (0,) * dims
+        elif padding == "same":
+            if any(s != 1 for s in stride):
+                raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: padding='same' is not supported for strided "
+                            f"convolutions, found stride={list(stride)}")
+            low, high = _same_padding(dilation, kernel)
+        else:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: Invalid padding string: {padding!r}, should be one of "
+                        "'valid', 'same'")
+    else:
+        low = high = _conv_tuple(name, "padding", padding, dims)
+        if any(p < 0 for p in low):
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: negative padding is not supported, found {list(low)}")
+    spatial = tuple(s + lo + hi for s, lo, hi in zip(x.shape[2:], low, high))
+    reach = tuple(d * (k - 1) + 1 for d, k in zip(dilation, kernel))  # the dilated kernel's extent
+    if any(r > s for r, s in zip(reach, spatial)):
+        raise error(ErrorCode.SHAPE_MISMATCH, f"{name}: Calculated padded input size per channel: "
+                    f"({' x '.join(map(str, spatial))}). Kernel size: ({' x '.join(map(str, reach))}). "
+                    "Kernel size can't be greater than actual input size")
+    out = tuple((s - r) // st + 1 for s, r, st in zip(spatial, reach, stride))
+    x = F.pad(x, [p for lo, hi in zip(reversed(low), reversed(high)) for p in (lo, hi)])
+    windows = []
+    for offsets in itertools.product(*(range(k) for k in kernel)):  # row-major, as the weight's kernel dims
+        win = x
+        for a, (o, d, st, m) in enumerate(zip(offsets, dilation, stride, out)):
+            win = F._slice(win, 2 + a, o * d, o * d + (m - 1) * st + 1, st)
+        windows.append(win)
+    k, length = math.prod(kernel), math.prod(out)
+    cols = F.reshape(F.stack(windows, 2), (n, groups, c_group * k, length))
+    y = F.matmul(F.reshape(w, (groups, out_c // groups, c_group * k)), cols)  # [N, groups, C_out/groups, L]
+    y = F.reshape(y, (n, out_c) + out)
+    if bias is not None:
+        y = F.add(y, _per_channel(F.cast(bias, dtype), y.ndim))
+    return F.squeeze(y, 0) if unbatched else y
+
+
+@_autocast.fp32
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """torch.nn.functional.mse_loss: (input - target)^2, reduced."""
     d = F.sub(input, target)
     return _elementwise("mse_loss", F.mul(d, d), reduction)
 
 
+@_autocast.fp32
 def l1_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     """torch.nn.functional.l1_loss: |input - target|, reduced."""
     return _elementwise("l1_loss", F.abs(F.sub(input, target)), reduction)
 
 
+@_autocast.fp32
 def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
                          reduction: str = "mean") -> Tensor:
     """torch.nn.functional.binary_cross_entropy of probabilities `input`: -(t log x +
@@ -242,6 +370,7 @@ def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = 
     return _elementwise("binary_cross_entropy", losses if weight is None else F.mul(losses, weight), reduction)
 
 
+@_autocast.fp32
 def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None,
                                      reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
     """torch.nn.functional.binary_cross_entropy_with_logits: binary_cross_entropy of
@@ -263,4 +392,4 @@ def _elementwise(name: str, losses: Tensor, reduction: str) -> Tensor:
 __all__ = ["cross_entropy", "nll_loss", "l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
            "dropout", "embedding", "mse_loss", "gelu", "layer_norm", "linear", "log_softmax",
            "pad", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "tanh", "one_hot", "normalize",
-           "batch_norm", "group_norm", "rms_norm"]
+           "batch_norm", "group_norm", "rms_norm", "conv1d", "conv2d"]

@@ -4,6 +4,7 @@ attributes, and names them for `state_dict`."""
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from typing import Any, ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 
@@ -14,11 +15,20 @@ from .. import quant
 from ..errors import ErrorCode
 from ..ir.types import TensorType
 from ..runtime import buffers
+from ..tensor.core import STATE, realize
 from ..tensor import (Tensor, as_dtype, bfloat16, error, float16, float32, float64, int64, no_grad, rand, randn, tensor,
                       zeros, ones)
 from .functional import (batch_norm, binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, dropout,
                          embedding, group_norm, l1_loss, mse_loss, nll_loss, rms_norm)
+from .functional import _conv_tuple, _same_padding, conv1d, conv2d
 from .weights import load_safetensors, save_safetensors
+
+
+class _Depth(threading.local):
+    depth = 0  # Module calls this thread is inside
+
+
+_OUTERMOST = _Depth()
 
 
 class Parameter(Tensor):
@@ -68,7 +78,24 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if _OUTERMOST.depth or STATE.tracing:
+            return self.forward(*args, **kwargs)
+        # A model called from eager code computes, as torch's does, where nothing needs its
+        # graph: its pending inputs first, and its outputs when they need no gradient (under
+        # no_grad, say). Otherwise a loop that feeds one call's result to the next (sampling
+        # that appends a token to the ids) records one program of every iteration, which
+        # grows and compiles anew at each read; called step by step, each call is one
+        # program of the same structure, which compiles once for every size
+        # (dtm.tensor.dynamic).
+        _OUTERMOST.depth += 1
+        try:
+            realize(*[a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and not a.requires_grad])
+            out = self.forward(*args, **kwargs)
+        finally:
+            _OUTERMOST.depth -= 1
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        realize(*[t for t in results if isinstance(t, Tensor) and not t.requires_grad])
+        return out
 
     # -- walking --
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
@@ -192,6 +219,11 @@ class Module:
             v = state[k]
             if v is t:  # already this tensor (a loader that set it, e.g. a narrow weight)
                 continue
+            if isinstance(v, Tensor) and t._mesh is not None and v._mesh == t._mesh and v.dtype == t.dtype:
+                v.realize()  # a distributed value laid out as the tensor is (a checkpoint read for it):
+                if v._placements == t._placements and v.shape == t.shape:  # its pieces, no gather
+                    t._set_value(v._buffer)
+                    continue
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
                 raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t._type} here, {arr.shape} in the state")
@@ -315,6 +347,94 @@ class Embedding(Module):
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+
+
+class _ConvNd(Module):
+    """Conv1d and Conv2d, which differ in their spatial rank (`_dims`) and functional form.
+    Parameters `weight` [out, in / groups, *kernel_size] and `bias` [out], initialised as
+    torch does: kaiming_uniform(a=sqrt(5)) for the weight, which is U(-b, b) with
+    b = 1/sqrt(fan_in), and U(-b, b) for the bias. A padding_mode other than 'zeros' pads
+    the input with `F.pad`'s mode of that name, then convolves with no padding, as torch."""
+
+    _dims = 0
+    _conv = staticmethod(conv1d)
+    _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
+        super().__init__()
+        name, dims = type(self).__name__, self._dims
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: groups must be a positive integer, found {groups!r}")
+        if in_channels % groups:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: in_channels must be divisible by groups, found "
+                        f"in_channels={in_channels}, groups={groups}")
+        if out_channels % groups:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: out_channels must be divisible by groups, found "
+                        f"out_channels={out_channels}, groups={groups}")
+        self.kernel_size = _conv_tuple(name, "kernel_size", kernel_size, dims)
+        self.stride = _conv_tuple(name, "stride", stride, dims)
+        self.dilation = _conv_tuple(name, "dilation", dilation, dims)
+        if isinstance(padding, str):
+            if padding not in ("same", "valid"):
+                raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: Invalid padding string {padding!r}, should be one "
+                            "of 'same', 'valid'")
+            if padding == "same" and any(s != 1 for s in self.stride):
+                raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: padding='same' is not supported for strided "
+                            f"convolutions, found stride={self.stride}")
+            self.padding = padding
+        else:
+            self.padding = _conv_tuple(name, "padding", padding, dims)
+        if padding_mode not in self._PADDING_MODES:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: padding_mode must be one of "
+                        f"{', '.join(map(repr, self._PADDING_MODES))}, but got padding_mode={padding_mode!r}")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.padding_mode = padding_mode
+        # F.pad's (left, right) pairs, the last dim first, for a padding_mode other than zeros
+        if self.padding == "same":
+            low, high = _same_padding(self.dilation, self.kernel_size)
+        else:
+            low = high = (0,) * dims if self.padding == "valid" else self.padding
+        self._reversed_padding_repeated_twice = [p for lo, hi in zip(reversed(low), reversed(high)) for p in (lo, hi)]
+        fan_in = in_channels // groups * math.prod(self.kernel_size)
+        bound = 1 / math.sqrt(fan_in) if fan_in else 0.0
+        self.weight = Parameter(_uniform((out_channels, in_channels // groups) + self.kernel_size, bound))
+        self.bias = Parameter(_uniform((out_channels,), bound)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.padding_mode == "zeros":
+            return self._conv(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        return self._conv(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        # torch's, so that printed models read alike
+        s = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
+        if self.padding != (0,) * self._dims:
+            s += f", padding={self.padding}"
+        if self.dilation != (1,) * self._dims:
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.bias is None:
+            s += ", bias=False"
+        if self.padding_mode != "zeros":
+            s += f", padding_mode={self.padding_mode}"
+        return s
+
+
+class Conv1d(_ConvNd):
+    """A 1-d convolution over [N, C_in, L] (or [C_in, L]): torch.nn.Conv1d."""
+
+    _dims = 1
+    _conv = staticmethod(conv1d)
+
+
+class Conv2d(_ConvNd):
+    """A 2-d convolution over [N, C_in, H, W] (or [C_in, H, W]): torch.nn.Conv2d."""
+
+    _dims = 2
+    _conv = staticmethod(conv2d)
 
 
 class LayerNorm(Module):

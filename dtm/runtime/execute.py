@@ -61,6 +61,14 @@ def repeat(module: Module, func: str, inputs: Sequence[Any], times: int, feed: t
     return b.plan(module, func).repeat(inputs, times, feed, advance, donated=donated, stop=stop)
 
 
+def compile(module: Module, func: str, backend: str | None = None) -> None:
+    """Compile @func now, where the backend compiles (the `cpu` backend's plan), so that a
+    failure to compile shows here rather than at the first run."""
+    plan = getattr(get_backend(backend), "plan", None)
+    if plan is not None:
+        plan(module, func)
+
+
 def prepare(dtypes: set[str], backend: str | None = None) -> None:
     """A program on tensors of `dtypes` (names) is about to be traced: the backend may start
     building what running it will need, on another core while the trace runs (the `cpu`

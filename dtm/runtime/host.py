@@ -29,11 +29,50 @@ def available_bytes() -> int | None:
         return None
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str, where: str) -> int:
+    """A size as people write it: `2G`, `512M`, `1.5GiB`, `1000000` (K, M, G, T are powers
+    of 1024); E0306 naming `where` for anything else."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[:len(t) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise user_error(ErrorCode.ATTRIBUTE_VALUE, f"{where}: a size such as 2G, 512M or 1000000 bytes, "
+                         f"not {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def memory_quota() -> int | None:
+    """This process's memory quota in bytes ($DTM_MEMORY_QUOTA, set by `dtm launch
+    --memory-quota` for its ranks), or None."""
+    text = os.environ.get("DTM_MEMORY_QUOTA")
+    return parse_bytes(text, "DTM_MEMORY_QUOTA") if text else None
+
+
+def resident_bytes() -> int:
+    """The memory this process holds now (its resident set)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def check_free(nbytes: int, what: str) -> None:
     """Refuse an allocation of `nbytes` for `what` (a tensor's type, a program's memory)
     that is larger than the memory free, before it is made: E0810 at the user's line.
     Linux overcommits memory, so the allocation itself could succeed and the process be
-    killed when its pages are touched; refusing here turns that into an error."""
+    killed when its pages are touched; refusing here turns that into an error. Under a
+    memory quota, one that would take the process past it is E0811."""
+    quota = memory_quota()
+    if quota is not None:
+        in_use = resident_bytes()
+        if in_use + nbytes > quota:
+            raise user_error(ErrorCode.MEMORY_QUOTA_EXCEEDED, f"{what} needs {nbytes / 2**20:,.1f} MiB; with the "
+                             f"{in_use / 2**20:,.1f} MiB this process holds, that passes its memory quota of "
+                             f"{quota / 2**20:,.1f} MiB (DTM_MEMORY_QUOTA)")
     if nbytes <= SMALL_BYTES:
         return
     free = available_bytes()

@@ -160,11 +160,11 @@ class LocalFiles:
         their bytes."""
         top = self.path(rel)
         for sub in sorted(dirs_of(names), key=len, reverse=True):
-            _fsync_dir(f"{top}/{sub}")
-        _fsync_dir(top)
+            fsync_dir(f"{top}/{sub}")
+        fsync_dir(top)
         d = os.path.dirname(top)
         while len(d) >= len(self.root):
-            _fsync_dir(d)
+            fsync_dir(d)
             d = os.path.dirname(d)
 
     def replace(self, rel: str, data: bytes) -> None:
@@ -177,7 +177,7 @@ class LocalFiles:
 
     def sync_dir(self, rel: str) -> None:
         """fsync the directory `rel` ("" for the root), so the names in it are durable."""
-        _fsync_dir(self.path(rel) if rel else self.root)
+        fsync_dir(self.path(rel) if rel else self.root)
 
     def read_bytes(self, rel: str) -> bytes:
         with open(self.path(rel), "rb") as f:
@@ -283,7 +283,8 @@ def dirs_of(names: Iterable[str]) -> set[str]:
     return dirs
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Sync a directory's entries (a rename into it, a file made or removed in it) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

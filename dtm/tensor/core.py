@@ -26,7 +26,7 @@ from ..ir.typerules import TypeRuleError
 from ..ir.types import TensorType
 from ..runtime import execute
 from ..runtime.mesh import DeviceMesh, Shards
-from . import dlpack
+from . import dlpack, dynamic, versions
 from .dtypes import DEFAULT_FLOAT, _combine, bool_, float32, int64, promote_types
 from ..errors import TensorTypeError, user_line
 
@@ -106,7 +106,8 @@ class enable_grad(_GradMode):  # noqa: N801 - torch's name
 
 class inference_mode(_GradMode):  # noqa: N801 - torch's name
     """torch.inference_mode: no gradient history inside (mode=False: grad mode unchanged).
-    DTM's tensors carry no version counters, so this is no_grad by another name."""
+    DTM needs no version counters to be fast (tensor/versions.py checks saved values only
+    at backward()), so this is no_grad by another name."""
 
     def __init__(self, mode: bool = True):
         self.enabled = False if mode else None
@@ -144,7 +145,7 @@ class Tensor:
     one table at its end (`_METHODS`)."""
 
     __slots__ = ("_type", "_op", "_inputs", "_attrs", "_buffer", "requires_grad", "grad", "_users", "_mesh",
-                 "_placements", "_freed", "_view", "_views", "__weakref__")
+                 "_placements", "_freed", "_view", "_views", "_saves", "_written", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our operators: ndarray + Tensor -> Tensor
 
     def __init__(self, type: TensorType, op: str | None = None, inputs: tuple["Tensor", ...] = (),
@@ -162,6 +163,10 @@ class Tensor:
         # views (tensor/inplace.py): (root base, base -> this, writable) for a view; a base's views
         self._view: tuple | None = None
         self._views: list[weakref.ref] | None = None
+        # torch's version counter (tensor/versions.py): what the gradient of `_op` reads, when
+        # not its op's row; on a snapshot, what in-place op replaced the value
+        self._saves: tuple | None = None
+        self._written: tuple | None = None
         if isinstance(buffer, Shards):  # (`type` is the TensorType here)
             self._mesh, self._placements = buffer.mesh, buffer.placements
         for t in inputs:
@@ -172,29 +177,38 @@ class Tensor:
     def _add_user(self, user: "Tensor") -> None:
         self._users = weak_append(self._users, user)
 
-    def _snapshot(self) -> "Tensor":
+    def _snapshot(self, op: str = "an in-place update") -> "Tensor":
         """A new tensor with this one's current value and history, which the ops that have
         read this tensor so far now read instead. An in-place write (x[i] = v) then changes
-        only what later ops see, as in torch, where the earlier ops would have run already."""
+        only what later ops see, as in torch, where the earlier ops would have run already.
+        The snapshot remembers `op`, the write, at the user's line: backward() refuses it
+        where an op saved it for its gradient, as torch does (tensor/versions.py); and a
+        leaf's points to the leaf, whose .grad its gradient goes to."""
         old = Tensor(self._type, self._op, self._inputs, self._attrs, self._buffer, self.requires_grad)
-        old._mesh, old._placements, old._freed = self._mesh, self._placements, self._freed
+        old._mesh, old._placements, old._freed, old._saves = self._mesh, self._placements, self._freed, self._saves
         for ref in self._users or ():
             u = ref()
             if u is not None and u._inputs:  # realized results without history read nothing again
                 u._inputs = tuple(old if i is self else i for i in u._inputs)
                 old._add_user(u)
+        if old._users:
+            line = user_line()
+            old._written = (self if self._op is None else None, f"{op} at {line}" if line else op, False)
         self._users = None
         return old
 
-    def _set_value(self, array: np.ndarray) -> None:
+    def _set_value(self, array: np.ndarray, op: str = "an update of its value (an optimizer's step, a load)") -> None:
         """Give this tensor a new value in place, as a leaf (an optimizer step,
         load_state_dict): ops recorded earlier keep reading the old value. A distributed
         tensor given a whole array keeps its layout: the array is split over its mesh."""
-        self._snapshot()
+        self._snapshot(op)
+        self._saves = None
         if type(array) is not Shards and self._mesh is not None:
             array = self._mesh.split(np.asarray(array), self._placements)
         self._buffer, self._op, self._inputs, self._attrs = array, None, (), {}
         self._mesh, self._placements = (array.mesh, array.placements) if type(array) is Shards else (None, None)
+        if self._views:  # its views (w.T) show the new value, as torch's views of a stepped weight do
+            VIEW_HOOKS[0](self, op)
 
     # -- construction --
     @staticmethod
@@ -206,7 +220,7 @@ class Tensor:
             raise error(ErrorCode.UNKNOWN_DTYPE, f"numpy dtype {arr.dtype} has no DTM dtype") from None
         # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
         arr = arr if arr.flags.c_contiguous else np.array(arr, order="C")
-        t = Tensor(TensorType(dtype, tuple(int(d) for d in arr.shape)), buffer=arr)
+        t = Tensor(TensorType(dtype, arr.shape), buffer=arr)
         if requires_grad:
             t.requires_grad_(True)
         return t
@@ -300,6 +314,9 @@ class Tensor:
         return int(self.item())
 
     def __index__(self) -> int:
+        b = self._buffer
+        if type(b) is np.ndarray and b.ndim == 0:  # (quick: an index read in a data loader's loop)
+            return int(b)
         return int(self.item())
 
     def __iter__(self):
@@ -334,6 +351,7 @@ class Tensor:
         if self._op is None or any(type(i) is _GradProbe for i in self._inputs):
             return
         same = Tensor(self._type, self._op, self._inputs, self._attrs, self._buffer, requires_grad=True)
+        same._saves, self._saves = self._saves, None
         probe = _GradProbe(self)
         self._op, self._inputs, self._attrs = "add", (same, probe), {}
         same._add_user(self)
@@ -593,13 +611,17 @@ def _program(kind: tuple, w: _Walk, make: Callable[[], Any]) -> Any:
 
 
 def realize(*tensors: Tensor, backend: str | None = None) -> None:
-    """Compute every pending tensor in `tensors` with one IR program."""
+    """Compute every pending tensor in `tensors` with one IR program. A view's base is
+    computed with it, as torch's would have been: otherwise a loop that reads a view of
+    what it appends to (`idx[:, -64:]` of `idx = cat(idx, next)`) keeps the base pending,
+    and every program would recompute its whole history."""
     pending = []
     seen = set()
     for t in tensors:
-        if t._buffer is None and id(t) not in seen:
-            seen.add(id(t))
-            pending.append(t)
+        for u in (t, t._view[0]) if t._view is not None else (t,):
+            if u._buffer is None and id(u) not in seen:
+                seen.add(id(u))
+                pending.append(u)
     if not pending:
         return
     if STATE.tracing:
@@ -608,7 +630,7 @@ def realize(*tensors: Tensor, backend: str | None = None) -> None:
     w = _walk(pending, (), None, ())
     if any(p._buffer is None for p in w.found):
         raise error(ErrorCode.UNDEFINED_VALUE, "this tensor depends on a dtm.jit placeholder and cannot be realized")
-    module = _program(("realize",), w, lambda: _build(w, (), pending, "main", ()))
+    module, _ = _program(("realize",), w, lambda: dynamic.program(_build(w, (), pending, "main", ()), "main", backend))
     results = execute.run(module, "main", [p._buffer for p in w.found], backend)
     for t, r in zip(pending, results):
         _take(t, r)
@@ -652,6 +674,7 @@ def _frontier(root: Tensor) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
             raise error(ErrorCode.GRAPH_FREED, f"backward(): trying to go through the graph of a {t._type} a second "
                         "time; an earlier backward() freed it. Pass retain_graph=True to the first backward() "
                         "to go through it again, or compute the value anew")
+        versions.check(t)  # a value its gradient reads, changed in place since: torch's error
         inner.append(t)
         stack.extend(t._inputs)
     return leaves, pending_consts, inner
@@ -684,12 +707,13 @@ def backward(loss: Tensor, gradient: Tensor | None = None, backend: str | None =
             raise error(ErrorCode.SHAPE_MISMATCH, f"backward(): gradient is {g._type}, the output is {loss._type}")
         inputs.append(g.realize()._buffer)
     seed = "ones" if gradient is None else "param"
-    module, name = _program(("grad", seed, tuple(wrt)), w, lambda: _gradient_program(w, [loss], wrt, seed))
+    module, name = _program(("grad", seed, tuple(wrt)), w,
+                            lambda: dynamic.program(*_gradient_program(w, [loss], wrt, seed), backend))
     results = execute.run(module, name, inputs, backend)
     if loss._buffer is None:
         _take(loss, results[0])
     for i, g in zip(wrt, results[1:]):
-        leaf = params[i]
+        leaf = _live(params[i])
         if type(g) is not Shards:
             g = Tensor.from_numpy(g)
         else:
@@ -723,6 +747,13 @@ def _gradient_program(w: _Walk, outputs: list[Tensor], wrt: list[int], seed: str
     return module, name
 
 
+def _live(leaf: Tensor) -> Tensor:
+    """The leaf whose .grad a gradient goes to: a snapshot of a leaf's value from before an
+    in-place update stands for the leaf itself (torch's leaf stays one tensor)."""
+    w = leaf._written
+    return w[0] if w is not None and w[0] is not None else leaf
+
+
 def _free(inner: list[Tensor]) -> None:
     """As torch frees the saved tensors of a graph after backward(): a second pass through
     these intermediates is an error (GRAPH_FREED), and a computed one drops its graph."""
@@ -750,7 +781,7 @@ def _backward_traced(loss: Tensor, gradient: Tensor | None, retain_graph: bool) 
     name = grad(module, "main", wrt, seed="ones" if gradient is None else "param")
     results = record_func(module.funcs[name], args, mesh=module_mesh(module))
     for i, g in zip(wrt, results[1:]):
-        leaf = params[i]
+        leaf = _live(params[i])
         if leaf._mesh is not None:  # brought to its leaf's layout, as in eager mode
             g = g.redistribute(leaf.placements)
         leaf.grad = g if leaf.grad is None else leaf.grad + g
@@ -827,13 +858,20 @@ def prepare_in_place(targets: Sequence[Tensor]) -> None:
     keep its current value (a snapshot with a copy), as they would with an eager update."""
     for t in targets:
         if t._users and any(u() is not None and u()._buffer is None for u in t._users):
-            old = t._snapshot()
+            old = t._snapshot("a dtm.jit step's update (assign)")
             old._buffer = _copy(t._buffer)
+        if t._views:  # its views: computed anew from the buffer the program writes
+            VIEW_HOOKS[0](t, "a dtm.jit step's update (assign)")
         if type(t._buffer) is Shards:
             if any(p is not None and not p.flags.writeable for p in t._buffer.pieces):
                 t._buffer = _copy(t._buffer)
         elif not t._buffer.flags.writeable:
             t._buffer = t._buffer.copy()
+
+
+# [views_changed(base, op)]: tensor/inplace.py's, which rebinds the live views of a base
+# given a new value here (an optimizer's step, a load, a dtm.jit step's update)
+VIEW_HOOKS: list[Callable[[Tensor, str], None]] = [lambda base, op: None]
 
 
 def _copy(value):

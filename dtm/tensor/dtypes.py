@@ -46,8 +46,15 @@ def as_dtype(d: Any) -> DType:
         raise error(ErrorCode.UNKNOWN_DTYPE, f"unknown dtype {d!r}") from None
 
 
+_CATEGORIES = {Kind.BOOL: 0, Kind.UNSIGNED: 1, Kind.SIGNED: 1, Kind.FLOAT: 2}
+_CATEGORY: dict[DType, int] = {}  # by dtype (hashed by identity: quicker than the Kind enum's hash)
+
+
 def _category(d: DType) -> int:
-    return {Kind.BOOL: 0, Kind.UNSIGNED: 1, Kind.SIGNED: 1, Kind.FLOAT: 2}[d.kind]
+    c = _CATEGORY.get(d)
+    if c is None:
+        c = _CATEGORY[d] = _CATEGORIES[d.kind]
+    return c
 
 
 def promote_types(a: DType, b: DType) -> DType:

@@ -45,6 +45,7 @@ from ..ir.module import Module
 from ..runtime import execute
 from ..ref import run as ref_run
 from ..runtime.mesh import Shards
+from . import autocast, dynamic
 from .core import STATE, Tensor, Trace, capture, prepare_in_place, realize
 
 
@@ -61,7 +62,7 @@ class _Traced:
     """One trace: the module, and what a call binds to it and from it."""
 
     __slots__ = ("module", "n_args", "captured", "out_is_tuple", "n_out", "graded", "targets", "hooks", "checks",
-                 "result_types")
+                 "result_types", "runs")
 
     def __init__(self, module: Module, n_args: int, captured: list[Tensor], out_is_tuple: bool, n_out: int,
                  graded: list[Tensor], targets: list[Tensor], hooks: list[Callable[[], None]],
@@ -70,23 +71,31 @@ class _Traced:
         self.n_out, self.graded, self.targets, self.hooks = n_out, graded, targets, hooks
         self.checks = checks  # as Trace.checks, an argument's position in place of its placeholder
         self.result_types = [(t, t.is_static) for t, _ in module.funcs["main"].result_types]
+        self.runs: Module | None = None  # what calls run: the trace, or its family's symbolic function
 
 
 class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
     """Trace `fn` to an IR module once per input signature and replay it (see the module
-    docstring). `jit(fn).ir(*args)` returns the traced module; with distributed tensors
+    docstring). `jit(fn).ir(*args)` returns the module traced for these arguments; with distributed tensors
     (dtm.parallel) it is the global view, and `ir(*args, view="local", rank=r)` rank r's
     partitioned program, with the collectives that run.
 
     `donate`: positions among the tensor arguments whose values the caller gives up at each
     call (a KV cache replaced by its update): a result computed from one by
     dynamic_update_slice may then be written into its memory, and come back as the same
-    array. A donated tensor must not be used after the call."""
+    array. A donated tensor must not be used after the call.
 
-    def __init__(self, fn: Callable, backend: str | None = None, donate: tuple[int, ...] = ()):
+    `dynamic`: as torch.compile's. By default (None) a function is traced for each new
+    signature, but once a second set of sizes was seen its traces share one symbolic program,
+    compiled once (dtm.tensor.dynamic): a training loop over many sequence lengths compiles
+    twice. False compiles every signature's own program."""
+
+    def __init__(self, fn: Callable, backend: str | None = None, donate: tuple[int, ...] = (),
+                 dynamic: bool | None = None):
         self.fn = fn
         self.backend = backend
         self.donate = frozenset(donate)  # positions among the tensor arguments the caller gives up
+        self.dynamic = dynamic
         self.cache: dict = {}
 
     def _signature(self, args) -> tuple:
@@ -94,7 +103,7 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
             if isinstance(a, Tensor) and a._mesh is not None:
                 a.realize()  # its layout is part of the signature
         return tuple(("T", a._type, a._mesh, a._placements) if isinstance(a, Tensor) else ("V", repr(a))
-                     for a in args)
+                     for a in args) + ((("autocast", autocast.current()),) if autocast.current() is not None else ())
 
     def _trace(self, args) -> tuple[_Traced, bool]:
         """The trace for these arguments, and whether it was made just now."""
@@ -145,7 +154,7 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
 
     def __call__(self, *args) -> Any:
         traced, values = self._bind(args)
-        results = execute.run(traced.module, "main", values, self.backend, donated=self.donate)
+        results = execute.run(traced.runs, "main", values, self.backend, donated=self.donate)
         return self._outputs(traced, results)
 
     def _bind(self, args: tuple) -> tuple[_Traced, list]:
@@ -162,6 +171,9 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
             if message:
                 raise error(code, f"{message}, in the op traced at {line}")
         prepare_in_place(traced.targets)
+        if traced.runs is None:  # (at the first call, not the trace: `ir()` compiles nothing)
+            traced.runs = traced.module if self.dynamic is False else \
+                dynamic.program(traced.module, "main", self.backend)[0]
         return traced, [t._buffer for t in tensors]
 
     def _outputs(self, traced: _Traced, results: list) -> Any:
@@ -189,6 +201,6 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         if traced.graded or traced.targets or traced.hooks:
             return None
         traced, values = self._bind(args)
-        got = execute.repeat(traced.module, "main", values, times, feed, advance, self.backend, donated=self.donate,
+        got = execute.repeat(traced.runs, "main", values, times, feed, advance, self.backend, donated=self.donate,
                              stop=stop)
         return None if got is None else (self._outputs(traced, got[0]), got[1])
