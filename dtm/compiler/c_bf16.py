@@ -205,17 +205,8 @@ static void pack_a(const uint16_t *A, int64_t rs, int64_t cs, int64_t mc, int64_
   }
 }
 
-static __thread uint16_t *tl_a, *tl_b;
+static __thread void *tl_a, *tl_b;
 static __thread size_t tl_na, tl_nb;
-
-static uint16_t *scratch(uint16_t **p, size_t *have, size_t n) {
-  if (*have < n) {
-    free(*p);
-    *p = (uint16_t *)aligned_alloc(64, (n * sizeof(uint16_t) + 63) / 64 * 64);
-    *have = *p ? n : 0;
-  }
-  return *p;
-}
 
 static void gemm_serial(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t rsa, int64_t csa,
                         const uint16_t *B, int64_t rsb, int64_t csb, float *C, int64_t ldc,
@@ -230,8 +221,8 @@ static void gemm_serial(int64_t M, int64_t N, int64_t K, const uint16_t *A, int6
   dtm_bf_micro micro = native ? micro_native : micro_portable;
   dtm_bf_micro micro_rows = native ? micro_rows_native : micro_rows_portable;
   int64_t ncap = dtm_min(BNC, (N + BNR - 1) / BNR * BNR), kcap = dtm_min(BKC, K) + 1;
-  uint16_t *Bp = scratch(&tl_b, &tl_nb, (size_t)kcap * ncap);
-  uint16_t *Ap = scratch(&tl_a, &tl_na, (size_t)kcap * (MC + BMR));
+  uint16_t *Bp = (uint16_t *)dtm_scratch(&tl_b, &tl_nb, (size_t)kcap * ncap * sizeof(uint16_t));
+  uint16_t *Ap = (uint16_t *)dtm_scratch(&tl_a, &tl_na, (size_t)kcap * (MC + BMR) * sizeof(uint16_t));
   if (!Ap || !Bp) abort();
   for (int64_t jc = 0; jc < N; jc += BNC) {
     int64_t nc = dtm_min(BNC, N - jc);

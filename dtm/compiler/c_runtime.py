@@ -139,17 +139,8 @@ static void pack_b_SUF(const T *B, int64_t rs, int64_t cs, int64_t kc, int64_t n
 }
 
 MICRO_KERNEL
-static __thread T *tl_a_SUF, *tl_b_SUF;
+static __thread void *tl_a_SUF, *tl_b_SUF;
 static __thread size_t tl_na_SUF, tl_nb_SUF;
-
-static T *scratch_SUF(T **p, size_t *have, size_t n) {
-  if (*have < n) {
-    free(*p);
-    *p = (T *)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-    *have = *p ? n : 0;
-  }
-  return *p;
-}
 
 /* C[M, N] = A[M, K] @ B[K, N] on this thread; its block (i, j) is block (i0 + i, j0 + j) of
    the whole product, which is what the epilogue is told. */
@@ -163,8 +154,8 @@ static void gemm_serial_SUF(int64_t M, int64_t N, int64_t K, const T *A, int64_t
     return;
   }
   int64_t ncap = dtm_min(NC_SUF, (N + NR_SUF - 1) / NR_SUF * NR_SUF), kcap = dtm_min(KC, K);
-  T *Bp = scratch_SUF(&tl_b_SUF, &tl_nb_SUF, (size_t)kcap * ncap);
-  T *Ap = scratch_SUF(&tl_a_SUF, &tl_na_SUF, (size_t)kcap * (MC + MR));
+  T *Bp = (T *)dtm_scratch(&tl_b_SUF, &tl_nb_SUF, (size_t)kcap * ncap * sizeof(T));
+  T *Ap = (T *)dtm_scratch(&tl_a_SUF, &tl_na_SUF, (size_t)kcap * (MC + MR) * sizeof(T));
   if (!Ap || !Bp) abort();
   for (int64_t jc = 0; jc < N; jc += NC_SUF) {
     int64_t nc = dtm_min(NC_SUF, N - jc);
@@ -562,6 +553,17 @@ _PRELUDE = r"""/* DTM runtime library: the tiled matrix product for one element 
 """ + HEADER + r"""
 
 static inline int64_t dtm_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* A thread's scratch buffer (`*p`, `*have` bytes) grown to at least `bytes`, 64-byte aligned;
+   NULL when the memory is not there. */
+static void *dtm_scratch(void **p, size_t *have, size_t bytes) {
+  if (*have < bytes) {
+    free(*p);
+    *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    *have = *p ? bytes : 0;
+  }
+  return *p;
+}
 
 /* The columns of a matrix-vector product, shared between a team's threads in chunks: each
    thread has a band of whole chunks, takes its own chunks from the front, then the chunks left
