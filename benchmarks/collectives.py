@@ -195,13 +195,15 @@ def serve(rank, q_cmd, q_out, op, barrier, zeros) -> None:
 class Group:
     """One backend's n ranks."""
 
-    def __init__(self, backend: str, n: int, opts: dict):
+    def __init__(self, backend: str, n: int, opts: dict, worker=None):
+        """`worker`: the ranks' function (a module-level one, as dtm_worker), else the backend's."""
         ctx = mp.get_context("spawn")
         self.n = n
         q_port, self.q_out = ctx.Queue(), ctx.Queue()
         q_addrs = [ctx.Queue() for _ in range(n)]
         self.q_cmd = [ctx.Queue() for _ in range(n)]
-        target = {"gloo": gloo_worker, "floor": floor_worker, "floor-crc": floor_worker}.get(backend, dtm_worker)
+        target = worker or {"gloo": gloo_worker, "floor": floor_worker, "floor-crc": floor_worker}.get(backend,
+                                                                                                      dtm_worker)
         self.procs = [ctx.Process(target=target, args=(backend, r, n, q_port, q_addrs[r], self.q_cmd[r], self.q_out,
                                                        opts), daemon=True) for r in range(n)]
         for p in self.procs:

@@ -93,24 +93,32 @@ def hf_model(fields: dict, weights: dict, dropout: float = 0.0):
 
 def dtm_step(model: str, weights: dict, jitted: bool, dropout: float = 0.0, autocast: str = "none"):
     import dtm
-    from dtm.nn.functional import cross_entropy
 
     fields = MODELS[model][0]
     m = dtm_model(fields, weights, dropout)
     m.train()
     opt = dtm.optim.AdamW(m.parameters(), lr=LR)
+    step = dtm_train_step(m, opt, fields["vocab_size"], autocast)
+    run = dtm.jit(step) if jitted else step
+    return lambda x, y: run(dtm.tensor(x), dtm.tensor(y)).item()
+
+
+def dtm_train_step(m, opt, vocab: int, autocast: str = "none"):
+    """One training step of model `m` with optimizer `opt` on a batch (x, y) of token ids:
+    forward, cross-entropy, backward, gradient clipping, the optimizer's step; the loss."""
+    import dtm
+    from dtm.nn.functional import cross_entropy
 
     def step(x, y):
         with dtm.autocast("cpu", dtype=dtm.bfloat16, enabled=autocast == "bf16"):
-            loss = cross_entropy(m(x).reshape(-1, fields["vocab_size"]), y.reshape(-1))
+            loss = cross_entropy(m(x).reshape(-1, vocab), y.reshape(-1))
         loss.backward()
         dtm.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
         return loss
 
-    run = dtm.jit(step) if jitted else step
-    return lambda x, y: run(dtm.tensor(x), dtm.tensor(y)).item()
+    return step
 
 
 def torch_step(model: str, weights: dict, compiled: bool, dropout: float = 0.0, autocast: str = "none"):

@@ -30,7 +30,8 @@ from .distributed import (all_gather, all_reduce, all_to_all, barrier, broadcast
 from . import debug  # noqa: E402 - dtm.debug.count_kernels(...), as the README shows
 from .comm import CollectiveMismatch, PeerLost  # noqa: E402 - what a failed collective raises
 from .protocol import ChecksumError  # noqa: E402
-from .runtime.process_group import init, rank, shutdown, world_size  # noqa: E402
+from .runtime.process_group import cancel, init, rank, shutdown, world_size  # noqa: E402
+from .cluster.cancel import Cancelled  # noqa: E402 - what every rank's operations raise after dtm.cancel
 from .runtime.cpu import get_num_threads, set_num_threads  # noqa: E402 - the cpu backend's OpenMP threads
 from . import store  # noqa: E402 - dtm.store.open(), the tensor store
 from .ref.context import bind_process_store  # noqa: E402

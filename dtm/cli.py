@@ -6,6 +6,7 @@
     dtm ir ops               print the op registry
     dtm conformance ir       run the IR conformance vectors
     dtm conformance protocol run the wire protocol conformance vectors
+    dtm conformance checkpoint   run the checkpoint conformance vectors
     dtm launch -n N script.py   run N local ranks (DTM_* environment, output prefixed by rank)
     dtm coordinator --world-size N   run a coordinator on its own
     dtm store ls|info|get|put|rm|du|gc|recover|verify|export|import   the tensor store (--store PATH/URL)
@@ -169,6 +170,18 @@ def conformance_protocol(root: str | None) -> None:
     _report_vectors(results)
 
 
+@conformance_group.command("checkpoint")
+@click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="vector directory (default: the repository's conformance/checkpoint)")
+def conformance_checkpoint(root: str | None) -> None:
+    """Run the checkpoint vectors: a checkpoint saved on a 2 x 2 mesh loaded onto 1 and 3
+    ranks against the CRC32C of every piece, damaged copies against their error code."""
+    from .ckpt.conformance import run_checkpoint_vectors
+
+    results = run_checkpoint_vectors(pathlib.Path(root) if root else None)
+    _report_vectors(results)
+
+
 def _axes_option(text: str | None):
     from .cluster.env import parse_axes
     from .errors import DTMError
@@ -201,10 +214,13 @@ def _axes_option(text: str | None):
 @click.option("--memory-quota", default=None, metavar="SIZE",
               help="each rank's memory quota (2G, 512M): an allocation that would pass it is refused with E0811 "
                    "(DTM_MEMORY_QUOTA in the ranks' environment)")
+@click.option("--store-quota", default=None, metavar="SIZE",
+              help="the bytes each rank's part of the mesh's store may hold (1G, 512M): a put that would pass it is "
+                   "refused with E1103 (DTM_STORE_QUOTA in the ranks' environment)")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
                metrics_port: int | None, metrics_host: str, on_failure: str | None, memory_quota: str | None,
-               command: tuple[str, ...]) -> None:
+               store_quota: str | None, command: tuple[str, ...]) -> None:
     """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
     ranks; their output is forwarded with a `[rank k]` prefix. When one rank fails, the
     others are ended (--on-failure stop) or finish (continue), and dtm launch exits non-zero
@@ -216,13 +232,15 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
     from .errors import DTMError
 
     logging.basicConfig(level=logging.WARNING, format="dtm launch: %(message)s")
-    if memory_quota is not None:
-        from .runtime.host import parse_bytes
+    from .runtime.host import parse_bytes
 
-        try:
-            os.environ["DTM_MEMORY_QUOTA"] = str(parse_bytes(memory_quota, "--memory-quota"))  # the ranks inherit it
-        except DTMError as e:
-            raise click.BadParameter(e.message) from None
+    for option, size, env in (("--memory-quota", memory_quota, "DTM_MEMORY_QUOTA"),
+                              ("--store-quota", store_quota, "DTM_STORE_QUOTA")):
+        if size is not None:
+            try:
+                os.environ[env] = str(parse_bytes(size, option))  # the ranks inherit it
+            except DTMError as e:
+                raise click.BadParameter(e.message) from None
     try:
         status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
                         join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0),
@@ -682,6 +700,39 @@ def ingest_cmd(paths: tuple[str, ...], fn_name: str, prefix: str, url: str | Non
         took = time.monotonic() - start
     click.echo(f"{len(m.shards)} shard(s), {m.elements} element(s) from {human_bytes(m.read_bytes)} in {took:.1f} s "
                f"({m.read_bytes / took / 1e6:.1f} MB/s) -> {prefix}/manifest")
+
+
+@main.command("cancel")
+@click.option("--coordinator", "address", default=None, metavar="HOST:PORT",
+              help="the job's coordinator (DTM_TOKEN must be its token); default: the newest job on this machine")
+@click.option("--reason", default="cancelled from the command line", show_default=True,
+              help="why: every rank's Cancelled error quotes it")
+def cancel_cmd(address: str | None, reason: str) -> None:
+    """Cancel a running job (spec 9.4.10): every rank's current collective, transfer, store
+    request and checkpoint save ends with Cancelled (E1007) naming the command line and
+    the reason, and so does every later one."""
+    from .cluster import jobfile
+    from .cluster.env import parse_address
+    from .cluster.membership import cancel_job
+    from .errors import DTMError
+
+    try:
+        if address is None:
+            jobs = jobfile.find()
+            if not jobs:
+                raise click.ClickException("no running job found on this machine (dtm launch announces its own); "
+                                           "name one with --coordinator HOST:PORT and DTM_TOKEN")
+            address, token = str(jobs[0]["coordinator"]), bytes.fromhex(str(jobs[0].get("token", "")))
+        else:
+            token = os.environ.get("DTM_TOKEN", "").encode()
+        if not token:
+            raise click.ClickException(f"no cluster token for the coordinator at {address}: set DTM_TOKEN")
+        click.echo(f"dtm cancel: {cancel_job(parse_address(address, '--coordinator'), token, reason)}")
+    except ValueError:
+        raise click.ClickException("the newest job file's token is not hex: name the job with --coordinator "
+                                   "HOST:PORT and DTM_TOKEN") from None
+    except DTMError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command("top")

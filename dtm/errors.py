@@ -111,6 +111,8 @@ class ErrorCode(str, enum.Enum):
     JOIN_REFUSED = "E1004"
     NOT_INITIALIZED = "E1005"
     MISSING_CAPABILITY = "E1006"
+    JOB_CANCELLED = "E1007"
+    TENSOR_CHECKSUM_MISMATCH = "E1008"
     # E11xx: the tensor store
     INVALID_STORE_KEY = "E1101"
     STORE_CHUNK_CORRUPT = "E1102"
@@ -137,6 +139,9 @@ class ErrorCode(str, enum.Enum):
     CHECKPOINT_KEYS = "E1402"
     CHECKPOINT_INVALID = "E1403"
     CHECKPOINT_EXISTS = "E1404"
+    NO_SNAPSHOT = "E1405"
+    SNAPSHOT_FAILED = "E1406"
+    CHECKPOINT_BUSY = "E1407"
 
     def __str__(self) -> str:
         return self.value

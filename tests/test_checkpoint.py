@@ -103,7 +103,7 @@ def test_list_and_keep(tmp_path):
     got = dtm.checkpoint.list(tmp_path)
     assert [c.step for c in got] == [3, 4]
     assert all(c.size == 12 and c.time > 0 for c in got)
-    assert sorted(os.listdir(tmp_path)) == ["step-000000000003", "step-000000000004"]
+    assert sorted(os.listdir(tmp_path)) == [".save.lock", "step-000000000003", "step-000000000004"]
     state = {"v": dtm.zeros(3), "s": 0}
     dtm.checkpoint.load(state, tmp_path)
     assert state["s"] == 4 and state["v"].numpy().tolist() == [4, 4, 4]
@@ -281,6 +281,36 @@ def test_a_sharded_model_loads_its_pieces_without_gathering(tmp_path, monkeypatc
     for k, v in m2.state_dict().items():
         assert v.device_mesh is not None and v.placements == m.state_dict()[k].placements
         np.testing.assert_array_equal(v.numpy(), want[k])
+
+
+def test_adamw_state_loads_into_a_fresh_optimizer_piece_by_piece(tmp_path, monkeypatch):
+    """A fresh AdamW holds no state tensors to lay the saved ones out by: each is read for
+    its parameter's layout (the optimizer's `checkpoint_layouts`), with no value gathered
+    whole; training then goes on as the uninterrupted run does."""
+    from dtm.parallel.fsdp import fsdp
+
+    mesh = dtm.Mesh({"dp": 2})
+    m = fsdp(_model(0), mesh)
+    opt = dtm.optim.AdamW(m.parameters(), lr=1e-2)
+    _train(m, opt, [0, 1])
+    dtm.checkpoint.save({"model": m, "optim": opt}, tmp_path, step=2).wait()
+    want = _train(m, opt, [2, 3])
+    m2 = fsdp(_model(5), mesh)
+    opt2 = dtm.optim.AdamW(m2.parameters(), lr=1e-2)
+    from dtm.store.store import Store
+
+    gathered, whole = [], []
+    numpy, get_array = dtm.Tensor.numpy, Store.get_array
+    monkeypatch.setattr(dtm.Tensor, "numpy", lambda t: gathered.append(t.device_mesh) or numpy(t))
+    monkeypatch.setattr(Store, "get_array", lambda st, key, *a, **k: whole.append(key) or get_array(st, key, *a, **k))
+    dtm.checkpoint.load({"model": m2, "optim": opt2}, tmp_path)
+    monkeypatch.undo()
+    assert not [g for g in gathered if g is not None]
+    read_whole = {t["name"] for t in dtm.checkpoint.read_manifest(tmp_path)["tensors"] if t["key"] in whole}
+    assert not {n for n in read_whole if n.endswith(("exp_avg", "exp_avg_sq"))}, read_whole
+    for s in opt2.state_dict()["state"].values():
+        assert s["exp_avg"].device_mesh is mesh and s["exp_avg"].placements == (dtm.Shard(0),)
+    np.testing.assert_allclose(_train(m2, opt2, [2, 3]), want, rtol=1e-6)
 
 
 def test_export_writes_safetensors_and_a_gpt2_transformers_loads(tmp_path):

@@ -97,7 +97,7 @@ messages = st.one_of(
     st.builds(Leave, u32, text),
     collective_starts(),
     st.builds(Data, u64, u32, u32, u64, st.binary(max_size=64)),
-    st.builds(P2PSend, u64, i64, dtypes, shapes, text),
+    st.builds(P2PSend, u64, i64, dtypes, shapes, text, st.none() | u32),
     st.builds(Error, st.from_regex(r"E[0-9]{4}", fullmatch=True), text, st.integers(-1, 2**31 - 1)),
     st.builds(Cancel, u64, text),
     store_requests(),
@@ -124,7 +124,12 @@ def test_every_message_round_trips_through_a_frame_and_json(msg, epoch, stream):
 def test_no_prefix_and_no_extension_of_a_payload_decodes(msg, data):
     payload = msg.encode()
     cut = data.draw(st.integers(0, len(payload) - 1)) if payload else None
-    for bad in ([payload[:cut]] if cut is not None else []) + [payload + data.draw(st.binary(min_size=1, max_size=9))]:
+    tail = data.draw(st.binary(min_size=1, max_size=9))
+    if isinstance(msg, P2PSend) and msg.crc is None and len(tail) == 4:
+        tail += b"\0"  # 4 bytes more are P2PSend's optional crc section (spec 9.1.5): one more is not
+    cuts = [payload[:cut]] if cut is not None and not (isinstance(msg, P2PSend) and msg.crc is not None and
+                                                       cut == len(payload) - 4) else []  # (without its crc)
+    for bad in cuts + [payload + tail]:
         with pytest.raises(ProtocolError) as e:
             type(msg).decode(bad)
         assert e.value.code is E.BAD_PAYLOAD

@@ -814,7 +814,7 @@ def test_replacing_a_key_behind_a_url_removes_its_old_objects_by_name_without_li
 def test_a_large_checksum_over_several_threads_is_the_crc32c_of_the_bytes():
     from crc32c import crc32c
 
-    from dtm.store.crc import PARALLEL_BYTES, checksum, combine
+    from dtm.protocol.crc import PARALLEL_BYTES, checksum, combine
 
     rng = np.random.default_rng(5)
     for n in (0, 7, PARALLEL_BYTES - 1, PARALLEL_BYTES + 12345, 3 * PARALLEL_BYTES + 1):

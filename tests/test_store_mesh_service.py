@@ -268,6 +268,9 @@ class _Membership:
     def watch_lost(self, fn) -> None:
         self._watchers.append(fn)
 
+    def watch_cancel(self, fn) -> None:
+        pass  # (no job is cancelled here: tests/test_cancel.py cancels real ones)
+
     def declare_lost(self, rank: int, notice: str) -> None:
         self.lost[rank] = notice
         for fn in self._watchers:

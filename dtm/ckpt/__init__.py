@@ -6,6 +6,8 @@ the live tensors have now, `list` the complete ones.
     h.wait()                                     # or h.done(), h.progress()
     dtm.checkpoint.load(state, "runs/a")         # the newest complete checkpoint
     dtm.checkpoint.list("runs/a")                # [Checkpoint(step, time, size, mesh, ...)]
+    dtm.checkpoint.snapshot(state)               # in the memory of another rank (snapshot.py)
+    dtm.checkpoint.load(state, "mem://")         # the newest complete snapshot
 
 Layout: ROOT/step-NNNNNNNNNNNN/ is a directory tensor store (dtm/store: Zarr v3 arrays with
 CRC32C chunks, every tensor an array, none inline), and its `manifest.json`, written last
@@ -22,10 +24,12 @@ and optimizers are duck-typed (`shape`, `dtype`, `numpy()`, `device_mesh`, `plac
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
 import re
-import shutil
+import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,21 +40,30 @@ import numpy as np
 from .. import store as _store
 from ..errors import DTMError, ErrorCode
 from ..runtime import process_group
+from ..protocol import checksums
 from ..store import format as fmt
 from ..store.crc import checksum as _crc
-from ..store.files import fsync_dir
 from ..store.errors import ChecksumError, KeyMissing, StoreCorrupt, StoreIOError
+from ..store import sharded
+from ..store.keys import version_dir
 from ..store.store import as_store_dtype
+from . import agree
 from . import manifest as mf
+from . import progress as _progress
+from . import snapshot as _snapshot
+from .snapshot import snapshot
+from .lock import SaveLock
+from .place import Place
 from .errors import (CheckpointChunkError, CheckpointError, CheckpointExists, CheckpointInvalid, CheckpointKeyError,
-                     CheckpointTypeError, CheckpointVersionError, NotACheckpoint)
+                     CheckpointTypeError, CheckpointVersionError, NoSnapshot, NotACheckpoint, SnapshotFailed)
 
-__all__ = ["save", "load", "list", "verify", "export", "read_manifest", "Handle", "Checkpoint", "VerifyReport",
+__all__ = ["save", "load", "snapshot", "list", "verify", "export", "read_manifest", "Handle", "Checkpoint", "VerifyReport",
            "CheckpointError", "NotACheckpoint", "CheckpointInvalid", "CheckpointVersionError", "CheckpointExists",
-           "CheckpointChunkError", "CheckpointKeyError", "CheckpointTypeError"]
+           "CheckpointChunkError", "CheckpointKeyError", "CheckpointTypeError", "NoSnapshot", "SnapshotFailed"]
 
 _list = list  # (the module's `list` is the function below)
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
+WRITER_NICE = 10  # a background save's thread: the training's steps beside it come first
 
 
 def step_dir_name(step: int) -> str:
@@ -118,6 +131,22 @@ _last: Handle | None = None
 _last_lock = threading.Lock()
 
 
+def _finish_at_exit() -> None:
+    """A save still being written when the program ends is finished first (its writer's
+    waits are bounded), so that a program that saves and exits keeps its checkpoint; an
+    error nobody waited for is printed."""
+    h = _last
+    if h is not None:
+        h._done.wait()
+        if h._error is not None and not h._delivered:
+            print(f"dtm.checkpoint: {h._error}", file=sys.stderr)
+
+
+# Run at exit before concurrent.futures refuses new work (its own hook of this kind), which
+# the writer's batched syncs and CRCs still need; plain atexit hooks run after that.
+getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
+
+
 def _process_group():
     """The process group of a mesh of several processes, else None."""
     if process_group.is_initialized() and process_group.world_size() > 1:
@@ -125,13 +154,15 @@ def _process_group():
     return None
 
 
-def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = None) -> Handle:
+def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = None,
+         progress: bool | None = None) -> Handle:
     """Save `state` ({name: an object with state_dict(), a tensor, or a plain value}) as
     checkpoint `step` under directory `path`; every rank calls it. The values are copied
-    before it returns; in one process the files are written by a background thread
-    (on a mesh of processes, before it returns). `keep=N` removes all but the newest N
-    complete checkpoints once this one is complete. Raises the error of an earlier save that
-    failed and was not waited for."""
+    before it returns; the files are written by a background thread, in one process and
+    on a mesh of processes alike (there with no collective: spec 9.4.11). `keep=N` removes
+    all but the newest N complete checkpoints once this one is complete. `progress`: a bar
+    on rank 0's stderr once a save has run 2 s (None: when stderr is a terminal). Raises the
+    error of an earlier save that failed and was not waited for."""
     global _last
     if not isinstance(state, dict):
         raise DTMError(ErrorCode.ATTRIBUTE_TYPE, f"checkpoint.save takes a dict of named state, not "
@@ -147,7 +178,7 @@ def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = Non
         if previous._error is not None and not previous._delivered:
             previous._delivered = True
             raise previous._error
-    root = os.path.abspath(os.fspath(path))
+    root = Place.of(path).url
     items: _list[_Item] = []
     meshes: _list[dict] = []
 
@@ -163,119 +194,242 @@ def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = Non
         dt = as_store_dtype(x.dtype)
         items.append(_Item(name, f"t/{len(items)}", value, dt, fmt.plan(dt, tuple(x.shape)).nbytes))
 
-    entries = {}
     try:
-        for name, v in state.items():
-            if not isinstance(name, str) or not name or "/" in name:
-                raise TypeError(f"a state name is a non-empty string without '/', not {name!r}")
-            if _is_object(v):
-                entries[name] = {"kind": "object", "tree": mf.encode(v.state_dict(), name, take)}
-                if callable(getattr(v, "hf_config", None)):  # for `dtm checkpoint export`
-                    entries[name]["hf_config"] = v.hf_config()
-            else:
-                entries[name] = {"kind": "value", "tree": mf.encode(v, name, take)}
+        entries = mf.encode_state(state, take)
     except TypeError as e:
         raise DTMError(ErrorCode.ATTRIBUTE_TYPE, f"checkpoint.save: {e}") from None
     h = Handle(root, int(step), sum(i.nbytes for i in items))
     pg = _process_group()
-    job = (h, root, int(step), keep, entries, items, meshes, pg)
-    if pg is not None:
-        _write(*job)
-    else:
-        h._thread = threading.Thread(target=_write, args=job, name=f"dtm-checkpoint-{step}", daemon=True)
+    lock, seed = _start(h, pg)
+    if not h.done():
+        h._thread = threading.Thread(target=_write, args=(h, keep, entries, items, meshes, pg, lock, seed),
+                                     name=f"dtm-checkpoint-{step}", daemon=True)
         h._thread.start()
+        if (pg is None or pg.rank == 0) and _progress.wanted(progress):
+            _progress.watch(h)
     with _last_lock:
         _last = h
     return h
 
 
-def _is_object(v: Any) -> bool:
-    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)) \
-        and not mf.is_tensor(v)
+_is_object = mf.is_object
 
 
-def _write(h: Handle, root: str, step: int, keep: int | None, entries: dict, items: _list[_Item],
-           meshes: _list[dict], pg: Any) -> None:
-    """Write checkpoint `step` (spec 9.4.3) and record the outcome in `h`."""
+def _start(h: Handle, pg: Any) -> tuple[SaveLock | None, int]:
+    """What a save does before it returns, beside the copies: process rank 0 prepares the
+    step directory (`_prepare`); on a mesh of processes one all_gather, in the caller's
+    thread like every collective of the training, tells every rank whether it did and
+    carries rank 0's draw of the version directories' ids. A failure is recorded in `h`."""
+    step_dir = os.path.join(h.path, step_dir_name(h.step))
+    lock, err = None, None
+    if pg is None or pg.rank == 0:
+        try:
+            lock = _prepare(h.path, step_dir, h.step, h._total)
+        except DTMError as e:
+            err = e
+    seed = secrets.randbits(63)
+    if pg is not None:
+        try:
+            row = pg.all_gather(np.array([[0 if err is None else 1, seed]], np.int64), dim=0)[0]
+        except DTMError:  # (the job's cancel, a lost rank): no save, and nothing of it is left
+            if lock is not None:
+                Place.of(step_dir).remove_tree()
+                lock.release()
+            raise
+        if row[0] and err is None:
+            err = DTMError(ErrorCode.STORE_IO_ERROR, f"process rank 0 could not prepare {step_dir}")
+        seed = int(row[1])
+    if err is not None:
+        _record(h, err)
+        h._done.set()
+    return lock, seed
+
+
+def _record(h: Handle, e: BaseException) -> None:
+    """Record error `e` as the outcome of save `h`, named for the checkpoint (E1104 for an OSError;
+    the job's cancel, whatever error it caused on this rank or another, spec 9.4.10)."""
+    cancel = process_group.cancelled()
+    if cancel is not None:
+        cause, e = e, cancel.during(f"the save of checkpoint step {h.step} into {h.path}, which was not saved: "
+                                    "the earlier checkpoints are kept")
+        e.__cause__ = cause
+    elif isinstance(e, OSError):
+        e = StoreIOError(f"checkpoint step {h.step} was not saved, the earlier checkpoints are kept: "
+                         f"{e.strerror or e}", e.filename or h.path)
+    elif isinstance(e, DTMError) and not isinstance(e, CheckpointError):
+        e = e.in_context(f"checkpoint step {h.step} into {h.path} was not saved, the earlier checkpoints are kept")
+    h._error = e
+
+
+def _write(h: Handle, keep: int | None, entries: dict, items: _list[_Item], meshes: _list[dict], pg: Any,
+           lock: SaveLock | None, seed: int) -> None:
+    """Write checkpoint `h.step` into the directory `_start` prepared (spec 9.4.3), on a
+    background thread, and record the outcome in `h`. On a mesh of processes no collective
+    runs here: each rank writes its pieces and the ranks agree through files (agree.py)."""
+    root, step = h.path, h.step
     lead = pg is None or pg.rank == 0
     step_dir = os.path.join(root, step_dir_name(step))
-    made = False
+    _yield_cpu()
+    st = None
     try:
-        err = None
-        if lead:
-            try:
-                made = _prepare(root, step_dir)
-            except DTMError as e:
-                err = e
-        if pg is not None:
-            codes = pg.all_gather(np.array([[0 if err is None else 1]], np.int64), dim=0)
-            if codes.any() and err is None:
-                err = DTMError(ErrorCode.STORE_IO_ERROR, f"rank 0 could not prepare {step_dir}")
-        if err is not None:
-            raise err
-        tensors = []
-        st = _store.open(step_dir, inline_bytes=0)
         try:
-            for it in items:
-                if isinstance(it.value, _Frozen):
-                    info = st.put(it.key, it.value, it.dtype)
-                elif lead:
-                    info = st.put_array(it.key, it.value, it.dtype)
-                else:
-                    info = None
-                h._written += it.nbytes
-                if lead:
-                    tensors.append(_tensor_entry(step_dir, it, info))
+            infos: _list[Any] = []
+            pieces: _list[tuple[str, fmt.Layout, int] | None] = []  # a distributed tensor's version, layout, CRC part
+            err = None
+            try:  # (on a mesh, every failure of this rank's part is reported to the others)
+                st = _store.open(step_dir, inline_bytes=0, durable=False)  # synced in batches below
+                pending: _list[tuple[int, Any]] = []  # (item, its version written, committed below)
+                for i, it in enumerate(items):
+                    info, piece = None, None
+                    if isinstance(it.value, _Frozen) and it.value.device_mesh.process is not None:
+                        piece = _write_pieces(st, it, version_dir(it.key, (seed + i) % (1 << 63)))
+                    elif isinstance(it.value, _Frozen) and lead:  # (on local devices: no collective)
+                        info = st.put(it.key, it.value, it.dtype)
+                    elif lead:
+                        pending.append((i, st.put_array(it.key, it.value, it.dtype, commit=False)))
+                    infos.append(info)
+                    pieces.append(piece)
+                    h._written += it.nbytes
+                    st.start_sync()  # (the files' writeback beside the next tensors' writes)
+                if pending:  # one index transaction for them all, not one per tensor
+                    for (i, _), entry in zip(pending, st.commit_pending([p for _, p in pending])):
+                        infos[i] = entry
+                st.sync()  # this rank's files, before its status says they are written
+            except (DTMError, OSError) as e:
+                if pg is None:
+                    raise
+                err = _as_dtm_error(e, step_dir)
+            if pg is not None:
+                _agree(st, step_dir, items, infos, pieces, err, pg)
+            if lead:
+                st.sync()  # what the commits of the distributed tensors wrote, before the manifest
+                tensors = [_tensor_entry(step_dir, it, info) for it, info in zip(items, infos)]
+                mf.write(step_dir, mf.new(step, entries, tensors, meshes, time.time()))
         finally:
-            st.close()
-        if lead:
-            mf.write(step_dir, mf.new(step, entries, tensors, meshes, time.time()))
-        if pg is not None:
-            pg.barrier()
+            if st is not None:
+                st.close()
         if lead and keep is not None:
             _prune(root, keep)
     except BaseException as e:  # noqa: BLE001 - recorded, raised by wait() and the next save
-        if lead and made and not os.path.exists(os.path.join(step_dir, mf.MANIFEST)):
-            shutil.rmtree(step_dir, ignore_errors=True)
-        if isinstance(e, OSError):
-            e = StoreIOError(f"checkpoint step {step} was not saved, the earlier checkpoints are kept: "
-                             f"{e.strerror or e}", e.filename or step_dir)
-        elif isinstance(e, DTMError) and not isinstance(e, CheckpointError):
-            e = e.in_context(f"checkpoint step {step} into {root} was not saved, the earlier checkpoints are kept")
-        h._error = e
+        if lock is not None and not Place.of(step_dir).exists(mf.MANIFEST):
+            Place.of(step_dir).remove_tree()
+        _record(h, e)
     finally:
+        if lock is not None:
+            lock.release()
         h._done.set()
 
 
-def _prepare(root: str, step_dir: str) -> bool:
-    """Make the step directory, removing what an unfinished save of the same step left;
-    E1404 when the step is already complete, E1104 when the root is not a directory."""
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise StoreIOError("the checkpoint path is not a directory", root)
-    if os.path.exists(os.path.join(step_dir, mf.MANIFEST)):
-        raise CheckpointExists(f"{step_dir} is already a complete checkpoint; save another step, or remove it",
-                               step_dir)
-    if os.path.exists(step_dir):
-        shutil.rmtree(step_dir)  # an unfinished save's leftovers (it never had a manifest)
+def _yield_cpu() -> None:
+    """Lower the calling (writer) thread's CPU priority to WRITER_NICE, where the system
+    sets priorities per thread (Linux), so that the training beside a background save gets
+    the cores first; the threads it starts (the batched syncs) inherit it."""
     try:
-        os.makedirs(step_dir)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # (no per-thread priority here, or not allowed: the save goes on)
+        pass
+
+
+def _as_dtm_error(e: DTMError | OSError, where: str) -> DTMError:
+    """An OSError as E1104 naming its file (else `where`); a DTMError as it is."""
+    return e if isinstance(e, DTMError) else StoreIOError(str(e.strerror or e), e.filename or where)
+
+
+def _write_pieces(st: Any, it: _Item, rel: str) -> tuple[str, fmt.Layout, int]:
+    """Write this process's pieces of distributed tensor `it` as version `rel` (no collective)."""
+    layout, boxes = sharded.plan(it.key, it.value, it.dtype)
+    part = sharded.write_pieces(st, it.key, rel, layout, boxes, it.value.local_shards(), it.dtype, remove=False)
+    return rel, layout, part
+
+
+def _agree(st: Any, step_dir: str, items: _list[_Item], infos: _list[Any],
+           pieces: _list[tuple[str, fmt.Layout, int] | None], err: DTMError | None, pg: Any) -> None:
+    """The ranks' agreement on a save written in the background (agree.py): the others
+    each report their status and learn the outcome; rank 0 gathers the statuses, commits
+    each distributed tensor in `infos` from every rank's CRC parts, or, when a rank failed,
+    writes the outcome and waits for every rank to have read it. Raises the failure."""
+    lost = (lambda: pg.membership.wait_lost(0.0)) if pg.membership is not None else (lambda: None)
+    waiter = agree.Waiter(step_dir, agree.timeout_for(sum(it.nbytes for it in items)), lost)
+    if pg.rank != 0:
+        mf.write_json(step_dir, agree.status_name(pg.rank),
+                      agree.status(pg.rank, err, [None if p is None else p[2] for p in pieces]))
+        outcome = waiter.outcome()
+        if outcome is not None:
+            mf.write_json(step_dir, agree.seen_name(pg.rank), {})
+            raise err or agree.error_of(outcome, step_dir)
+        return
+    failed = None if err is None else agree.status(0, err, [])
+    try:
+        if failed is None:
+            statuses = waiter.statuses(pg.world_size, len(items))
+            failed = next((s for s in statuses if s["code"]), None)
+        if failed is None:
+            versions = []
+            for i, p in enumerate(pieces):
+                if p is not None:
+                    parts = [p[2]] + [s["parts"][i] for s in statuses]
+                    if None in parts:
+                        raise CheckpointInvalid(f"{step_dir}: tensor {items[i].name!r} is distributed, but process "
+                                                f"rank {parts.index(None)}'s status has no CRC part for it", step_dir)
+                    versions.append((i, (items[i].key, p[0], p[1], parts)))
+            for (i, _), entry in zip(versions, sharded.commit_pieces(st, [v for _, v in versions])):
+                infos[i] = entry
+            for r in range(1, pg.world_size):
+                waiter.place.remove(agree.status_name(r))
+            return
+    except (DTMError, OSError) as e:
+        err = err or _as_dtm_error(e, step_dir)
+        failed = agree.status(0, err, [])
+    mf.write_json(step_dir, agree.OUTCOME, failed)
+    seen = [agree.seen_name(r) for r in range(1, pg.world_size)]
+    try:
+        waiter.until("every rank to read the outcome", lambda: all(waiter.place.exists(n) for n in seen))
+    except DTMError:
+        pass  # (a rank that never reads it finds the step directory gone, a failure too)
+    raise err or agree.error_of(failed, step_dir)
+
+
+def _prepare(root: str, step_dir: str, step: int, nbytes: int) -> SaveLock:
+    """Take the root's save lock (E1407 while another process saves into it), then make the
+    step directory, removing what an unfinished save of the same step left: E1404 when the
+    step is already complete, E1104 when the root is not a directory or its disk has not
+    `nbytes` free (refused before anything is written)."""
+    place, name = Place.of(root), step_dir_name(step)
+    place.make()
+    try:
+        lock = SaveLock.acquire(place, step)
     except OSError as e:
+        raise StoreIOError(f"cannot take the save lock: {e.strerror or e}", root) from None
+    try:
+        if place.exists(f"{name}/{mf.MANIFEST}"):
+            raise CheckpointExists(f"{step_dir} is already a complete checkpoint; save another step, or remove it",
+                                   step_dir)
+        free = place.free()
+        if free is not None and nbytes > free:
+            raise StoreIOError(f"the checkpoint needs {nbytes:,} bytes, its disk has {free:,} bytes free; nothing "
+                               "was written", root)
+        place.remove_tree(name)  # an unfinished save's leftovers (it never had a manifest)
+        if place.local:
+            os.makedirs(step_dir)
+    except OSError as e:
+        lock.release()
         raise StoreIOError(f"cannot create the checkpoint directory: {e.strerror or e}", step_dir) from None
-    return True
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _tensor_entry(step_dir: str, it: _Item, info: Any) -> dict:
     """The manifest's entry of a saved tensor: its type, layout at save time, chunks and CRCs."""
-    layout, _ = fmt.parse_metadata(_read(os.path.join(step_dir, info.dir, "zarr.json")))
+    place = Place.of(step_dir)
+    layout, _ = fmt.parse_metadata(place.read(f"{info.dir}/zarr.json"))
     chunks = []
     for i in layout.chunks():
         rel = f"{info.dir}/{layout.chunk_key(i)}"
-        p = os.path.join(step_dir, rel)
-        if not os.path.exists(p):
+        if not place.exists(rel):
             continue  # (an empty piece's chunk is never written: reads fill it with zeros)
-        with open(p, "rb") as f:
-            f.seek(-fmt.CRC_BYTES, os.SEEK_END)
-            crc = int.from_bytes(f.read(fmt.CRC_BYTES), "little")
+        crc = int.from_bytes(place.tail(rel, fmt.CRC_BYTES), "little")
         chunks.append({"file": rel, "crc32c": f"{crc:08x}", "box": [_list(b) for b in layout.chunk_box(i)]})
     v = it.value
     entry = {"name": it.name, "key": it.key, "dtype": it.dtype.name, "shape": _list(layout.shape),
@@ -287,47 +441,32 @@ def _tensor_entry(step_dir: str, it: _Item, info: Any) -> dict:
     return entry
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def _prune(root: str, keep: int) -> None:
     """Remove all but the newest `keep` complete checkpoints: each made invisible first (its
     manifest removed, the directory synced), then deleted."""
+    place = Place.of(root)
     for step, d in _complete(root)[:-keep]:
-        os.remove(os.path.join(d, mf.MANIFEST))
-        fsync_dir(d)
-        shutil.rmtree(d, ignore_errors=True)
+        name = step_dir_name(step)
+        place.remove(f"{name}/{mf.MANIFEST}")
+        place.remove_tree(name)
 
 
 # --- finding and listing ------------------------------------------------------------------
 
 def _complete(root: str) -> _list[tuple[int, str]]:
-    """(step, directory) of each complete checkpoint under `root`, oldest first."""
-    out = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        d = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(d, mf.MANIFEST)):
-            out.append((int(m.group(1)), d))
-    return sorted(out)
-
-
-def _root(path: str | os.PathLike) -> str:
-    root = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(root):
-        raise NotACheckpoint(f"{root} is not a checkpoint directory ({'a file' if os.path.exists(root) else 'absent'})",
-                             root)
-    return root
+    """(step, step directory) of each complete checkpoint under `root`, oldest first."""
+    place = Place.of(root)
+    return sorted((int(m.group(1)), place.url_of(n)) for n in place.names()
+                  if (m := _STEP_DIR.match(n)) and place.exists(f"{n}/{mf.MANIFEST}"))
 
 
 def _find(path: str | os.PathLike, step: int | None) -> str:
     """The step directory of checkpoint `step` (None: the newest complete one), E1401 else."""
-    root = _root(path)
+    place = Place.of(path)
+    root = place.url
     found = _complete(root)
     if not found:
-        unfinished = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n))
+        unfinished = sorted(n for n in place.names() if _STEP_DIR.match(n))
         raise NotACheckpoint(f"{root} holds no complete checkpoint (expected step-NNNNNNNNNNNN/{mf.MANIFEST}"
                              + (f"; unfinished saves without a manifest: {unfinished}" if unfinished else "") + ")",
                              root)
@@ -361,7 +500,7 @@ def _mesh_text(meshes: _list[dict]) -> str | None:
 def list(path: str | os.PathLike) -> _list[Checkpoint]:  # noqa: A001 - dtm.checkpoint.list, as the issue names it
     """The complete checkpoints under `path`, oldest first (E1401 when it is not a directory)."""
     out = []
-    for _, d in _complete(_root(path)):
+    for _, d in _complete(Place.of(path).url):
         doc = mf.read(d)
         out.append(Checkpoint(doc["step"], float(doc["time"]), doc["bytes"], _mesh_text(doc["meshes"]), d,
                               str(doc.get("dtm_version", "")), len(doc["tensors"])))
@@ -393,9 +532,11 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
     place: each object's load_state_dict, each tensor's copy_, each plain value replaced.
     A tensor is read laid out like the live one (its mesh and placements now), each rank
     reading only the chunks its pieces overlap. Every check (keys with `strict`, dtypes,
-    shapes, chunks) passes before anything in `state` changes. Returns `state`."""
-    step_dir = _find(path, step)
-    doc = mf.read(step_dir)
+    shapes, chunks) passes before anything in `state` changes. Returns `state`.
+    `path` "mem://" reads the newest complete in-memory snapshot (`snapshot`; `step`: the
+    one of that step) that the live ranks hold, with no collective between the ranks."""
+    source = _snapshot.find(step) if _snapshot.is_memory(path) else _Directory(path, step)
+    step_dir, doc = source.where, source.doc
     saved = doc["state"]
     by_name = {t["name"]: t for t in doc["tensors"]}
     live = {name: (v.state_dict() if _is_object(v) else v) for name, v in state.items()}
@@ -419,6 +560,7 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
     live_tensors: dict[str, Any] = {}
     for n in names:
         _flat_tensors(live[n], n, live_tensors)
+    layouts = _layouts(state, names, by_name, live_tensors)
     for tname, t in by_name.items():  # every check before any read
         x = live_tensors.get(tname)
         if x is None:
@@ -432,7 +574,6 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
                                       step_dir)
     dropped = set(unexpected)
     read: dict[str, Any] = {}
-    st = _store.open(step_dir)
     try:
         for n in names:
             for tname in _tensor_names(saved[n]["tree"], step_dir):
@@ -442,9 +583,9 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
                 if t is None:
                     raise CheckpointInvalid(f"{step_dir}/{mf.MANIFEST}: {tname!r} is in the state but not among "
                                             "the tensors", step_dir)
-                read[tname] = _read_tensor(st, step_dir, t, live_tensors.get(tname))
+                read[tname] = source.read(t, live_tensors.get(tname, layouts.get(tname)))
     finally:
-        st.close()
+        source.close()
     values = {}
     for n in names:
         try:
@@ -468,6 +609,43 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
         else:
             state[n] = value
     return state
+
+
+def _layouts(state: dict, names: _list[str], by_name: dict, live: dict) -> dict[str, Any]:
+    """{saved tensor name: a live tensor to lay it out like} for the saved tensors the state
+    has none of yet, from the objects' `checkpoint_layouts()` ({path prefix: tensor}): a
+    fresh optimizer's moments, read for their parameters' layouts, so that each rank reads
+    only its pieces (spec 9.4.4). A prefix's tensor serves the names below it of its shape."""
+    out: dict[str, Any] = {}
+    for n in names:
+        hint = getattr(state[n], "checkpoint_layouts", None)
+        if not callable(hint) or not _is_object(state[n]):
+            continue
+        for prefix, like in hint().items():
+            for tname, t in by_name.items():
+                if (tname not in live and tname.startswith(f"{n}/{prefix}/")
+                        and _list(t["shape"]) == _list(like.shape)):
+                    out[tname] = like
+    return out
+
+
+class _Directory:
+    """A complete checkpoint on disk chosen for a load: `where` (its step directory), `doc`
+    (its manifest), `read(t, like)` (saved tensor `t` laid out like the live `like`)."""
+
+    def __init__(self, path: str | os.PathLike, step: int | None):
+        self.where = _find(path, step)
+        self.doc = mf.read(self.where)
+        self._store: Any = None
+
+    def read(self, t: dict, like: Any) -> Any:
+        if self._store is None:
+            self._store = _store.open(self.where)
+        return _read_tensor(self._store, self.where, t, like)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
 
 
 def _tensor_names(node: Any, where: str) -> _list[str]:
@@ -496,13 +674,22 @@ def _read_tensor(st: Any, step_dir: str, t: dict, like: Any) -> Any:
     mesh with its placements; else a whole numpy array); store errors named for the checkpoint."""
     name, key = t["name"], t["key"]
     try:
-        if st.info(key).dir != t["dir"]:
-            raise CheckpointInvalid(f"{step_dir}: tensor {name!r}: the store's version of {key!r} is not the "
-                                    f"manifest's {t['dir']}", step_dir)
+        info = st.info(key)
+        if info.dir != t["dir"] or info.checksum != t.get("checksum"):
+            raise CheckpointInvalid(f"{step_dir}: tensor {name!r}: the store's version of {key!r} ({info.dir}, "
+                                    f"checksum {info.checksum}) is not the manifest's ({t['dir']}, checksum "
+                                    f"{t.get('checksum')})", step_dir)
         mesh = getattr(like, "device_mesh", None) if like is not None else None
-        if mesh is not None:
+        if mesh is not None:  # its pieces checked against the checksum of the frozen copy (spec 9.4.9)
             return st.get(key, mesh=mesh, placements=tuple(like.placements))
-        return np.array(st.get_array(key))
+        value = np.array(st.get_array(key))
+        if checksums.enabled():  # the copy the state receives, against the frozen copy's checksum
+            checksums.verify(value, int(t["checksum"], 16), what=f"key {key!r}", op="load", peer="the store")
+        return value
+    except checksums.TensorChecksumMismatch as e:
+        raise checksums.TensorChecksumMismatch(f"tensor {name!r} of checkpoint {step_dir}", "load",
+                                               os.path.join(step_dir, t["dir"]), e.expected, e.found,
+                                               "nothing in the state was changed") from None
     except ChecksumError as e:
         why = e.message.split(": ", 1)[-1]
         raise CheckpointChunkError(name, e.chunk, os.path.join(step_dir, t["dir"], e.chunk), why) from None
@@ -567,16 +754,16 @@ def verify(path: str | os.PathLike, step: int | None = None) -> VerifyReport:
     """Re-read every chunk of every complete checkpoint under `path` (or of `step`) and check
     its length, its own CRC32C and the manifest's."""
     report = VerifyReport()
-    dirs = [_find(path, step)] if step is not None else [d for _, d in _complete(_root(path))]
+    dirs = [_find(path, step)] if step is not None else [d for _, d in _complete(Place.of(path).url)]
     if not dirs:
         _find(path, None)  # E1401, naming what is there
     for d in dirs:
-        doc = mf.read(d)
+        doc, place = mf.read(d), Place.of(d)
         report.checkpoints += 1
         for t in doc["tensors"]:
             report.tensors += 1
             try:
-                layout, _ = fmt.parse_metadata(_read(os.path.join(d, t["dir"], "zarr.json")))
+                layout, _ = fmt.parse_metadata(place.read(f"{t['dir']}/zarr.json"))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 report.bad.append((doc["step"], t["name"], f"{t['dir']}/zarr.json", f"unreadable: {e}"))
                 continue
@@ -585,7 +772,7 @@ def verify(path: str | os.PathLike, step: int | None = None) -> VerifyReport:
                 report.chunks += 1
                 rel = c.get("file", "?")
                 try:
-                    raw = _read(os.path.join(d, rel))
+                    raw = place.read(rel)
                 except OSError as e:
                     report.bad.append((doc["step"], t["name"], rel, f"cannot be read: {e.strerror or e}"))
                     continue

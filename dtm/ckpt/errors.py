@@ -42,6 +42,32 @@ class CheckpointExists(CheckpointError):
         super().__init__(ErrorCode.CHECKPOINT_EXISTS, message, path)
 
 
+class CheckpointBusy(CheckpointError):
+    """E1407: a save into a root another process is saving into (its lock is held); names
+    that process and the step it is saving."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(ErrorCode.CHECKPOINT_BUSY, message, path)
+
+
+class NoSnapshot(CheckpointError):
+    """E1405: load from "mem://" when this process holds no complete in-memory snapshot (or
+    none of the step asked for), or when every one it holds lost a rank's pieces with all
+    of their replicas; names the snapshots held and the ranks lost."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.NO_SNAPSHOT, message, "mem://")
+
+
+class SnapshotFailed(CheckpointError):
+    """E1406: a snapshot that did not complete on every rank (another rank failed, or the
+    ranks' states differ); names the step and the ranks, and that the earlier snapshots
+    are kept."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.SNAPSHOT_FAILED, message, "mem://")
+
+
 class CheckpointChunkError(CheckpointError):
     """E1102: a chunk of a saved tensor that is missing, truncated or fails its CRC32C;
     `tensor`, `chunk` and `file` name it."""

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any, Callable
 
 from ..ir.version import PACKAGE_VERSION, SPEC_VERSION
-from ..store.files import fsync_dir
 from .errors import CheckpointInvalid, CheckpointVersionError
+from .place import Place
 
 FORMAT = "dtm-checkpoint"
 FORMAT_VERSION = (1, 0)  # major.minor: a reader reads every minor of its major (spec 9.4.2)
@@ -32,6 +31,29 @@ def is_tensor(x: Any) -> bool:
     if isinstance(x, np.ndarray):
         return True
     return hasattr(x, "shape") and hasattr(x, "dtype") and callable(getattr(x, "numpy", None))
+
+
+def is_object(v: Any) -> bool:
+    """An object saved through its state dict (a model, an optimizer, a loader), not a tensor."""
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)) \
+        and not is_tensor(v)
+
+
+def encode_state(state: dict, tensor: Callable[[str, Any], None]) -> dict:
+    """The manifest's `state` field of a training state ({name: an object with
+    state_dict(), a tensor or a plain value}); `tensor(name, x)` is called for each tensor.
+    TypeError for a name or value a checkpoint does not hold."""
+    entries: dict[str, dict] = {}
+    for name, v in state.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise TypeError(f"a state name is a non-empty string without '/', not {name!r}")
+        if is_object(v):
+            entries[name] = {"kind": "object", "tree": encode(v.state_dict(), name, tensor)}
+            if callable(getattr(v, "hf_config", None)):  # for `dtm checkpoint export`
+                entries[name]["hf_config"] = v.hf_config()
+        else:
+            entries[name] = {"kind": "value", "tree": encode(v, name, tensor)}
+    return entries
 
 
 def encode(x: Any, name: str, tensor: Callable[[str, Any], None], depth: int = 0) -> dict:
@@ -97,27 +119,35 @@ def new(step: int, entries: dict, tensors: list[dict], meshes: list[dict], creat
 def write(step_dir: str, doc: dict) -> None:
     """Write the manifest atomically: a temporary name, fsync, rename, fsync of the directory.
     The rename is the checkpoint's commit point."""
-    tmp = os.path.join(step_dir, f".{MANIFEST}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(doc, indent=1, allow_nan=False).encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
-    fsync_dir(step_dir)
+    write_json(step_dir, MANIFEST, doc, indent=1)
+
+
+def write_json(step_dir: str, name: str, doc: dict, indent: int | None = None) -> None:
+    """Write `doc` as file `name` of the step directory (a path or URL) atomically: in a
+    directory a temporary name, fsync, rename, fsync of the directory; behind a URL one
+    object written whole."""
+    Place.of(step_dir).commit(name, json.dumps(doc, indent=indent, allow_nan=False).encode("utf-8"))
+
+
+def read_json(step_dir: str, name: str, bound: int, what: str) -> Any:
+    """The JSON document in file `name` of the step directory, its size checked against
+    `bound` before it is read; E1403 naming `what` when it is larger or cannot be read or
+    parsed."""
+    place, path = Place.of(step_dir), f"{step_dir}/{name}"
+    try:
+        size = place.size(name)
+        if size > bound:
+            raise CheckpointInvalid(f"{path}: {size} bytes, the bound is {bound}", path)
+        return json.loads(place.read(name).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointInvalid(f"{path}: {what} cannot be read: {e}", path) from None
 
 
 def read(step_dir: str) -> dict:
     """The manifest of the step directory, checked: E1403 when it does not parse or lacks
     a field, E0601 when its major format version is newer than this reader's."""
-    path = os.path.join(step_dir, MANIFEST)
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_MANIFEST_BYTES:
-            raise CheckpointInvalid(f"{path}: {size} bytes, the bound is {MAX_MANIFEST_BYTES}", path)
-        with open(path, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointInvalid(f"{path}: the manifest cannot be read: {e}", path) from None
+    path = f"{step_dir}/{MANIFEST}"
+    doc = read_json(step_dir, MANIFEST, MAX_MANIFEST_BYTES, "the manifest")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointInvalid(f"{path}: not a DTM checkpoint manifest (expected \"format\": \"{FORMAT}\")", path)
     version = str(doc.get("format_version", ""))

@@ -6,7 +6,8 @@
   lost ranks from heartbeats and tells the others;
 - `membership`: a rank's side: join, then a heartbeat thread that hears of lost peers;
 - `heartbeat`: what a heartbeat reports, how often, and the failure-detection bound;
-- `launch`: `dtm launch`, N local ranks as subprocesses.
+- `launch`: `dtm launch`, N local ranks as subprocesses;
+- `cancel`: the cancel of a whole job (spec 9.4.10): `Cancelled` (E1007) and its notice.
 """
 
 from .coordinator import Coordinator

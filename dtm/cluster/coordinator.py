@@ -21,7 +21,12 @@ It runs as a thread of rank 0 (`dtm.init()` starts it there), of `dtm launch`, o
   `timeout_ms`; every other member then gets an Error E1001 whose `rank` is the lost rank
   and whose message names it and its last operation. Heartbeats are relayed to every
   member (the sender included), so each rank sees its peers' figures and hears the
-  coordinator at least once per interval; so is a Leave, to the other members.
+  coordinator at least once per interval; so is a Leave, to the other members;
+- a cancel (an Error E1007, spec 9.4.10) from a member, or from a connection that proved the
+  token instead of joining (`dtm cancel`), is relayed once to every member (the first
+  cancel counts; `cancelled` records it); the command line's connection then gets the same
+  notice back, naming how many members heard it, and is closed. Members that join after it
+  hear it right after the MeshView.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.frame import FLAG_RELAYED
 from ..protocol.messages import MIN_MAX_PAYLOAD, Error, Heartbeat, JoinMesh, Leave, Member, MeshView, Message
+from .cancel import COMMAND_LINE, canceller, is_cancel, notice
 from .conn import Control, remote_error
 from .heartbeat import HEARTBEAT_MS, TIMEOUT_MS
 
@@ -124,6 +130,7 @@ class Coordinator:
         self.view: MeshView | None = None
         self.lost: dict[int, str] = {}
         self.left: set[int] = set()
+        self.cancelled: tuple[int, str] | None = None  # (who: a rank or COMMAND_LINE, reason) of the job's cancel
         self.error: DTMError | None = None
         self.formed, self.finished = threading.Event(), threading.Event()
         self.max_pending_seen = 0               # the most connections ever pending at once
@@ -257,6 +264,8 @@ class Coordinator:
             self._message(c, msg)
 
     def _message(self, c: _Conn, msg: Message) -> None:
+        if is_cancel(msg) and c.state in (JOINING, MEMBER):
+            return self._cancel(c, msg.message)
         if isinstance(msg, Error):
             raise remote_error(msg, c.name)
         if c.state == JOINING and isinstance(msg, JoinMesh):
@@ -399,6 +408,8 @@ class Coordinator:
             c.state, c.last_heard = MEMBER, now
             c.control.epoch = c.control.decoder.expected_epoch = self.view.epoch
             self._send(c, c.control.encode(self.view))
+            if self.cancelled is not None:
+                self._send(c, c.control.encode(notice(*self.cancelled)))
         log.info("coordinator: the mesh of %d rank(s) formed (epoch %d)", self.world_size, self.view.epoch)
 
     def _beat(self, c: _Conn, hb: Heartbeat) -> None:
@@ -419,6 +430,22 @@ class Coordinator:
         for o in self._members():  # so that they do not wait for a notice about it
             self._send(o, o.control.encode(msg, flags=FLAG_RELAYED))
         self._check_finished()
+
+    def _cancel(self, c: _Conn, reason: str) -> None:
+        """A member, or a client outside the mesh (a connection that proved the token and
+        did not join), cancels the job: every member hears it once (spec 9.4.10)."""
+        by = c.rank if c.state == MEMBER else COMMAND_LINE
+        if self.cancelled is None:
+            self.cancelled = (by, reason)
+            log.warning("coordinator: the job was cancelled by %s: %s", canceller(by), reason)
+            for o in self._members():
+                self._send(o, o.control.encode(notice(by, reason)))
+        if by == COMMAND_LINE:
+            first_by, first_reason = self.cancelled
+            heard = f"{len(self._members())} of {self.world_size} ranks heard it" if self.view is not None else \
+                "the mesh has not formed yet: each rank hears it when it does"
+            ack = f"the job was cancelled by {canceller(first_by)}: {first_reason}; {heard}"
+            self._say_and_close(c, DTMError(E.JOB_CANCELLED, ack))
 
     def _lose(self, c: _Conn, why: str) -> None:
         c.state = LOST

@@ -1,11 +1,12 @@
 """Where `dtm top` finds the local job: whoever serves a coordinator's metrics writes a small
 JSON file into a per-user runtime directory, naming its metrics address; it removes the
 file when it stops. A file whose process is gone (killed before it could remove it) is stale:
-`find` ignores and deletes it.
+`find` ignores and deletes it. It also holds the cluster token in hex, for `dtm cancel` to
+prove itself to the coordinator: the directory is the user's alone (0700), the file too (0600).
 
     $XDG_RUNTIME_DIR/dtm/job-PID.json   (else /tmp/dtm-UID/)
     {"pid": 123, "metrics": "127.0.0.1:9464", "coordinator": "127.0.0.1:29500",
-     "world_size": 2, "started": 1700000000.0}
+     "world_size": 2, "started": 1700000000.0, "token": "6b65..."}
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ def runtime_dir() -> str:
     return path
 
 
-def write(metrics: str, coordinator: str, world_size: int) -> str:
+def write(metrics: str, coordinator: str, world_size: int, token: bytes = b"") -> str:
     """Write this process's job file atomically (temporary name, then rename); its path."""
     d = runtime_dir()
     path = os.path.join(d, f"job-{os.getpid()}.json")
     body = {"pid": os.getpid(), "metrics": metrics, "coordinator": coordinator, "world_size": world_size,
-            "started": time.time()}
+            "started": time.time(), "token": token.hex()}
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".job-")
     with os.fdopen(fd, "w") as f:
         json.dump(body, f)

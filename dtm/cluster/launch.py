@@ -18,7 +18,11 @@ rank, names each that failed and the ones that finished, and exits with the stat
 first that failed. The rank it names first is the first the coordinator declared lost, when
 the launcher runs the coordinator: a rank that hangs exits no sooner than its peers, which
 fail because of it. A lost rank that never ends (stopped) counts as failed once every other
-rank has ended. SIGINT or SIGTERM to the launcher ends every rank the same way.
+rank has ended. SIGINT or SIGTERM to the launcher ends every rank the same way. A job that
+was cancelled (`dtm.cancel`, `dtm cancel`; spec 9.4.10) ends on its own: every rank's
+operations fail with Cancelled, so the launcher waits for every rank, then says who
+cancelled it and why and how each rank ended, and exits with the status of the first that
+failed (0 when every rank caught the cancel and exited 0).
 
 Once every rank ended, the launcher removes the shared-memory segment names their mesh left
 (a rank killed together with the resource tracker that would have removed them), and the
@@ -44,6 +48,7 @@ from typing import IO
 
 from ..comm.shm import remove_segments
 from ..errors import DTMError, ErrorCode as E
+from .cancel import canceller
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
 from .env import Axes, heartbeat_env, metrics_env, parse_address
 from .leftovers import RUN_ENV, note, remove_noted, remove_orphans, scratch_base
@@ -144,8 +149,9 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
             for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
                 forwards.append(_Forward(pipe, out, f"[rank {k}] ", lock))
                 forwards[-1].start()
+        cancelled = (lambda: coord.cancelled is not None) if coord is not None else (lambda: False)
         failed, went_on = _watch(procs, interrupted, coord.lost if coord is not None else {},
-                                 lambda: _goes_on(on_failure, run))
+                                 lambda: cancelled() or _goes_on(on_failure, run))
     finally:
         _end(procs, grace)
         for f in forwards:
@@ -159,9 +165,14 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
     if interrupted:
         stderr.write(f"dtm launch: interrupted by {signal.Signals(interrupted[0]).name}; ended all {nprocs} ranks\n")
         return 128 + interrupted[0]
+    if coord is not None and coord.cancelled is not None:
+        by, reason = coord.cancelled
+        ended = ", ".join(f"rank {k} {_status(p.returncode)}" for k, p in enumerate(procs))
+        stderr.write(f"dtm launch: the job was cancelled by {canceller(by)}: {reason}; {ended}\n")
+    elif failed:
+        stderr.write(_report(procs, failed, went_on, coord.lost if coord is not None else {}) + "\n")
     if not failed:
         return 0
-    stderr.write(_report(procs, failed, went_on, coord.lost if coord is not None else {}) + "\n")
     stderr.flush()
     code = procs[failed[0]].returncode
     return code if code > 0 else 128 - code

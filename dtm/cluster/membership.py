@@ -34,8 +34,10 @@ from collections.abc import Callable
 
 from ..comm.tcp import listen
 from ..errors import DTMError, ErrorCode as E
+from ..protocol.caps import Cap
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import MIN_MAX_PAYLOAD, Error, Heartbeat, JoinMesh, Leave, MeshView, Message
+from .cancel import COMMAND_LINE, Cancelled, is_cancel, notice
 from .conn import Control, remote_error
 from .heartbeat import Figures, FiguresFn, ProcessStats, detection_bound, heartbeat
 
@@ -43,6 +45,7 @@ log = logging.getLogger("dtm.cluster")
 
 VIEW_GRACE_S = 2.0  # a rank waits this much longer than the coordinator's own formation timeout
 RETRY_S = 0.05
+CANCEL_TIMEOUT_S = 10.0  # `dtm cancel`: reaching the coordinator and hearing its answer
 
 
 def node_id() -> str:
@@ -55,13 +58,13 @@ def node_id() -> str:
     return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
 
 
-def _dial(address: tuple[str, int], deadline: float, start: float) -> socket.socket:
+def _dial(address: tuple[str, int], deadline: float, start: float, during: str = "joining the mesh") -> socket.socket:
     """Connect to the coordinator, retrying until `deadline` (it may not listen yet)."""
     why = "no attempt"
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise DTMError(E.TIMEOUT, f"joining the mesh: could not reach the coordinator at {address[0]}:"
+            raise DTMError(E.TIMEOUT, f"{during}: could not reach the coordinator at {address[0]}:"
                                       f"{address[1]} in {time.monotonic() - start:.1f} s: {why}")
         try:
             sock = socket.create_connection(address, timeout=min(left, 5.0))
@@ -156,6 +159,38 @@ def join(coordinator: tuple[str, int], token: bytes, *, rank: int = -1, world_si
     return Membership(sock, control, msg, me, who, reader.queue), listener
 
 
+def cancel_job(coordinator: tuple[str, int], token: bytes | str, reason: str,
+               timeout: float = CANCEL_TIMEOUT_S) -> str:
+    """Ask the coordinator at `coordinator` to cancel its job, as the command line (spec
+    9.4.10); returns its acknowledgement, sent once it has relayed the cancel to every
+    member. E1006 when it did not announce CAP_CANCEL; its own error (E0909: a wrong token)
+    otherwise."""
+    start = time.monotonic()
+    deadline = start + timeout
+    who = f"the coordinator at {coordinator[0]}:{coordinator[1]}"
+    control = Control("connect", token.encode() if isinstance(token, str) else token, name="dtm cancel",
+                      max_payload=MIN_MAX_PAYLOAD, peer=who)
+    sock = _dial(coordinator, deadline, start, "cancelling the job")
+    try:
+        reader = _Reader(sock, control, who)
+        sock.sendall(control.start())
+        while not control.ready:
+            if reader.next(deadline, start, "cancelling the job (handshake)") is not None:
+                raise DTMError(E.UNEXPECTED_MESSAGE, f"{who} sent a message during the handshake")
+        if not control.hs.peer.caps & Cap.CANCEL:
+            raise DTMError(E.MISSING_CAPABILITY, f"{who} did not announce CAP_CANCEL: it cannot cancel its job")
+        sock.sendall(control.encode(notice(COMMAND_LINE, reason)))
+        reply = reader.next(deadline, start, "cancelling the job, waiting for the coordinator's answer")
+    except ProtocolError as err:
+        raise err.at(who, "cancelling the job") from None
+    finally:
+        sock.close()
+    if not is_cancel(reply):
+        raise remote_error(reply, who) if isinstance(reply, Error) else \
+            DTMError(E.UNEXPECTED_MESSAGE, f"{who} answered a cancel with {reply.TYPE.name}")
+    return reply.message
+
+
 class Membership:
     """This rank in the mesh (see the module doc)."""
 
@@ -171,7 +206,10 @@ class Membership:
         self.lost: dict[int, str] = {}            # lost rank -> the notice, in the order they came
         self.left: dict[int, str] = {}            # rank -> the reason it gave for leaving
         self.coordinator_gone: str | None = None  # why failure detection ended
+        self.cancelled: Cancelled | None = None   # the job's cancel, once this rank heard of it
         self._watchers: tuple[Callable[[int, str], None], ...] = ()
+        self._cancel_watchers: tuple[Callable[[Cancelled], None], ...] = ()
+        self._send_lock = threading.Lock()  # the heartbeat thread's frames and a cancel request
         self._sock, self._control = sock, control
         self._early = early
         self._cond = threading.Condition()
@@ -200,7 +238,8 @@ class Membership:
                 if now >= next_beat:
                     self._sock.settimeout(self.timeout_s)  # a coordinator that does not read is not waited for
                     beat = heartbeat(self.rank, stats, self._figures(), with_workers=self._control.peer_reads_worker_rows)
-                    self._sock.sendall(self._control.encode(beat))
+                    with self._send_lock:
+                        self._sock.sendall(self._control.encode(beat))
                     next_beat = now + self.heartbeat_s
                 if now - heard > self.timeout_s:
                     return self._silent(now - heard)
@@ -228,6 +267,8 @@ class Membership:
                 self._cond.notify_all()
         elif isinstance(msg, Error) and msg.code == E.PEER_LOST.value and 0 <= msg.rank < self.world_size:
             self._record_lost(msg.rank, msg.message)
+        elif is_cancel(msg):
+            self.record_cancel(Cancelled(msg.rank, msg.message))
         elif isinstance(msg, Error):
             log.warning("rank %d: %s", self.rank, remote_error(msg, self.coordinator))
         elif isinstance(msg, MeshView):
@@ -281,13 +322,51 @@ class Membership:
         down). A loss recorded before the call is in `lost`, which a watcher reads too."""
         self._watchers = (*self._watchers, fn)  # one assignment: the heartbeat thread reads it unlocked
 
+    def watch_cancel(self, fn: Callable[[Cancelled], None]) -> None:
+        """Call `fn(cancel)` once when the job is cancelled (at once if it was already), on
+        the thread that hears of it. Like a `watch_lost` function it must not block."""
+        self._cancel_watchers = (*self._cancel_watchers, fn)
+        if self.cancelled is not None:
+            fn(self.cancelled)
+
+    def record_cancel(self, cancel: Cancelled) -> None:
+        """The job is cancelled (the coordinator's notice, or this rank's own request): the
+        first cancel counts, and each watcher hears of it once."""
+        with self._cond:
+            if self.cancelled is not None:
+                return
+            self.cancelled = cancel
+            self._cond.notify_all()
+        log.warning("rank %d: %s", self.rank, cancel.message)
+        for watcher in self._cancel_watchers:
+            watcher(cancel)
+
+    def request_cancel(self, reason: str) -> None:
+        """Ask the coordinator to cancel the job for `reason`, as this rank (spec 9.4.10);
+        E1006 when it did not announce CAP_CANCEL, E1001 when it is gone."""
+        if not self._control.hs.peer.caps & Cap.CANCEL:
+            raise DTMError(E.MISSING_CAPABILITY, f"{self.coordinator} did not announce CAP_CANCEL: it cannot cancel "
+                           "the job")
+        if self.coordinator_gone is not None:
+            raise DTMError(E.PEER_LOST, f"cannot cancel the job: {self.coordinator} is gone "
+                           f"({self.coordinator_gone})")
+        with self._send_lock:
+            self._sock.settimeout(self.timeout_s)
+            try:
+                self._sock.sendall(self._control.encode(notice(self.rank, reason)))
+            except OSError as e:
+                raise DTMError(E.PEER_LOST, f"cannot cancel the job: sending to {self.coordinator} failed: "
+                               f"{e.strerror or e}") from None
+
     def wait_lost(self, timeout: float, prefer: int | None = None) -> tuple[int, str] | None:
         """A lost rank and the notice about it: `prefer` if it is lost, else the first lost,
         waiting up to `timeout` s for a notice while the coordinator is there to send one
-        (and `prefer` has not left on purpose)."""
+        (and `prefer` has not left on purpose). A cancel of the job ends the wait too: the
+        peers shut their connections down for it (spec 9.4.10), and none of them is lost."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self.lost and self.coordinator_gone is None and prefer not in self.left:
+            while not self.lost and self.coordinator_gone is None and prefer not in self.left and \
+                    self.cancelled is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

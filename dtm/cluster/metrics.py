@@ -113,7 +113,8 @@ class MetricsServer:
             raise DTMError(E.NOT_INITIALIZED, f"the metrics endpoint cannot listen at {host}:{port}: "
                                               f"{e.strerror or e}") from None
         self.address: tuple[str, int] = self._httpd.server_address[:2]
-        self._job = jobfile.write(_address(*self.address), _address(*coord.address), coord.world_size)
+        self._job = jobfile.write(_address(*self.address), _address(*coord.address), coord.world_size,
+                                  coord.token)
         log.info("coordinator: metrics at http://%s/metrics", _address(*self.address))
 
     @property

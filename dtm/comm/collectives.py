@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import DTYPES, from_numpy, numpy_dtype
+from ..protocol import checksums
 from ..protocol.caps import Cap
 from ..protocol.errors import ProtocolError
 from ..protocol.frame import FLAG_COMPRESSED, MsgType
@@ -109,6 +110,7 @@ class _P2PWait:
     kind: str = "recv"
     done: bool = False
     result: np.ndarray | None = None
+    meta: P2PSend | None = None  # the announcement it took (its `crc` is checked once the bytes landed)
     receives: list[Handle] = field(default_factory=list)
 
 
@@ -523,19 +525,31 @@ class Communicator:
         x = np.asarray(x, order="C")
         g = self._group(group, "broadcast")
         src = self._group_rank(g, src, "src", "broadcast")
-        out = x.copy() if g.me == src else np.empty(x.shape, x.dtype)
-        flat = out.reshape(-1)
+        tagged = len(g.ranks) > 1 and self._checksummed(g.ranks)
+        if tagged:  # what moves is the tensor's bytes, then the root's CRC32C of them (spec 9.1.8)
+            flat = np.empty(x.nbytes + CRC_BYTES, np.uint8)
+            out = flat[:x.nbytes].view(x.dtype).reshape(x.shape)
+            if g.me == src:
+                _with_crc(flat, x)
+        else:
+            out = x.copy() if g.me == src else np.empty(x.shape, x.dtype)
+            flat = out.reshape(-1)
 
         def body(link: _Link) -> None:
             if self._shared(g, "broadcast", link, flat, flat, root=src):
                 return
-            step = self._chunk(x.dtype, x.nbytes, 1)
-            if x.nbytes <= self.small_bytes:
+            step = self._chunk(flat.dtype, flat.nbytes, 1)
+            if flat.nbytes <= self.small_bytes:
                 alg.tree_broadcast(link, flat, src, step)
             else:
                 alg.chain_broadcast(link, flat, src, step)
 
         self._run(g, "broadcast", x, body, root=g.ranks[src])
+        if tagged:  # the root too: its result is its copy, made after the CRC
+            crc = int.from_bytes(flat[x.nbytes:].tobytes(), "little")
+            root = "this rank, the root" if g.me == src else f"root {self.transport.peer_name(g.ranks[src])}"
+            checksums.verify(out, crc, op="broadcast", peer=root,
+                             what=f"#{g.next_seq - 1} {_dtype_name(x.dtype)}{list(x.shape)} over ranks {list(g.ranks)}")
         return out
 
     def all_to_all(self, x: np.ndarray, split_dim: int = 0, concat_dim: int = 0,
@@ -599,12 +613,14 @@ class Communicator:
         what = f"send to rank {peer}"
         data = np.ascontiguousarray(x).reshape(-1)
         dtype, where = from_numpy(data.dtype).name, call_site()
+        # the CRC of the caller's own array, before any copy (spec 9.4.9)
+        crc = checksums.array_crc(data) if self._checksummed([peer]) else None
         if peer == self.rank:
-            self._to_self.append((P2PSend(0, 0, dtype, np.shape(x), where), data.copy()))
+            self._to_self.append((P2PSend(0, 0, dtype, np.shape(x), where, crc), data.copy()))
             return
         seq = self._p2p_seq_out[peer]
         self._p2p_seq_out[peer] = seq + 1
-        meta = P2PSend(seq, 0, dtype, np.shape(x), where)
+        meta = P2PSend(seq, 0, dtype, np.shape(x), where, crc)
         tp = self.transport
         tp.check_usable(what)
         try:
@@ -635,6 +651,7 @@ class Communicator:
             meta, data = self._to_self.popleft()
             result = _expect_type(meta, expect, what, self.max_recv_bytes, out)
             result.reshape(-1)[...] = data
+            _verify_p2p(result, meta, "this rank")
             return result
         waiter = _P2PWait(peer, expect, out)
         self._p2p_waiter[peer] = waiter
@@ -652,6 +669,7 @@ class Communicator:
             raise
         finally:
             self._p2p_waiter.pop(peer, None)
+        _verify_p2p(waiter.result, waiter.meta, self.transport.peer_name(peer))
         return waiter.result
 
     def _p2p_arrived(self, peer: int, meta: P2PSend | None) -> None:
@@ -666,13 +684,24 @@ class Communicator:
         waiter = self._p2p_waiter.get(peer)
         if waiter is None or waiter.done:
             return
-        meta = self._p2p_inbox[peer].popleft()
+        meta = waiter.meta = self._p2p_inbox[peer].popleft()
         self._p2p_seq_in[peer] += 1
         waiter.result = _expect_type(meta, waiter.expect, f"recv from rank {peer}", self.max_recv_bytes, waiter.out)
         view = waiter.result.reshape(-1).view(np.uint8)
         waiter.receives = [self.transport.recv(peer, P2P_STREAM, view[a:b], seq=meta.seq, chunk=c)
                            for c, (a, b) in enumerate(alg.chunks(0, view.size, self.chunk_bytes))]
         waiter.done = True
+
+    def _checksummed(self, ranks: Sequence[int]) -> bool:
+        """Whether transfers among `ranks` carry the producer's CRC32C (spec 9.4.9): this
+        rank and every other of them announced CAP_CHECKSUMS in its Hello (ranks that are
+        threads of one process exchanged none: DTM_CHECKSUMS decides), so every member of
+        a group decides alike."""
+        tp = self.transport
+        own = tp.own_caps()
+        if not (checksums.enabled() if own is None else own & Cap.CHECKSUMS):
+            return False
+        return all((c := tp.peer_caps(r)) is None or c & Cap.CHECKSUMS for r in ranks if r != self.rank)
 
     def close(self) -> None:
         """Say Leave to every peer and close the transport (sends have all left by now)."""
@@ -687,6 +716,24 @@ def _dtype_name(dtype: np.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = from_numpy(dtype).name
     return name
+
+
+CRC_BYTES = 4  # a checksummed broadcast's tail: the root's CRC32C of the tensor, little-endian
+
+
+def _with_crc(wire: np.ndarray, x: np.ndarray) -> None:
+    """Fill a checksummed broadcast's bytes `wire` at its root: the bytes of the caller's
+    `x`, then their CRC32C, computed from `x` itself before the copy (so the copy is covered)."""
+    crc = checksums.array_crc(x)
+    wire[:x.nbytes] = x.reshape(-1).view(np.uint8)
+    wire[x.nbytes:] = np.frombuffer(crc.to_bytes(CRC_BYTES, "little"), np.uint8)
+
+
+def _verify_p2p(result: np.ndarray, meta: P2PSend, peer: str) -> None:
+    """E1008 unless a received tensor has the CRC32C its sender announced (when it announced one)."""
+    if meta.crc is not None:
+        checksums.verify(result, meta.crc, op="recv", peer=peer, what=f"point-to-point transfer {meta.seq} "
+                         f"{meta.dtype}{list(meta.shape)} (sent at {meta.where})")
 
 
 def _expect_type(meta: P2PSend, expect: tuple, what: str, limit: int, out: np.ndarray | None) -> np.ndarray:

@@ -50,6 +50,7 @@ from .transport import P2P_STREAM, CollectiveMismatch, DEFAULT_TIMEOUT_S, Handle
 SLOT_BYTES = 1 << 20        # one member's share of a round
 CHANNEL_BYTES = 1 << 20     # the ring of each point-to-point channel (one per ordered pair of ranks)
 SMALL_BYTES = 32 << 10      # rounds below this are reduced by every member in full
+SPILL_BYTES = 64            # a broadcast's bytes past whole slots that ride in its last round's result slot
 SLICE_S = 0.05              # longest futex sleep between looks at the sockets
 DESC_BYTES = 68 << 10       # room for one member's descriptor, but for its group list (4 bytes a member)
 _MAGIC = 0x44544D53484D3031  # "DTMSHM01"
@@ -299,16 +300,27 @@ class Workspace:
     def _broadcast(self, start, what, src, dst, op, root) -> None:
         dtype = dst.dtype
         per = self.slot_bytes // dtype.itemsize
-        for k in range(max(1, math.ceil(dst.size / per))):
-            lo, hi = k * per, min(dst.size, (k + 1) * per)
+        rounds = max(1, math.ceil(dst.size / per))
+        # A few bytes past whole slots (a checksummed broadcast's 4-byte CRC tail, spec 9.1.8)
+        # ride in the last round's result slot, which a broadcast leaves unused: a tensor of
+        # whole slots then takes no round more with its tail.
+        spill = dst.size - (rounds - 1) * per if rounds > 1 else 0
+        if spill * dtype.itemsize > SPILL_BYTES:
+            spill = 0
+        rounds -= 1 if spill else 0
+        for k in range(rounds):
+            lo, hi = k * per, min(dst.size - spill, (k + 1) * per)
+            tail = spill if k == rounds - 1 else 0
             b = self._begin(what)
-            chunk = (hi - lo) * dtype.itemsize
+            chunk = (hi - lo + tail) * dtype.itemsize
             if self.me == root:
                 self._slot(b, root, dtype, hi - lo)[...] = src[lo:hi]
+                self._slot(b, self.n, dtype, tail)[...] = src[hi:hi + tail]
                 self._moved(chunk, 0)
             self._round(k, b, start, what)
             if self.me != root:
                 copy_out(dst[lo:hi], self._slot(b, root, dtype, hi - lo), dst.nbytes)
+                dst[hi:hi + tail] = self._slot(b, self.n, dtype, tail)
                 self._moved(0, chunk)
             self._end()
 

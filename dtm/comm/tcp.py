@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from ..errors import DTMError, ErrorCode as E
+from ..protocol import checksums
 from ..protocol.caps import Cap, level_caps
 from ..protocol.compressed import check_chunk
 from ..protocol.errors import ProtocolError, StaleEpochError
@@ -65,11 +66,14 @@ NO_QUANT_ENV = "DTM_NO_CAP_QUANT"  # a test hook: "1" and this side does not ann
 
 
 def announced_caps() -> int:
-    """The capability bits a mesh connection's Hello announces: those of LEVEL, and
-    CAP_QUANT (compressed collectives, spec 9.5.1) unless DTM_NO_CAP_QUANT=1."""
+    """The capability bits a mesh connection's Hello announces: those of LEVEL, CAP_QUANT
+    (compressed collectives, spec 9.5.1) unless DTM_NO_CAP_QUANT=1, and CAP_CHECKSUMS
+    (end-to-end tensor checksums, spec 9.4.9) unless DTM_CHECKSUMS=0."""
     caps = level_caps(LEVEL)
     if os.environ.get(NO_QUANT_ENV, "") != "1":
         caps |= Cap.QUANT
+    if checksums.enabled():
+        caps |= Cap.CHECKSUMS
     return int(caps)
 
 
@@ -260,20 +264,20 @@ class TcpTransport(Transport):
     # --- receiving ---------------------------------------------------------------------------
 
     def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
-        sent = 0
+        sent, ended = 0, False
         for c in self._conns.values():
             if c.out and c.closed is None and not c.pump_writes:
                 try:
                     sent += self._flush(c, op)
                 except PeerLost:
-                    pass  # marked lost: raised below if what we wait for needs it, else on reading
+                    ended = True  # marked lost: raised below if what we wait for needs it, else on reading
         if self._closed:
             for h in waiting:  # a peer that is gone cannot complete what we wait for
                 c = self._conns.get(h.peer)
                 if c is not None and c.closed is not None and not h.done:
                     raise PeerLost(h.peer, op, c.closed)
         events = self._poller.poll(0)
-        if not events and not sent:  # nothing moved: sleep until something can
+        if not events and not sent and not ended:  # nothing moved: sleep until something can
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -297,7 +297,8 @@ class Transport(ABC):
     def notify(self, peers: Sequence[int], stream: int, msg_type: MsgType, parts: Sequence[Buffer],
                grace: float = 1.0) -> None:
         """Best effort, for reporting an error: queue one frame to each peer and push for at
-        most `grace` seconds; a peer that cannot be reached is skipped."""
+        most `grace` seconds; a peer that cannot be reached, or whose connection ends
+        meanwhile (severed for a lost peer or a cancelled job), is skipped."""
         handles = []
         for p in peers:
             try:
@@ -305,11 +306,16 @@ class Transport(ABC):
             except DTMError:
                 continue
         deadline = time.monotonic() + grace
-        while any(not h.done for h in handles) and time.monotonic() < deadline:
+        while any(not h.done and self.ended(h.peer) is None for h in handles) and time.monotonic() < deadline:
             try:
                 self._progress(deadline, (), "reporting an error")
             except DTMError:
                 return
+
+    def ended(self, peer: int) -> str | None:
+        """Why the connection to `peer` ended; None while it is open (and where connections
+        do not end)."""
+        return None
 
     def _timeout(self, pending: Sequence[Handle], op: str, waited: float) -> DTMError:
         owed = sorted({(h.peer, h.kind) for h in pending})

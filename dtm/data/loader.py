@@ -158,6 +158,33 @@ class Loader:
                 return
             i += 1
 
+    # --- resuming (a checkpoint's state holds the loader: spec 9.4) -------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The next batch's index and what fixes the order of the batches: a loader made
+        alike and given this yields the batches this one yields next."""
+        return {"step": self.step, "batch_size": self.batch_size, "block_size": self.block_size,
+                "shuffle": self.shuffle, "seed": self.seed, "windows": self.windows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from `state` (from `state_dict()`): the next batch is batch `state["step"]`.
+        E0306 when the saved order is not this loader's (another batch size, block size,
+        shuffle, seed or number of windows would yield other batches)."""
+        mine = self.state_dict()
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise DataError(E.ATTRIBUTE_VALUE, f"loader {self.prefix!r}: load_state_dict expects a dict with an int "
+                                               f"'step' >= 0, found {str(state)[:120]}")
+        differ = {k: (state.get(k), v) for k, v in mine.items() if k != "step" and state.get(k) != v}
+        if differ:
+            raise DataError(E.ATTRIBUTE_VALUE, f"loader {self.prefix!r}: the saved state yields other batches than "
+                            "this loader: " + ", ".join(f"{k} saved {a!r}, here {b!r}" for k, (a, b) in differ.items()))
+        self.close()  # batches prefetched from the old position are dropped
+        self._queue = queue.Queue(maxsize=self._queue.maxsize)
+        self._stop = threading.Event()
+        self._thread = None
+        self.step = step
+
     def close(self) -> None:
         """Stop the prefetching thread."""
         self._stop.set()

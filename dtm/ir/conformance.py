@@ -60,6 +60,15 @@ def load_manifest(root: pathlib.Path | None = None) -> dict:
         return json.load(f)
 
 
+def manifest_or_failure(root: pathlib.Path) -> dict | VectorResult:
+    """The manifest.json of the vector set under `root`, or the failed result a runner
+    reports in place of every vector when it cannot be read."""
+    try:
+        return load_manifest(root)
+    except (OSError, ValueError) as e:
+        return VectorResult("manifest.json", "valid", False, f"cannot read the manifest: {e}")
+
+
 def check_valid(path: pathlib.Path, expected_path: pathlib.Path, want_hash: str | None) -> str | None:
     """None when the valid vector at `path` passes every rule, else what went wrong."""
     step = "parse"

@@ -31,7 +31,7 @@ import pathlib
 from crc32c import crc32c
 
 from ..errors import DTMError, ErrorCode
-from ..ir.conformance import VectorResult, summary  # one result type and report for every vector set
+from ..ir.conformance import VectorResult, manifest_or_failure, summary  # one result type and report for every vector set
 from .errors import ProtocolError
 from .frame import MAX_PAYLOAD, FrameDecoder, FrameHeader, encode_frame
 from .handshake import Handshake, check_answer, hmac_answer, negotiate
@@ -222,10 +222,9 @@ def run_protocol_vectors(root: pathlib.Path | None = None) -> list[VectorResult]
     """Run every vector under `root` (default: the repository's conformance/protocol): the
     CRC32C check values, then valid and invalid streams sorted by name, then the handshake."""
     root = pathlib.Path(root) if root is not None else DEFAULT_ROOT
-    try:
-        manifest = load_manifest(root)
-    except (OSError, ValueError) as e:
-        return [VectorResult("manifest.json", "valid", False, f"cannot read the manifest: {e}")]
+    manifest = manifest_or_failure(root)
+    if isinstance(manifest, VectorResult):
+        return [manifest]
     results = []
     for c in manifest.get("crc32c", []):
         got = f"{crc32c(bytes.fromhex(c['hex'])):08x}"

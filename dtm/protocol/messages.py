@@ -583,7 +583,12 @@ def _nbytes(buf: Buffer) -> int:
 @dataclass(frozen=True)
 class P2PSend(Message):
     """Announces a point-to-point transfer of one tensor; its bytes follow in Data frames
-    with the same `seq` (counting this pair's transfers from 0) on the same stream."""
+    with the same `seq` (counting this pair's transfers from 0) on the same stream.
+
+    `crc`, the tensor's CRC32C as the sender computed it from its array (spec 9.4.9),
+    travels in an optional u32 after `where`, written only when there is one: a P2PSend
+    without it has the bytes of protocol 1.0, and a rank sends one only to a peer that
+    announced CAP_CHECKSUMS (spec 9.1.5)."""
 
     TYPE: ClassVar[MsgType] = MsgType.P2P_SEND
     seq: int
@@ -591,9 +596,13 @@ class P2PSend(Message):
     dtype: str
     shape: tuple[int, ...]
     where: str
+    crc: int | None = None
+
+    _JSON_IN: ClassVar = {"crc": lambda v: None if v is None else int_from_json(v)}
 
     def _check(self) -> str | None:
-        return _first(_shape_ok(self.dtype, self.shape), _str_ok("where", self.where))
+        return _first(_shape_ok(self.dtype, self.shape), _str_ok("where", self.where),
+                      self.crc is not None and not 0 <= self.crc < 1 << 32 and f"crc {self.crc} does not fit a u32")
 
     def _write(self, w: Writer) -> None:
         w.u64(self.seq, "seq")
@@ -601,10 +610,23 @@ class P2PSend(Message):
         w.str(self.dtype, "dtype")
         _write_shape(w, self.shape)
         w.str(self.where, "where")
+        if self.crc is not None:
+            w.u32(self.crc, "crc")
 
     @classmethod
     def _read(cls, r: Reader) -> "P2PSend":
-        return cls(r.u64("seq"), r.i64("tag"), r.str("dtype"), _read_shape(r), r.str("where"))
+        head = (r.u64("seq"), r.i64("tag"), r.str("dtype"), _read_shape(r), r.str("where"))
+        return cls(*head, r.u32("crc") if r.left else None)
+
+    def to_json(self) -> dict:
+        obj = super().to_json()
+        if self.crc is None:  # the vectors' JSON of a 1.0 P2PSend has no such field
+            del obj["crc"]
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "P2PSend":
+        return super().from_json({"crc": None, **obj})
 
 
 # --- errors and cancel ------------------------------------------------------------------------------

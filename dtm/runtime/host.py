@@ -47,11 +47,21 @@ def parse_bytes(text: str, where: str) -> int:
     return int(value * _UNITS[unit])
 
 
+def _env_bytes(name: str) -> int | None:
+    text = os.environ.get(name)
+    return parse_bytes(text, name) if text else None
+
+
 def memory_quota() -> int | None:
     """This process's memory quota in bytes ($DTM_MEMORY_QUOTA, set by `dtm launch
     --memory-quota` for its ranks), or None."""
-    text = os.environ.get("DTM_MEMORY_QUOTA")
-    return parse_bytes(text, "DTM_MEMORY_QUOTA") if text else None
+    return _env_bytes("DTM_MEMORY_QUOTA")
+
+
+def store_quota() -> int | None:
+    """The bytes this rank's part of the mesh's store may hold ($DTM_STORE_QUOTA, set by
+    `dtm launch --store-quota` for its ranks), or None."""
+    return _env_bytes("DTM_STORE_QUOTA")
 
 
 def resident_bytes() -> int:

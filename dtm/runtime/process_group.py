@@ -15,6 +15,10 @@ heartbeating, or another rank reported losing it) raises PeerLost naming that ra
 last operation its heartbeats reported. A blocked collective is woken when the coordinator
 says a peer it needs is lost, so a survivor hears within `Membership.detection_bound`
 (6.5 s by default) of the lost rank's last heartbeat, and at once when its process ended.
+
+`cancel(reason)` cancels the whole job (spec 9.4.10): the coordinator tells every rank, each
+shuts its data connections down, so that whatever collective or transfer it is in ends at
+once, and that one and every later one raises Cancelled naming who cancelled and why.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
 
 from ..cluster.activity import activity
+from ..cluster.cancel import Cancelled
 from ..cluster.coordinator import Coordinator
 from ..cluster.env import Axes, metrics_env, rank_env
 from ..cluster.heartbeat import Figures
@@ -72,12 +78,14 @@ class ProcessGroup:
         self.nodes: tuple[str, ...] = ()
         self.service_addresses: tuple[tuple[str, int], ...] = ()
         self.service_listener: socket.socket | None = None
+        self._cancelled: Cancelled | None = None  # a group without membership: its own cancel
         self._closers: list[Callable[[], None]] = []
 
     def _attach(self, comm: Communicator) -> None:
         self.comm = comm
         if self.membership is not None:
             self.membership.watch_lost(self._on_lost)
+            self.membership.watch_cancel(self._on_cancel)
 
     def figures(self) -> Figures:
         """What this rank's heartbeats report (read on the heartbeat thread): its collectives
@@ -97,6 +105,47 @@ class ProcessGroup:
         sever = getattr(comm.transport, "sever", None) if comm is not None else None
         if sever is not None:
             sever(rank)
+
+    @property
+    def cancelled(self) -> Cancelled | None:
+        """The job's cancel, once this rank heard of it (or asked for it); else None."""
+        return self.membership.cancelled if self.membership is not None else self._cancelled
+
+    def _on_cancel(self, cancel: Cancelled) -> None:
+        # On the thread that heard of it, once `cancelled` says so (the membership marks it
+        # before it calls its watchers), so that the errors the severed connections cause
+        # are reported as the cancel: every wait ends at once.
+        comm = self.comm
+        sever = getattr(comm.transport, "sever", None) if comm is not None else None
+        if sever is not None:
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    sever(peer)
+        for ref in list(_cancel_watchers):
+            watcher = ref()
+            try:
+                if watcher is not None:
+                    watcher(cancel)
+            except Exception as e:  # noqa: BLE001 - the thread that heard it (heartbeats) goes on
+                log.warning("rank %d: a watcher of the job's cancel failed: %r", self.rank, e)
+
+    def cancel(self, reason: str) -> None:
+        """Cancel the whole job for `reason` (spec 9.4.10): the coordinator tells every rank;
+        this rank's operations raise Cancelled from now on."""
+        if not isinstance(reason, str):
+            raise DTMError(E.ATTRIBUTE_TYPE, f"cancel takes the reason as a string, not {type(reason).__name__}")
+        if self.membership is None:  # a group of one process: the first cancel counts, as the coordinator's
+            if self._cancelled is None:
+                self._cancelled = Cancelled(self.rank, reason)
+                self._on_cancel(self._cancelled)
+            return
+        self.membership.request_cancel(reason)
+        self.membership.record_cancel(Cancelled(self.rank, reason))  # not waiting for the coordinator's relay
+
+    def check_cancelled(self, what: str) -> None:
+        """Cancelled naming `what` once the job is cancelled."""
+        if self.cancelled is not None:
+            raise self.cancelled.during(what)
 
     # --- groups from mesh axes ---------------------------------------------------------------
 
@@ -123,12 +172,16 @@ class ProcessGroup:
 
     def run(self, what: str, fn: Callable[[], T]) -> T:
         """Run one operation as `what` (it names it in heartbeats and errors); an error a
-        lost peer caused becomes PeerLost naming that peer."""
+        lost peer caused becomes PeerLost naming that peer, and any error after the job was
+        cancelled becomes Cancelled, as does every call from then on."""
         self.last_op = what
+        self.check_cancelled(what)
         try:
             return fn()
         except DTMError as err:
-            lost = self._lost_peer(err, what)
+            lost = self._lost_peer(err, what)  # waits for the coordinator's word: a lost peer, or a cancel
+            if self.cancelled is not None:
+                raise self.cancelled.during(what) from err
             if lost is None:
                 raise
             raise lost from err
@@ -235,6 +288,7 @@ _current: ProcessGroup | None = None
 _lock = threading.Lock()
 _atexit_registered = False
 _join_hooks: list[Callable[[ProcessGroup], Callable[[], None] | None]] = []
+_cancel_watchers: list[weakref.WeakMethod] = []
 
 
 def on_join(hook: Callable[[ProcessGroup], Callable[[], None] | None]) -> None:
@@ -326,6 +380,39 @@ def _start_services(pg: ProcessGroup, token: bytes | str, view, session: str) ->
         closer = hook(pg)
         if closer is not None:
             pg._closers.append(closer)
+
+
+def cancel(reason: str) -> None:
+    """Cancel the whole job from this rank (spec 9.4.10): every rank's current collective,
+    transfer, mesh-store request and checkpoint save, and every later one, raises
+    Cancelled naming this rank and `reason`. Returns once the request is sent to the
+    coordinator (E1006 when it did not announce CAP_CANCEL); this rank is cancelled from then on."""
+    current().cancel(reason)
+
+
+def on_cancel(method: Callable[[Cancelled], None]) -> None:
+    """Call the bound method `method(cancel)` when this process's job is cancelled (at once
+    when it is already). It must not block. Held weakly: an object that watches (a task
+    graph's run, layer 8) is not kept alive by it."""
+    _cancel_watchers[:] = [r for r in _cancel_watchers if r() is not None]
+    _cancel_watchers.append(weakref.WeakMethod(method))
+    cancel = cancelled()
+    if cancel is not None:
+        method(cancel)
+
+
+def cancelled() -> Cancelled | None:
+    """This process's job's cancel, once it heard of it; None otherwise (and outside a
+    process group)."""
+    pg = _current
+    return pg.cancelled if pg is not None else None
+
+
+def check_cancelled(what: str) -> None:
+    """Cancelled naming `what` when this process's job was cancelled; nothing otherwise."""
+    pg = _current
+    if pg is not None:
+        pg.check_cancelled(what)
 
 
 def current() -> ProcessGroup:

@@ -59,17 +59,19 @@ def default_path() -> str:
 
 
 def open(url: str | os.PathLike | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,  # noqa: A001
-         inline_bytes: int = INLINE_BYTES) -> Store:
+         inline_bytes: int = INLINE_BYTES, durable: bool = True) -> Store:
     """Open (creating it if needed) the store at `url`: a path, `file://PATH`, or
     `memory://NAME`; None for the default directory. E1104 when the path is a file or not
     writable. A tensor put whole of at most `inline_bytes` is kept in its index row, which
-    Zarr readers do not see (spec 9.2.3); 0 makes every tensor a Zarr array."""
+    Zarr readers do not see (spec 9.2.3); 0 makes every tensor a Zarr array.
+    `durable=False` (a directory store): a put's files are synced only by `Store.sync`, for
+    a writer whose own commit point follows every put (a checkpoint's manifest)."""
     url = default_path() if url is None else os.fspath(url)
     if "://" in url and not url.startswith("file://"):
         return _open_fsspec(url, chunk_bytes, inline_bytes)
     root = _make_root(url)
     check_index(root)
-    st = Store("file://" + root, LocalFiles(root), SqliteIndex(os.path.join(root, INDEX)), chunk_bytes, inline_bytes)
+    st = Store("file://" + root, LocalFiles(root, durable), SqliteIndex(os.path.join(root, INDEX)), chunk_bytes, inline_bytes)
     mark(root)
     st.clean_up_after_dead_writers()
     return st

@@ -59,10 +59,12 @@ class ChecksumError(StoreError):
 class QuotaExceeded(StoreError):
     """A put that would pass a prefix's byte quota (E1103); nothing was written."""
 
-    def __init__(self, key: str, prefix: str, limit: int, would_use: int):
+    def __init__(self, key: str, prefix: str, limit: int, would_use: int, asked: int, in_use: int):
+        under = f"prefix {prefix!r}" if prefix else "the store"
         super().__init__(ErrorCode.STORE_QUOTA_EXCEEDED,
-                         f"put {key!r}: the quota of prefix {prefix!r} is {limit} bytes, the put would use {would_use}", key)
-        self.prefix, self.limit, self.would_use = prefix, limit, would_use
+                         f"put {key!r} asks for {asked:,} bytes; {in_use:,} bytes are in use under {under}, whose quota "
+                         f"is {limit:,} bytes: the put would use {would_use:,}", key)
+        self.prefix, self.limit, self.would_use, self.asked, self.in_use = prefix, limit, would_use, asked, in_use
 
 
 class StoreIOError(StoreError):

@@ -14,6 +14,7 @@ import secrets
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -29,6 +30,8 @@ REMOVE_LATER_BYTES = 16 << 20
 # Where each process that writes to a directory store keeps a file it holds locked while it
 # lives (spec 9.2.3): one found unlocked names a writer that died, maybe inside a put
 WRITERS = "writers"
+SYNC_THREADS = 16  # LocalFiles.sync: concurrent fsyncs, which the file system commits together
+EARLY_SYNC_THREADS = 4  # LocalFiles.start_sync: fsyncs beside the writes that follow
 
 
 class LocalFiles:
@@ -36,9 +39,16 @@ class LocalFiles:
     flock on its directory, which the kernel drops when the writer dies, even by SIGKILL,
     so that garbage collection tells a put in flight from the remains of a killed one."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, durable: bool = True):
         self.root = root
         self._writer: tuple[int, str] | None = None  # (fd, path) of this process's writer file
+        # durable=False: writes and sync_tree only note what they would sync, and `sync` syncs
+        # it all at once, in parallel, for a caller whose commit point comes later (a
+        # checkpoint's manifest): one batch instead of several fsyncs in a row per file
+        self.durable = durable
+        self._unsynced: set[str] = set()
+        self._written: list[str] = []  # the files of _unsynced that start_sync may sync early
+        self._early: tuple[ThreadPoolExecutor, list] | None = None  # start_sync's threads, its fsyncs
 
     @contextlib.contextmanager
     def hold(self, rel: str) -> Iterator[None]:
@@ -104,8 +114,11 @@ class LocalFiles:
                 os.unlink(self.path(f"{WRITERS}/{n}"))
 
     def close(self) -> None:
-        """Wait for queued removals, then unlink and release this process's writer file."""
+        """Wait for queued removals and early syncs, then unlink and release this process's
+        writer file."""
         self.drain()
+        with contextlib.suppress(OSError):
+            self._finish_early()
         if self._writer is not None:
             fd, path = self._writer
             self._writer = None
@@ -128,7 +141,10 @@ class LocalFiles:
         except FileExistsError:  # by another rank of a distributed put
             pass
         for sub in sorted(dirs_of(names), key=len):
-            os.mkdir(f"{top}/{sub}")
+            try:
+                os.mkdir(f"{top}/{sub}")
+            except FileExistsError:  # (another rank's chunk of a distributed put sits there too)
+                pass
 
     def write(self, rel: str, parts: Iterable[memoryview | bytes]) -> None:
         """Write a new file from `parts`, and fsync it before returning."""
@@ -150,7 +166,11 @@ class LocalFiles:
                 view = memoryview(p).cast("B")
                 while view:
                     view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if self.durable:
+                os.fsync(fd)
+            else:
+                self._unsynced.add(path)
+                self._written.append(path)
         finally:
             os.close(fd)
 
@@ -159,13 +179,54 @@ class LocalFiles:
         `rel`, then its ancestors up to the root, so the new files' names are as durable as
         their bytes."""
         top = self.path(rel)
-        for sub in sorted(dirs_of(names), key=len, reverse=True):
-            fsync_dir(f"{top}/{sub}")
-        fsync_dir(top)
+        dirs = [f"{top}/{sub}" for sub in sorted(dirs_of(names), key=len, reverse=True)] + [top]
         d = os.path.dirname(top)
         while len(d) >= len(self.root):
-            fsync_dir(d)
+            dirs.append(d)
             d = os.path.dirname(d)
+        if not self.durable:
+            self._unsynced.update(dirs)
+            return
+        for d in dirs:
+            fsync_dir(d)
+
+    def start_sync(self) -> None:
+        """Begin to fsync, on EARLY_SYNC_THREADS threads in the background, the files
+        written since the last call (durable=False), so that their writeback overlaps the
+        writes that follow; `sync` waits for them. Directories wait for `sync`: files may
+        still be made in them."""
+        files, self._written = self._written, []
+        if not files:
+            return
+        self._unsynced.difference_update(files)
+        if self._early is None:  # (its threads start from the caller's: a writer's lower priority too)
+            self._early = (ThreadPoolExecutor(EARLY_SYNC_THREADS, thread_name_prefix="dtm-sync-early"), [])
+        pool, futures = self._early
+        futures.extend(pool.submit(fsync_dir, f) for f in files)
+
+    def _finish_early(self) -> None:
+        """Wait for start_sync's fsyncs, raising the first one's error."""
+        early, self._early = self._early, None
+        if early is not None:
+            pool, futures = early
+            try:
+                for f in futures:
+                    f.result()
+            finally:
+                pool.shutdown(wait=True)
+
+    def sync(self, threads: int = SYNC_THREADS) -> None:
+        """fsync every file and directory that writes and sync_tree noted since the last
+        call (durable=False), on `threads` threads: the file system commits concurrent
+        syncs together; and wait for those start_sync began. Nothing to do for a durable
+        LocalFiles."""
+        pending, self._unsynced, self._written = sorted(self._unsynced), set(), []
+        try:
+            if pending:
+                with ThreadPoolExecutor(min(threads, len(pending)), thread_name_prefix="dtm-sync") as pool:
+                    list(pool.map(fsync_dir, pending))  # (fsync_dir opens read-only: files too)
+        finally:
+            self._finish_early()
 
     def replace(self, rel: str, data: bytes) -> None:
         """Write the file `rel` whole, atomically and durably: a temporary name, fsync,
@@ -314,6 +375,12 @@ class FsspecFiles:
 
     def sync_tree(self, rel: str, names: Iterable[str] = ()) -> None:
         """Nothing to sync: each object was durable when its write returned."""
+
+    def sync(self) -> None:
+        """Nothing to sync (as sync_tree)."""
+
+    def start_sync(self) -> None:
+        """Nothing to sync (as sync_tree)."""
 
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))

@@ -73,9 +73,10 @@ def check_quotas(key: str, nbytes: int, old: Callable[[], int], quotas: dict[str
     asked when no quota covers the key (most puts: one look-up less each)."""
     for prefix, limit in quotas.items():
         if key.startswith(prefix):
-            would = usage(prefix) - old() + nbytes
+            in_use = usage(prefix)
+            would = in_use - old() + nbytes
             if would > limit:
-                raise QuotaExceeded(key, prefix, limit, would)
+                raise QuotaExceeded(key, prefix, limit, would, nbytes, in_use)
 
 
 def _under(prefix: str) -> tuple[str, tuple]:

@@ -29,6 +29,9 @@ A request waits for its peer at most `timeout` s (E0802), and less when the coor
 declares that peer lost: the membership's notice shuts the request's socket down, so the
 wait ends at once with PeerLost (E1001) naming the rank, the request and how long it
 waited; a get or put then goes on to the key's next rank as above.
+
+A cancel of the job (spec 9.4.10) shuts every request's socket down the same way: the request
+in flight, and every call from then on, raises Cancelled naming who cancelled and why.
 """
 
 from __future__ import annotations
@@ -41,16 +44,20 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..cluster.cancel import Cancelled
 from ..cluster.leftovers import claim, remove_orphans, scratch_base
 from ..comm.transport import PeerLost
 from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import DType, numpy_dtype
+from ..protocol import checksums
+from ..protocol.checksums import TensorChecksumMismatch
 from ..protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest
+from ..runtime.host import store_quota
 from . import format as fmt
 from .errors import KeyLost, KeyMissing, StoreError, remote_error
 from .files import LocalFiles
@@ -105,8 +112,10 @@ class MeshStore:
         self._next_id = [0] * self.world_size
         self._unreachable: dict[int, str] = {}
         self._socks: dict[int, socket.socket] = {}  # each peer's store socket, from its connect on
+        self._cancel: Cancelled | None = None  # the job's cancel, once the membership said so
         if pg.membership is not None:
             pg.membership.watch_lost(self._sever)
+            pg.membership.watch_cancel(self._cancelled)
 
     def __repr__(self) -> str:
         return f"MeshStore(rank {self.rank} of {self.world_size}, replicas={self.replicas})"
@@ -127,11 +136,12 @@ class MeshStore:
         m = self.pg.membership
         return m.lost.get(r) if m is not None else None
 
-    def _candidates(self, key: str) -> tuple[list[int], list[int]]:
+    def _candidates(self, key: str, ranks: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
         """The live ranks that may hold `key`, in its order, and the lost ones among the
-        ranks it may have been placed on (its first `replicas` plus one per lost rank)."""
+        ranks it may have been placed on (its first `replicas` plus one per lost rank, or the
+        `ranks` the caller put it on)."""
         gone = self._gone()
-        order = placement(key, self.world_size)[:self.replicas + len(gone)]
+        order = placement(key, self.world_size)[:self.replicas + len(gone)] if ranks is None else list(ranks)
         return [r for r in order if r not in gone], [r for r in order if r in gone]
 
     def _lost(self, r: int, err: DTMError) -> None:
@@ -151,19 +161,25 @@ class MeshStore:
                                                   "(dtm.store.open(PATH)), which writes it piece by piece", key)
         return self.put_array(key, np.asarray(x), dtype)
 
-    def put_array(self, key: str, a: np.ndarray, dtype: Any = None) -> Info:
+    def put_array(self, key: str, a: np.ndarray, dtype: Any = None, *, ranks: Sequence[int] | None = None) -> Info:
+        """Store a copy of `a` under `key` on its `replicas` ranks; with `ranks`, on each of
+        those that is live instead, ranks the caller chose (a snapshot keeps a rank's pieces on
+        other ranks than its own, spec 9.4.12), to be read and deleted with the same `ranks`."""
         key = check_key(key)
+        self._check(f"store put {key!r}")
         dt = as_store_dtype(a.dtype if dtype is None else dtype)
         data, shape = _storage(key, a, dt)
+        # the CRC of the caller's bytes, against which each remote replica's is checked (spec 9.4.9)
+        crc = checksums.array_crc(data) if checksums.enabled() else None
         first: Info | None = None
         done: list[int] = []
-        for r in placement(key, self.world_size):
-            if len(done) == self.replicas:
+        for r in placement(key, self.world_size) if ranks is None else ranks:
+            if ranks is None and len(done) == self.replicas:
                 break
             if r in self._gone():
                 continue
             try:
-                info = self._put_on(r, key, data, dt, shape)
+                info = self._put_on(r, key, data, dt, shape, crc)
             except DTMError as err:
                 self._lost(r, err)
                 continue
@@ -173,18 +189,28 @@ class MeshStore:
             raise DTMError(E.PEER_LOST, f"put {key!r}: no rank of the mesh could take it; lost: {self._gone()}")
         return first
 
-    def _put_on(self, r: int, key: str, data: np.ndarray, dt: DType, shape: tuple[int, ...]) -> Info:
+    def _put_on(self, r: int, key: str, data: np.ndarray, dt: DType, shape: tuple[int, ...],
+                crc: int | None) -> Info:
+        """Put `data` on rank r; a remote rank's reply names the checksum it stored, which
+        must be `crc`, the caller's: else its copy is damaged, and is deleted (a get would
+        find it consistent with itself) before the put fails with E1008."""
         if r == self.rank:
             return self.local.put_array(key, fmt.from_storage(data, dt), dt)
         raw = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
         reply = self._request(r, "put", key, dtype=dt.name, shape=shape, data=raw)
+        if crc is not None and reply.checksum != f"{crc:08x}":
+            self._request(r, "delete", key)
+            raise TensorChecksumMismatch(f"key {key!r}", "put", f"rank {r}'s store", crc, int(reply.checksum, 16),
+                                         f"rank {r} deleted the damaged copy; put it again")
         return _entry(key, reply)
 
-    def delete(self, key: str) -> None:
-        """Remove `key` from every live rank (E0804 when none held it)."""
+    def delete(self, key: str, *, ranks: Sequence[int] | None = None) -> None:
+        """Remove `key` from every live rank, or every live one of `ranks` (E0804 when none
+        held it)."""
         key = check_key(key)
+        self._check(f"store delete {key!r}")
         held = False
-        for r in range(self.world_size):
+        for r in range(self.world_size) if ranks is None else ranks:
             if r in self._gone():
                 continue
             try:
@@ -204,14 +230,17 @@ class MeshStore:
         """The tensor under `key` as a dtm.Tensor, from whichever live rank holds it."""
         return as_tensor(key, self.info(key).dtype, self.get_array(key, dtype, shape))
 
-    def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    def get_array(self, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None, *,
+                  ranks: Sequence[int] | None = None) -> np.ndarray:
+        """The array under `key`, from the first live rank that holds it: of its placement,
+        or of the `ranks` a put with `ranks` chose."""
         key = check_key(key)
         want = None if dtype is None else as_store_dtype(dtype)
-        return self._first(key, lambda r: self._get_from(r, key, want, shape))
+        return self._first(key, lambda r: self._get_from(r, key, want, shape), ranks)
 
-    def info(self, key: str) -> Info:
+    def info(self, key: str, *, ranks: Sequence[int] | None = None) -> Info:
         key = check_key(key)
-        return self._first(key, lambda r: self._info_from(r, key))
+        return self._first(key, lambda r: self._info_from(r, key), ranks)
 
     def __contains__(self, key: str) -> bool:
         try:
@@ -229,6 +258,7 @@ class MeshStore:
         return sum(self._listing(prefix).values())
 
     def _listing(self, prefix: str) -> dict[str, int]:
+        self._check(f"store keys {prefix!r}")
         found: dict[str, int] = {}
         for r in range(self.world_size):
             if r in self._gone():
@@ -244,10 +274,12 @@ class MeshStore:
             found.update(items)
         return found
 
-    def _first(self, key: str, read):
-        """`read(r)` on the first live rank that holds `key` whole: a copy with a bad chunk
-        (E1102) is passed over for the next, and raised only when no copy is good."""
-        live, lost = self._candidates(key)
+    def _first(self, key: str, read, ranks: Sequence[int] | None = None):
+        """`read(r)` on the first live rank that holds `key` whole (of `ranks`, where the
+        caller chose them): a copy with a bad chunk (E1102) is passed over for the next, and
+        raised only when no copy is good."""
+        self._check(f"store get {key!r}")
+        live, lost = self._candidates(key, ranks)
         corrupt: StoreError | None = None
         why: DTMError | None = None  # what a rank lost during this read failed with
         for r in live:
@@ -278,6 +310,8 @@ class MeshStore:
                               shape=tuple(shape) if shape is not None else (), flags=flags)
             layout = conn.get_layout(reply, want, shape, f"get {key!r}")  # bounded before it is allocated
             out = conn.read_array(reply.id, layout, time.monotonic() + self.timeout, f"get {key!r}")
+        if checksums.enabled():  # the tensor checksum rank r stored at its put
+            checksums.verify(out, int(reply.checksum, 16), what=f"key {key!r}", op="get", peer=f"rank {r}'s store")
         out.flags.writeable = False
         return out
 
@@ -328,7 +362,10 @@ class MeshStore:
     def _failed(self, r: int, what: str, waited: float, err: DTMError) -> DTMError:
         """What a request to rank r that failed with `err` after `waited` s raises: PeerLost
         with the coordinator's notice once r is declared lost (`_sever` shut its socket, or
-        its process ended), the wait in seconds on a timeout, else `err`."""
+        its process ended), Cancelled once the job is (`_cancelled` shut the socket), the
+        wait in seconds on a timeout, else `err`."""
+        if self._cancel is not None:
+            return self._cancel.during(f"{what} (waiting {waited:.1f} s for rank {r}'s store)")
         notice = self._notice(r)
         if notice is not None:
             return PeerLost(r, what, f"this rank waited {waited:.1f} s for its store; {notice}")
@@ -360,9 +397,9 @@ class MeshStore:
 
     def _track(self, r: int, sock: socket.socket) -> None:
         """`sock` now carries the requests to rank r: shut at once when r is lost already
-        (its notice may have come before the socket existed)."""
+        or the job cancelled (the notice may have come before the socket existed)."""
         self._socks[r] = sock
-        if self._notice(r) is not None:
+        if self._notice(r) is not None or self._cancel is not None:
             _shut(sock)
 
     def _sever(self, r: int, notice: str) -> None:
@@ -370,6 +407,17 @@ class MeshStore:
         sock = self._socks.get(r)
         if sock is not None:
             _shut(sock)  # a socket closed meanwhile has no descriptor left to shut: OSError, ignored
+
+    def _cancelled(self, cancel: Cancelled) -> None:
+        """The membership's word (on the thread that heard it) that the job is cancelled:
+        every request in flight ends now, and every later call raises it."""
+        self._cancel = cancel
+        for sock in list(self._socks.values()):
+            _shut(sock)
+
+    def _check(self, what: str) -> None:
+        if self._cancel is not None:
+            raise self._cancel.during(what)
 
     def _conn(self, r: int) -> StoreConnection:
         if r not in self._conns:
@@ -437,6 +485,7 @@ def start_service(pg: Any) -> Any:
     remove_orphans(os.path.dirname(root))
     shutil.rmtree(path, ignore_errors=True)  # a part left by an earlier mesh of the same session
     local = open_local(path)
+    local.set_quota(store_quota())  # DTM_STORE_QUOTA: what this rank's part may hold (None: no limit)
     claim(path)
     server = StoreServer(local, pg.service_listener, pg.token, rank=pg.rank, epoch=pg.epoch,
                          max_connections=connections_for(pg.world_size))

@@ -29,6 +29,8 @@ from ..errors import DTMError, ErrorCode
 from ..ir.dtypes import DType, numpy_dtype
 from ..ir.types import Placement, Replicate, TensorType
 from ..runtime.mesh import DeviceMesh, Shards
+from ..protocol import checksums
+from ..protocol.checksums import TensorChecksumMismatch
 from . import crc
 from . import format as fmt
 from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError
@@ -78,28 +80,13 @@ def put(store: "Store", key: str, x: Any, dtype: DType) -> Entry:
     """Store distributed tensor `x` under `key` as `dtype`, each piece by a rank that holds it."""
     mesh: DeviceMesh = x.device_mesh
     values = x.local_shards()  # realized; on a process mesh the other processes' pieces are None
-    placements = tuple(x.placements)
-    if any(p.kind == "partial" for p in placements):
-        raise StoreError(ErrorCode.INVALID_PLACEMENT,
-                         f"put {key!r}: the tensor is partial ({list(placements)} on {mesh}), so no rank's piece is "
-                         "its value; reduce it first, as x.redistribute() with Replicate() for each Partial", key)
-    shape = tuple(x.shape)
-    layout = fmt.plan_grid(dtype, shape, block(shape, mesh, placements))
-    pieces = boxes(shape, mesh, placements)
+    layout, pieces = plan(key, x, dtype)
     pg, lead = mesh.process, mesh.process is None or mesh.process.rank == 0
     # one version directory for all ranks: process rank 0's draw (63 bits: an int64 row)
     rel = version_dir(key, int(_rows(pg, [secrets.randbits(63)])[0, 0]))
     code, part, err = 0, 0, None
-    try:
-        store._index.check_quota(key, layout.nbytes)
-        with store._writing(key, rel, remove=pg is None):  # (on a process mesh, rank 0 removes it below)
-            store._files.make_dirs(rel, [])
-            with store._files.hold(rel):  # (a garbage collection spares it; its commit holds it again)
-                for r in writers(pieces):
-                    if values[r] is not None:
-                        data = fmt.to_storage(np.asarray(values[r]).astype(numpy_dtype(dtype), copy=False), dtype)
-                        store._write_chunk(rel, layout, _chunk_of(layout, pieces[r]), data)
-                        part ^= crc.box_crc(data, pieces[r], layout.storage_shape)
+    try:  # (on a process mesh, rank 0 removes the version below when a rank failed)
+        part = write_pieces(store, key, rel, layout, pieces, values, dtype, remove=pg is None)
     except DTMError as e:
         code, err = _code(e), e
     rows = _rows(pg, [code, part])  # every rank's chunks are written (and synced) past here
@@ -111,7 +98,7 @@ def put(store: "Store", key: str, x: Any, dtype: DType) -> Entry:
     entry, result = None, [0, 0, 0]
     if lead:
         try:
-            entry = store._commit(key, rel, layout, checksum)
+            entry, = commit_pieces(store, [(key, rel, layout, rows[:, 1])])
             result = [0, entry.version, np.float64(entry.written).view(np.int64)]
         except DTMError as e:
             result, err = [_code(e), 0, 0], e
@@ -119,8 +106,53 @@ def put(store: "Store", key: str, x: Any, dtype: DType) -> Entry:
     code, version, written = rows[0]
     if code:
         raise err or _failed(rows, key, "put", "could not commit it; the earlier tensor is kept")
-    return entry or Entry(key, rel, dtype, shape, layout.nbytes, checksum, int(version),
+    return entry or Entry(key, rel, dtype, tuple(x.shape), layout.nbytes, checksum, int(version),
                           float(np.int64(written).view(np.float64)))
+
+
+def plan(key: str, x: Any, dtype: DType) -> tuple[fmt.Layout, list[Box]]:
+    """The layout of a put of distributed tensor `x` as `dtype` (its chunks the full pieces)
+    and each mesh rank's piece; E0507 for a partial tensor, whose pieces are not its value."""
+    mesh: DeviceMesh = x.device_mesh
+    placements = tuple(x.placements)
+    if any(p.kind == "partial" for p in placements):
+        raise StoreError(ErrorCode.INVALID_PLACEMENT,
+                         f"put {key!r}: the tensor is partial ({list(placements)} on {mesh}), so no rank's piece is "
+                         "its value; reduce it first, as x.redistribute() with Replicate() for each Partial", key)
+    shape = tuple(x.shape)
+    return fmt.plan_grid(dtype, shape, block(shape, mesh, placements)), boxes(shape, mesh, placements)
+
+
+def write_pieces(store: "Store", key: str, rel: str, layout: fmt.Layout, pieces: Sequence[Box],
+                 values: Sequence[Any], dtype: DType, *, remove: bool) -> int:
+    """Write, as chunks of version `rel` of `key`, the pieces of a distributed tensor that
+    this process writes (`values[r]` not None for the lowest mesh rank `r` of a piece), with
+    no collective; returns their CRC part (XOR of `crc.box_crc`) for `commit_pieces`.
+    `remove=False` where other processes write into the same version: the one that commits
+    it removes it when any of them failed."""
+    part = 0
+    store._index.check_quota(key, layout.nbytes)
+    mine = [r for r in writers(pieces) if values[r] is not None]
+    with store._writing(key, rel, remove=remove):
+        # (the chunks' directories too: each chunk's first open no longer fails and retries)
+        store._files.make_dirs(rel, [layout.chunk_key(_chunk_of(layout, pieces[r])) for r in mine])
+        with store._files.hold(rel):  # (a garbage collection spares it; its commit holds it again)
+            for r in mine:
+                data = fmt.to_storage(np.asarray(values[r]).astype(numpy_dtype(dtype), copy=False), dtype)
+                c = store._write_chunk(rel, layout, _chunk_of(layout, pieces[r]), data)
+                # a piece that fills its chunk (no padding): the chunk's CRC is its bytes' CRC,
+                # so box_crc need not read them again
+                whole = c if data.shape == layout.chunk_shape else None
+                part ^= crc.box_crc(data, pieces[r], layout.storage_shape, whole)
+    return part
+
+
+def commit_pieces(store: "Store", versions: Sequence[tuple[str, str, fmt.Layout, Sequence[int]]]) -> list[Entry]:
+    """Commit each (key, version, layout, CRC parts) once every process's pieces are
+    written and synced: its tensor checksum from every process's CRC part, `zarr.json`, the
+    index switch (of many versions in one transaction: Store._commit_many)."""
+    return store._commit_many([(key, rel, layout, f"{crc.tensor_crc(parts, layout.nbytes):08x}")
+                               for key, rel, layout, parts in versions])
 
 
 def get(store: "Store", key: str, dtype: Any, shape: tuple[int, ...] | None, mesh: Any,
@@ -148,20 +180,31 @@ def get(store: "Store", key: str, dtype: Any, shape: tuple[int, ...] | None, mes
             raise err or _failed(rows, key, "get", "could not look the key up")
         if (rows[:, 1] != version).any():
             continue  # a put committed between the ranks' lookups: look again
-        code, pieces = 0, [None] * mesh.size
+        code, part, pieces = 0, 0, [None] * mesh.size
+        check = checksums.enabled()
         try:
             layout = store._layout(entry)
-            for r, box in enumerate(boxes(entry.shape, mesh, pl)):
+            got = boxes(entry.shape, mesh, pl)
+            counted = set(writers(got))  # the lowest rank of each distinct piece: the tensor once
+            for r, box in enumerate(got):
                 if pg is None or r == mesh.rank:
-                    pieces[r] = fmt.from_storage(store._read_box(entry, layout, box), entry.dtype)
+                    data = store._read_box(entry, layout, box)
+                    if check and r in counted:  # the piece as assembled, after its chunks' copies
+                        part ^= crc.box_crc(data, box, layout.storage_shape)
+                    pieces[r] = fmt.from_storage(data, entry.dtype)
         except (ChecksumError, StoreCorrupt) as e:
             code, err = (_RACED if _replaced(store, entry) else _code(e)), e
         except DTMError as e:
             code, err = _code(e), e
-        rows = _rows(pg, [code])
+        rows = _rows(pg, [code, part, int(check)])  # the status rows carry the CRC parts: no extra round
         if (rows[:, 0] > 0).any():  # a rank failed: every rank fails
             raise err if code > 0 else _failed(rows, key, "get", "could not read its piece")
         if not rows[:, 0].any():
+            if rows[:, 2].all():  # every process checks, or none does (DTM_CHECKSUMS=0 on one)
+                found = crc.tensor_crc(rows[:, 1], layout.nbytes)
+                if f"{found:08x}" != entry.checksum:
+                    raise TensorChecksumMismatch(f"key {key!r} laid out as {list(pl)} on {mesh}", "get",
+                                                 f"the store at {store.url}", int(entry.checksum, 16), found)
             return t, Shards(mesh, pl, pieces)
         # a rank read a version that a put or delete replaced under it: look again
     raise StoreIOError(f"get {key!r}: the key changed under every one of {GET_ATTEMPTS} reads (puts in between)",

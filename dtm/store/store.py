@@ -10,14 +10,16 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from ..errors import ErrorCode
 from ..ir.dtypes import DTYPES, DType, from_numpy, numpy_dtype
 from ..ir.types import TensorType
+from ..protocol import checksums
 from ..runtime.mesh import Shards
+from ..runtime.process_group import check_cancelled
 from . import format as fmt
 from . import sharded
 from .errors import ChecksumError, KeyMissing, StoreCorrupt, StoreError, StoreIOError, StoreTypeError
@@ -45,7 +47,17 @@ def set_tensor_factory(factory: Callable[[np.ndarray], Any],
 # A version directory `data/KEY/@ID` or a path inside it (keys have no `@` segments, 9.2.1)
 _VERSION_DIR = re.compile(r"(data/(?:[^/]+/)+?@[0-9a-f]{16})(?:/|$)")
 
+COMMIT_GROUP = 256  # versions committed in one index transaction, each held open (a descriptor) until it
 Info = Entry  # what info() returns: dtype, shape, nbytes, checksum, version, written
+
+
+class Pending(NamedTuple):
+    """A version written and not yet committed (`Store.put_array(..., commit=False)`)."""
+
+    key: str
+    dir: str
+    layout: fmt.Layout
+    checksum: str
 
 
 @dataclass
@@ -107,6 +119,16 @@ class Store:
         self._files.close()
         self._index.close()
 
+    def sync(self) -> None:
+        """Sync every file written since the last sync, in one parallel batch: what a store
+        opened with `durable=False` defers (its index is synced by each commit as always)."""
+        self._files.sync()
+
+    def start_sync(self) -> None:
+        """Begin, in the background, the syncs of the files written since the last call
+        (`durable=False`), so that they overlap the writes that follow; `sync` waits for them."""
+        self._files.start_sync()
+
     def clean_up_after_dead_writers(self) -> list[str]:
         """Remove what writers that died (SIGKILL, a crash) left: every version no key names
         and no live writer holds (spec 9.2.3). Only when one died since the last clean-up,
@@ -147,13 +169,32 @@ class Store:
                 infos[i] = self._put_files(key, layout, data)
         return [infos[i] for i in range(len(staged))]
 
-    def put_array(self, key: str, a: np.ndarray, dtype: Any = None) -> Info:
+    def put_array(self, key: str, a: np.ndarray, dtype: Any = None, *, commit: bool = True) -> Info | Pending:
         """Store `a` under `key`. `dtype` converts it; for `q8_0`/`q4_0` `a` is the uint8
-        block storage of shape [..., K/32 * block bytes] (dtm/ref/quant.py)."""
+        block storage of shape [..., K/32 * block bytes] (dtm/ref/quant.py). `commit=False`
+        (a tensor kept in files): write its version and return it as a `Pending`, which
+        `commit_pending` commits with others in one index transaction (a checkpoint of many
+        tensors: one commit instead of one per tensor); until then the key is unchanged."""
         key, layout, data = self._stage(key, a, dtype)
         if self._keeps_inline(layout):
             return self._put_inline(key, layout, data)
+        if not commit:
+            return self._write_version(key, layout, data)
         return self._put_files(key, layout, data)
+
+    def commit_pending(self, pending: Sequence[Pending]) -> list[Info]:
+        """Commit versions that `put_array(..., commit=False)` wrote (spec 9.2.6 steps 2 to 4),
+        COMMIT_GROUP to an index transaction; their infos, in order."""
+        return self._commit_many([tuple(p) for p in pending])
+
+    def _write_version(self, key: str, layout: fmt.Layout, data: np.ndarray) -> Pending:
+        """The chunks of a put as a new version of `key`, not committed (`put_array`)."""
+        self._index.check_quota(key, layout.nbytes)
+        rel = version_dir(key, secrets.randbits(64))
+        with self._writing(key, rel):
+            self._files.make_dirs(rel, layout.chunk_keys())
+            with self._files.hold(rel):
+                return Pending(key, rel, layout, self._write_chunks(rel, layout, data))
 
     def _stage(self, key: str, a: Any, dtype: Any = None) -> tuple[str, fmt.Layout, np.ndarray]:
         """The checked key, the layout and the storage array of a put of `a` (E1101, E0401,
@@ -202,12 +243,15 @@ class Store:
 
     @staticmethod
     def _inline_row(key: str, layout: fmt.Layout, data: np.ndarray) -> Row:
-        """The index row that keeps `data` inline."""
-        body = data.tobytes()
-        return Row(key, "", layout.dtype, layout.shape, layout.nbytes, f"{crc_of(body):08x}", body)
+        """The index row that keeps `data` inline; its checksum is of `data` itself, before the
+        row's copy (spec 9.4.9: a copy damaged in memory fails the get, E1102)."""
+        checksum = f"{crc_of(data.reshape(-1).view(np.uint8)):08x}"
+        return Row(key, "", layout.dtype, layout.shape, layout.nbytes, checksum, data.tobytes())
 
     def _write_chunk(self, rel: str, layout: fmt.Layout, i: tuple[int, ...], block: np.ndarray) -> int:
-        """Write chunk i of a new version (bytes, edge padding, CRC32C, fsync); its CRC32C."""
+        """Write chunk i of a new version (bytes, edge padding, CRC32C, fsync); its CRC32C.
+        A cancelled job writes no further chunk (spec 9.4.10): the put fails as any put does."""
+        check_cancelled(f"writing chunk {layout.chunk_key(i)} of {rel}")
         parts, crc = fmt.encode_chunk(layout, block)
         self._files.write(f"{rel}/{layout.chunk_key(i)}", parts)
         return crc
@@ -215,12 +259,27 @@ class Store:
     def _commit(self, key: str, rel: str, layout: fmt.Layout, checksum: str) -> Info:
         """Steps 2 to 4 of spec 9.2.6 once the chunks are written: `zarr.json`, the syncs,
         the index switch (the commit point), the removal of the version it replaced."""
-        with self._writing(key, rel), self._files.hold(rel):  # (a distributed put's chunks were held apart)
-            self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
-            self._files.sync_tree(rel, layout.chunk_keys())
-            entry, old = self._index.commit(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
-        self._drop(old)
-        return entry
+        return self._commit_many([(key, rel, layout, checksum)])[0]
+
+    def _commit_many(self, versions: Sequence[tuple[str, str, fmt.Layout, str]]) -> list[Info]:
+        """`_commit` of each (key, version, layout, checksum), every group of COMMIT_GROUP
+        switched in one index transaction (one sync of the index for the group: all of it
+        or none); on a failure the group's versions are removed."""
+        out: list[Info] = []
+        for g in range(0, len(versions), COMMIT_GROUP):
+            group = versions[g:g + COMMIT_GROUP]
+            with contextlib.ExitStack() as held:
+                for key, rel, layout, checksum in group:
+                    held.enter_context(self._writing(key, rel))
+                    held.enter_context(self._files.hold(rel))  # (a distributed put's chunks were held apart)
+                    self._files.write(f"{rel}/zarr.json", [fmt.metadata(layout, checksum)])
+                    self._files.sync_tree(rel, layout.chunk_keys())
+                done = self._index.commit_many([Row(key, rel, layout.dtype, layout.shape, layout.nbytes, checksum)
+                                                for key, rel, layout, checksum in group])
+            for entry, old in done:
+                self._drop(old)
+                out.append(entry)
+        return out
 
     def _drop(self, old: Entry | None) -> None:
         """Remove the version `old` names, which no key names any more: its zarr.json and
@@ -298,7 +357,7 @@ class Store:
         tensor laid out so, each rank reading only the chunks its piece overlaps (spec
         9.2.10); on a mesh of processes every rank calls get."""
         if mesh is not None or placements is not None:
-            return _distributed_factory(*sharded.get(self, key, dtype, shape, mesh, placements))
+            return as_distributed(*sharded.get(self, key, dtype, shape, mesh, placements))
         return as_tensor(key, self._checked(key, dtype, shape).dtype, self.get_array(key, dtype, shape))
 
     def _tensor_entry(self, key: str, dtype: Any, shape: tuple[int, ...] | None) -> Entry:
@@ -338,8 +397,11 @@ class Store:
         if layout.nchunks == 1 and layout.chunk_data_bytes == layout.nbytes:  # no copy: the mapped chunk
             with self._reading(entry):
                 out = fmt.decode_chunk(layout, self._chunk(entry, layout, next(layout.chunks())))
-        else:
+        else:  # pieces of several chunks copied into one array: the copies are checked too
             out = self._read_box(entry, layout, tuple((0, n) for n in layout.storage_shape))
+            if checksums.enabled():
+                checksums.verify(out, int(entry.checksum, 16), what=f"key {entry.key!r}", op="get",
+                                 peer=f"the store at {self.url}")
         out = fmt.from_storage(out, entry.dtype)
         out.flags.writeable = False
         return out
@@ -469,6 +531,13 @@ def as_tensor(key: str, stored: DType, a: np.ndarray) -> Any:
     installs the factory); a quantized tensor refused (E0408), as no dtm.Tensor holds one."""
     refuse_quantized(key, stored)
     return _tensor_factory(a)
+
+
+def as_distributed(t: TensorType, value: Shards) -> Any:
+    """A distributed dtm.Tensor of type `t` holding `value` (a Shards: its pieces on its
+    mesh), as `get` with a mesh returns one (the Shards itself before dtm/__init__ installs
+    the factory)."""
+    return _distributed_factory(t, value)
 
 
 def refuse_quantized(key: str, stored: DType) -> None:

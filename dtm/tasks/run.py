@@ -8,7 +8,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..cluster.cancel import Cancelled as JobCancelled
 from ..errors import DTMError, ErrorCode
+from ..runtime import process_group
 from .errors import Cancelled, TaskError
 from .functions import Outcome
 from .report import CANCELLED, DONE, FAILED, QUEUED, RUNNING, STATE_NAMES, Report, TaskRecord
@@ -42,6 +44,13 @@ class RunBase:
         self.ended = threading.Event()
         self.started_at = time.perf_counter()
         self.ended_at: float | None = None
+        self.job_cancel: JobCancelled | None = None  # the job's cancel (spec 9.4.10) that cancelled this run
+        process_group.check_cancelled("starting a task graph's run")  # a cancelled job starts none
+        process_group.on_cancel(self._job_cancelled)
+
+    def _job_cancelled(self, cancel: JobCancelled) -> None:
+        self.job_cancel = cancel
+        self.cancel()
 
     def _ended(self, i: int, state: int, outcome: Outcome | None, error: TaskError | None,
                ready: Callable[[int], None]) -> None:
@@ -74,6 +83,8 @@ class RunBase:
         self._joined()
         if self.error is not None:
             raise self.error
+        if self.cancelled and self.job_cancel is not None:  # E1203, naming the job's cancel
+            raise Cancelled(f"{self.report().summary()}; {self.job_cancel.message}") from self.job_cancel
         if self.cancelled:
             raise Cancelled(self.report().summary())
         return self.report()

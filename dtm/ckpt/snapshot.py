@@ -1,0 +1,555 @@
+"""In-memory snapshots (spec 9.4.12, tier 1 of checkpoints): `snapshot(state)` copies each
+rank's pieces of a training state into the memory of `replicas` other ranks, through the
+mesh's store (its parts live in /dev/shm), so that losing any one rank loses no state;
+`load(state, "mem://")` (dtm.checkpoint.load) restores the newest complete snapshot that
+the live ranks hold, laid out as the live tensors are now.
+
+    for step in range(steps):
+        train_step()
+        dtm.checkpoint.snapshot(state)            # every rank, every step (completes the one before)
+    ...
+    dtm.checkpoint.load(state, "mem://")          # after a rank was lost: from the survivors
+
+A snapshot costs each rank one copy of the pieces it writes, into one byte array (its blob,
+which it keeps), before `snapshot` returns; a background thread then puts the blob, under
+`snapshot/SLOT/rank-R`, on the next `replicas` ranks of the ring, while the next training
+step runs. When a rank is lost, every survivor publishes its own blobs into its own part of
+the store (its replicas may have been on the lost rank). Every rank computes the same layout (which pieces each rank
+writes, where in its blob) from the state alone, so no layout travels. The commit is one
+all_gather of a status row per snapshot, in the caller's thread (the training's collectives
+are never met from another thread), at the handle's `wait()` or the next `snapshot`: it
+checks that every rank's blob is in and that the layouts agree. Each process keeps the
+manifests of the newest `KEEP` complete snapshots in its own memory (the manifest of spec
+9.4.2 with `pieces` in place of `chunks`); a snapshot's blobs are replaced only by a later
+snapshot's put into its slot, once two newer ones are complete: survivors whose newest
+differ by one (a rank lost during the all_gather) still share a complete one.
+
+Layer: row 8 (dtm/ckpt), beside the store; tensors are duck-typed as in dtm/ckpt/__init__.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import store as _store
+from ..errors import DTMError, ErrorCode
+from ..ir.dtypes import DType, numpy_dtype
+from ..ir.types import TensorType
+from ..runtime import process_group
+from ..runtime.mesh import Shards
+from ..store import sharded
+from ..store.crc import checksum as crc32c
+from ..store.errors import KeyLost, KeyMissing
+from ..store.store import as_distributed, as_store_dtype
+from . import manifest as mf
+from .errors import CheckpointInvalid, NoSnapshot, SnapshotFailed
+
+__all__ = ["snapshot", "snapshots", "Handle", "URL", "KEEP", "is_memory", "find"]
+
+URL = "mem://"
+KEEP = 2        # complete snapshots each process keeps (see the module's docstring)
+ALIGN = 64      # each piece starts at a multiple of this many bytes of its blob
+PUBLISH_WAIT_S = 30.0  # how long a load waits for a live rank to publish its own blob after a loss
+
+Box = sharded.Box
+
+
+def is_memory(path: Any) -> bool:
+    """Whether a load path names the in-memory snapshots."""
+    return isinstance(path, str) and path == URL
+
+
+def blob_key(slot: int, owner: int) -> str:
+    """The mesh store's key of process rank `owner`'s blob in snapshot slot `slot`."""
+    return f"snapshot/{slot}/rank-{owner}"
+
+
+@dataclass
+class _Held:
+    """A complete snapshot as this process holds it: its step, the slot of its blobs'
+    keys, its manifest (`tensors` with their `pieces`), the ranks holding each writer's
+    blob (the writer first: in its memory, in its store part once a rank is lost), and this
+    process's own blob."""
+
+    step: int
+    slot: int
+    doc: dict
+    holders: dict[int, list[int]]
+    blobs: dict[int, np.ndarray]
+
+
+class Handle:
+    """A snapshot taken: its `step`; `wait()` completes it (on a mesh of processes every
+    rank calls it, or the next `snapshot`, which does the same) and raises its error;
+    `done()` says whether it is complete or failed."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self._done = False
+        self._error: BaseException | None = None
+
+    def wait(self) -> "Handle":
+        ses = _sessions.get(_session(_group()))
+        if not self._done and ses is not None and ses.pending is not None and ses.pending.handle is self:
+            _finish(ses, _group())
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def done(self) -> bool:
+        return self._done
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "complete" if self._done else "in flight"
+        return f"<snapshot step={self.step} {state}>"
+
+
+@dataclass
+class _Pending:
+    """A snapshot whose pieces are being put on a background thread: what its commit
+    compares (its layout's digest, its slot) and what the thread reports (`took`: the
+    ranks holding this rank's blob, `error`)."""
+
+    handle: Handle
+    slot: int
+    doc: dict | None
+    digest: int
+    width: int
+    blob: np.ndarray | None
+    error: BaseException | None = None
+    took: list[int] = field(default_factory=list)
+    put: threading.Event = field(default_factory=threading.Event)  # set when the puts are done
+
+
+@dataclass
+class _Session:
+    """The snapshots of one mesh (or of this process alone): the complete ones, oldest
+    first, and the one in flight."""
+
+    held: list[_Held] = field(default_factory=list)
+    pending: _Pending | None = None
+    puts: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (its thread's work: _putter)
+    published: set[int] = field(default_factory=set)  # the steps whose own blob is in this rank's part
+
+
+_sessions: dict[str | None, _Session] = {}  # by the mesh's session (None: this process alone)
+
+
+def _group() -> Any:
+    """The process group of a mesh of several processes, else None."""
+    if process_group.is_initialized() and process_group.world_size() > 1:
+        return process_group.current()
+    return None
+
+
+def _session(pg: Any) -> str | None:
+    return None if pg is None else pg.session
+
+
+def snapshots() -> list[int]:
+    """The steps of the complete snapshots this process holds, oldest first."""
+    ses = _sessions.get(_session(_group()))
+    return [h.step for h in ses.held] if ses is not None else []
+
+
+# --- taking one ------------------------------------------------------------------------------
+
+def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
+    """Copy `state` (as dtm.checkpoint.save takes it) into the memory of `replicas` other
+    ranks; every rank of a mesh of processes calls it. It copies this rank's pieces (one
+    writer per distinct piece, the least loaded of the ranks that hold it) into one array
+    before it returns, and puts that on the peers on a background thread: a training step
+    runs meanwhile. The snapshot is complete, and `load(state, "mem://")` sees it, once
+    every rank's pieces are in, which the ranks agree on (one small all_gather) in the
+    handle's `wait()` or the next `snapshot`, whichever comes first; a failure (another
+    rank's: E1406) is raised there. The two newest complete snapshots are kept.
+
+    `step` (default: the newest complete snapshot's plus one) must be greater than the
+    newest complete snapshot's; a failed step may be taken again. Returns a Handle.
+
+    In one process (no mesh of several processes) there is no other rank: the snapshot is
+    a copy in this process's own memory, complete when this returns, which
+    `load(state, "mem://")` reads back (a rollback, not a protection against losing the
+    process)."""
+    pg = _group()
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise DTMError(ErrorCode.ATTRIBUTE_VALUE, f"checkpoint.snapshot: replicas is an int >= 1, not {replicas!r}")
+    ses = _sessions.get(_session(pg))
+    if ses is None:
+        ses = _sessions[_session(pg)] = _Session()
+        if pg is not None:
+            # one thread puts every snapshot's blob (one start, not one per step)
+            threading.Thread(target=_putter, args=(ses.puts,), name="dtm-snapshot-puts", daemon=True).start()
+            if pg.membership is not None:
+                pg.membership.watch_lost(lambda r, notice: _publish_soon(ses, pg.rank))
+    _finish(ses, pg)  # the snapshot in flight: complete, or its error raised
+    newest = ses.held[-1].step if ses.held else -1
+    if step is None:
+        step = newest + 1
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not newest < int(step) < 1 << 62:
+        raise DTMError(ErrorCode.ATTRIBUTE_VALUE, f"checkpoint.snapshot: step is an int greater than the newest "
+                       f"complete snapshot's ({newest}), not {step!r}")
+    handle = Handle(int(step))
+    world, me = (1, 0) if pg is None else (pg.world_size, pg.rank)
+    # the slot no kept snapshot uses: a put into it replaces the blobs of one already dropped
+    slot = min(set(range(KEEP + 1)) - {h.slot for h in ses.held})
+    err: DTMError | None = None
+    digest, doc, blob = 0, None, None
+    try:
+        entries, tensors, sources = _walk(state)
+        doc, sizes, digest = _plan(tensors, sources, world, handle.step, entries)
+        blob = _pack(doc["tensors"], sources, me, sizes[me])
+    except DTMError as e:
+        err = e
+    except (TypeError, ValueError) as e:  # a value a checkpoint does not hold
+        err = DTMError(ErrorCode.ATTRIBUTE_TYPE, f"checkpoint.snapshot: {e}")
+    if pg is None:
+        if err is not None:
+            raise err
+        ses.held = (ses.held + [_Held(handle.step, slot, doc, {0: [0]}, {0: blob})])[-KEEP:]
+        handle._done = True
+        return handle
+    # the other ranks hear of this rank's error at the commit: every rank fails it there
+    pending = _Pending(handle, slot, doc, digest, min(replicas, world - 1), blob, error=err)
+    if err is None and blob.size:
+        ses.puts.put((_put, (pending, blob, me, world)))
+    else:
+        pending.put.set()
+    ses.pending = pending
+    return handle
+
+
+def _finish(ses: _Session, pg: Any) -> None:
+    """Complete the snapshot in flight, if any: wait for this rank's puts, then one
+    all_gather of every rank's status row (its error code, its layout's digest and slot,
+    the ranks holding its blob): the commit point. A snapshot that failed anywhere leaves
+    the complete ones as they were, and its error is raised (and kept in its handle)."""
+    p = ses.pending
+    if p is None:
+        return
+    ses.pending = None
+    p.put.wait()
+    step, me, kept = p.handle.step, pg.rank, [h.step for h in ses.held]
+    err = p.error
+    code = 0 if err is None else int(err.code.value[1:]) if isinstance(err, DTMError) else \
+        int(ErrorCode.STORE_IO_ERROR.value[1:])
+    row = [code, p.digest, p.slot] + p.took + [-1] * (p.width + 1 - len(p.took))
+    try:
+        rows = pg.all_gather(np.array([row], np.int64), dim=0)  # every blob is in past here
+    except DTMError as e:  # a rank lost meanwhile (E1001), a cancel: not complete
+        rows, err = None, err or e
+    failed = [] if rows is None else np.flatnonzero(rows[:, 0]).tolist()
+    differ = [] if rows is None else np.flatnonzero((rows[:, 1:3] != rows[0, 1:3]).any(axis=1)).tolist()
+    if rows is None or failed or differ:
+        _discard(p.slot, me, p.took)
+        if err is None and failed:
+            codes = ", ".join(f"rank {r}: E{int(rows[r, 0]):04d}" for r in failed)
+            err = SnapshotFailed(f"snapshot {step}: {codes} failed, so it is not complete; the earlier snapshots "
+                                 f"{kept} are kept")
+        elif err is None:
+            err = SnapshotFailed(f"snapshot {step}: the state of ranks {differ} differs from rank 0's (other names, "
+                                 "shapes, dtypes or placements, or other snapshots kept), so their pieces do not "
+                                 f"make one state; nothing is kept of it, the earlier snapshots {kept} are kept")
+        elif isinstance(err, DTMError) and not isinstance(err, SnapshotFailed):
+            err = err.in_context(f"snapshot {step} was not taken, the earlier snapshots {kept} are kept")
+        p.handle._error = err
+        p.handle._done = True
+        raise err
+    holders = {o: [int(h) for h in rows[o, 3:] if h >= 0] for o in range(pg.world_size)}
+    ses.held = (ses.held + [_Held(step, p.slot, p.doc, holders, {me: p.blob})])[-KEEP:]
+    p.handle._done = True
+    if pg.membership is not None and pg.membership.lost:
+        _publish(ses, me)  # (a rank was lost before: the others may need this one's blob now)
+
+
+def _walk(state: dict) -> tuple[dict, list[dict], list[Any]]:
+    """The manifest's `state` field, each tensor's entry (name, key, dtype, shape) and the
+    live tensors themselves, in the order the state names them."""
+    if not isinstance(state, dict):
+        raise TypeError(f"the state is a dict of named values, not {type(state).__name__}")
+    tensors: list[dict] = []
+    sources: list[Any] = []
+
+    def take(name: str, x: Any) -> None:
+        dt = as_store_dtype(x.dtype)
+        tensors.append({"name": name, "key": f"t/{len(tensors)}", "dtype": dt.name,
+                        "shape": [int(n) for n in x.shape]})
+        sources.append(x)
+
+    return mf.encode_state(state, take), tensors, sources
+
+
+def _plan(tensors: list[dict], sources: list[Any], world: int, step: int,
+          entries: dict) -> tuple[dict, list[int], int]:
+    """The snapshot's manifest, the size of each rank's blob and a digest of the layout
+    (which the ranks compare). The layout of a state whose tensors have the names, types,
+    meshes and placements of the previous snapshot's is that snapshot's (every step's)."""
+    shape_of = (world, tuple((t["name"], t["dtype"], tuple(t["shape"]), _placed(x)) for t, x in zip(tensors, sources)))
+    if _last_plan and _last_plan[0] == shape_of:
+        layouts, sizes, meshes, digest = _last_plan[1]
+    else:
+        layouts, sizes, meshes = _layout(tensors, sources, world)
+        digest = crc32c(json.dumps([shape_of, layouts], sort_keys=True).encode())
+        _last_plan[:] = [shape_of, (layouts, sizes, meshes, digest)]
+    for t, layout in zip(tensors, layouts):
+        t.update(layout)
+    return mf.new(step, entries, tensors, meshes, time.time()), sizes, digest
+
+
+_last_plan: list = []  # [what a state's layout depends on, its layout]: the one of the last snapshot
+
+
+def _placed(x: Any) -> tuple | None:
+    """What the pieces of tensor `x` depend on beside its shape: its mesh and placements."""
+    mesh = getattr(x, "device_mesh", None)
+    if mesh is None:
+        return None
+    return tuple(mesh.axes), mesh.process is not None, tuple(str(p) for p in x.placements)
+
+
+def _layout(tensors: list[dict], sources: list[Any], world: int) -> tuple[list[dict], list[int], list[dict]]:
+    """Each tensor's distinct pieces, each with the process rank that writes it (the least
+    loaded so far of those that hold it) and its place in that rank's blob; the size of
+    each rank's blob; the meshes. Every rank computes the same."""
+    layouts: list[dict] = []
+    sizes = [0] * world
+    meshes: list[dict] = []
+    for t, x in zip(tensors, sources):
+        itemsize = as_store_dtype(t["dtype"]).itemsize
+        mesh = getattr(x, "device_mesh", None)
+        shape = tuple(t["shape"])
+        layout: dict[str, Any] = {"nbytes": math.prod(shape) * itemsize, "mesh": None, "placements": None}
+        if mesh is None:
+            held_by = {tuple((0, n) for n in shape): (list(range(world)), None)}
+        else:
+            placements = tuple(x.placements)
+            if any(p.kind == "partial" for p in placements):
+                raise DTMError(ErrorCode.INVALID_PLACEMENT, f"snapshot: tensor {t['name']!r} is partial "
+                               f"({list(placements)} on {mesh}), so no rank's piece is its value; reduce it first")
+            layout["mesh"] = {"axes": [[a, n] for a, n in mesh.axes]}
+            layout["placements"] = [str(p) for p in placements]
+            if layout["mesh"] not in meshes:
+                meshes.append(layout["mesh"])
+            held_by = {}
+            for r, box in enumerate(sharded.boxes(shape, mesh, placements)):
+                if all(a < b for a, b in box):
+                    # a process mesh's rank r is process r; a mesh of local devices is in every process,
+                    # whose `source` is the lowest of its devices that holds the piece
+                    procs, src = held_by.setdefault(box, ([] if mesh.process is not None else list(range(world)), r))
+                    if mesh.process is not None:
+                        procs.append(r)
+        layout["pieces"] = []
+        for box, (procs, src) in held_by.items():
+            nbytes = math.prod(b - a for a, b in box) * itemsize
+            owner = min(procs, key=lambda p: (sizes[p], p))
+            layout["pieces"].append({"box": [list(b) for b in box], "owner": owner, "offset": sizes[owner],
+                                     "nbytes": nbytes, "source": src})
+            sizes[owner] += -(-nbytes // ALIGN) * ALIGN
+        layouts.append(layout)
+    return layouts, sizes, meshes
+
+
+def _pack(tensors: list[dict], sources: list[Any], me: int, size: int) -> np.ndarray:
+    """This rank's blob: the bytes of every piece it writes, each at its offset."""
+    blob = np.empty(size, np.uint8)
+    for t, x in zip(tensors, sources):
+        mine = [p for p in t["pieces"] if p["owner"] == me]
+        if not mine:
+            continue
+        npd = numpy_dtype(as_store_dtype(t["dtype"]))
+        shards = x.local_shards() if t["mesh"] is not None else None
+        own = shards is not None and x.device_mesh.process is not None  # a process mesh: this rank's piece
+        whole = None if shards is not None else x.numpy() if callable(getattr(x, "numpy", None)) else x
+        for p in mine:
+            arr = np.asarray(shards[me if own else p["source"]] if shards is not None else whole)
+            shape = tuple(b - a for a, b in p["box"])
+            if arr.shape != shape:
+                raise DTMError(ErrorCode.SHAPE_MISMATCH, f"snapshot: tensor {t['name']!r}: this rank's piece is "
+                               f"{list(arr.shape)}, its placements say {list(shape)}")
+            np.copyto(_view(blob, p, npd, shape), arr, casting="same_kind")
+    return blob
+
+
+def _view(blob: np.ndarray, p: dict, npd: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Piece `p`'s bytes of `blob` as an array of its dtype and shape."""
+    return blob[p["offset"]:p["offset"] + p["nbytes"]].view(npd).reshape(shape)
+
+
+def _putter(work: queue.SimpleQueue) -> None:
+    """A session's thread: runs each (function, arguments) put on `work`, one at a time."""
+    while True:
+        fn, args = work.get()
+        fn(*args)
+
+
+def _put(p: _Pending, blob: np.ndarray, me: int, world: int) -> None:
+    """On the session's thread: put this rank's blob on the next `p.width` ranks of the
+    ring that take it (a lost one is passed over for the next); records the ranks that hold
+    it, this one first (its own copy stays in its memory: `_publish`), or the error."""
+    st = _store.mesh()
+    key = blob_key(p.slot, me)
+    try:
+        p.took.append(me)
+        for k in range(1, world):
+            if len(p.took) == p.width + 1:
+                break
+            r = (me + k) % world
+            try:
+                st.put_array(key, blob, ranks=[r])
+            except DTMError as e:
+                if e.code is not ErrorCode.PEER_LOST:
+                    raise
+                continue
+            p.took.append(r)
+        if len(p.took) < p.width + 1:
+            raise DTMError(ErrorCode.PEER_LOST, f"{key}: only ranks {p.took[1:]} of the {world - 1} others could "
+                           f"take this rank's pieces, {p.width} were asked for")
+    except BaseException as e:  # noqa: BLE001 - raised by the commit, in the caller's thread
+        p.error = e
+    finally:
+        p.put.set()
+
+
+def _publish_soon(ses: _Session, me: int) -> None:
+    """The membership's word (on its heartbeat thread, which must not block) that a rank
+    was lost: publish this rank's blobs on a thread of their own."""
+    threading.Thread(target=_publish, args=(ses, me), name="dtm-snapshot-publish", daemon=True).start()
+
+
+def _publish(ses: _Session, me: int) -> None:
+    """Put this rank's own blob of each kept snapshot into its own part of the mesh's store:
+    while every rank lives it stays in this process's memory alone (a rank that needs it
+    reads a replica), but once a rank is lost a survivor's only replica may have been on
+    it, and the other survivors read the blob here."""
+    for snap in list(ses.held):
+        blob = snap.blobs.get(me)
+        if blob is None or blob.size == 0 or snap.step in ses.published:
+            continue
+        try:
+            _store.mesh().put_array(blob_key(snap.slot, me), blob, ranks=[me])
+            ses.published.add(snap.step)
+        except DTMError:
+            pass  # (its readers wait for it, bounded, then name the missing blob)
+
+
+def _discard(slot: int, owner: int, ranks: list[int]) -> None:
+    """Remove `owner`'s blob in `slot` from `ranks` (what a snapshot that failed left);
+    ranks lost meanwhile hold nothing any more."""
+    if not ranks:
+        return
+    try:
+        _store.mesh().delete(blob_key(slot, owner), ranks=ranks)
+    except (KeyMissing, KeyLost):
+        pass
+    except DTMError as e:
+        if e.code is not ErrorCode.PEER_LOST:
+            raise
+
+
+# --- reading one back ------------------------------------------------------------------------
+
+class Reader:
+    """A complete snapshot chosen for a load: `where` names it, `doc` is its manifest,
+    `read(t, like)` gives tensor entry `t` laid out like the live tensor `like`."""
+
+    def __init__(self, snap: _Held, pg: Any):
+        self.snap, self.pg = snap, pg
+        self.where = f"{URL} (snapshot {snap.step})"
+        self.doc = snap.doc
+        self._blobs: dict[int, np.ndarray] = dict(snap.blobs)
+
+    def read(self, t: dict, like: Any) -> Any:
+        """Tensor `t` laid out by `like`'s mesh and placements (each rank assembling only the
+        pieces it holds, from the saved pieces they overlap); a whole numpy array when
+        `like` is not distributed."""
+        dt = as_store_dtype(t["dtype"])
+        shape = tuple(t["shape"])
+        mesh = getattr(like, "device_mesh", None) if like is not None else None
+        if mesh is None:
+            return self._assemble(t, dt, tuple((0, n) for n in shape))
+        placements = tuple(like.placements)
+        if any(p.kind == "partial" for p in placements):
+            raise DTMError(ErrorCode.INVALID_PLACEMENT, f"load {t['name']!r}: {list(placements)} on {mesh}: a live "
+                           "tensor that is partial cannot receive a saved value; shard or replicate it")
+        pieces: list[Any] = [None] * mesh.size
+        for r, box in enumerate(sharded.boxes(shape, mesh, placements)):
+            if mesh.process is None or r == mesh.rank:
+                pieces[r] = self._assemble(t, dt, box)
+        return as_distributed(TensorType(dt, shape), Shards(mesh, placements, pieces))
+
+    def _assemble(self, t: dict, dt: DType, box: Box) -> np.ndarray:
+        """The box of tensor `t` from the saved pieces that overlap it."""
+        npd = numpy_dtype(dt)
+        out = np.empty(tuple(b - a for a, b in box), npd)
+        filled = 0
+        for p in t["pieces"]:
+            inter = [(max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, p["box"])]
+            if any(a >= b for a, b in inter):
+                continue
+            src = _view(self._blob(p["owner"]), p, npd, tuple(b - a for a, b in p["box"]))
+            out[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(inter, box))] = \
+                src[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(inter, p["box"]))]
+            filled += math.prod(b - a for a, b in inter)
+        if filled != out.size:
+            raise CheckpointInvalid(f"{self.where}: tensor {t['name']!r}: its pieces cover {filled} of the "
+                                    f"{out.size} elements of box {[list(b) for b in box]}", URL)
+        return out
+
+    def _blob(self, owner: int) -> np.ndarray:
+        """Writer `owner`'s blob: this rank's own from its memory, another's from the first
+        of its holders that has it. A live writer whose replicas were all lost publishes its
+        own (`_publish`) once it hears of the loss: waited for, at most PUBLISH_WAIT_S."""
+        if owner in self._blobs:
+            return self._blobs[owner]
+        holders = self.snap.holders[owner]
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while True:
+            try:
+                self._blobs[owner] = _store.mesh().get_array(blob_key(self.snap.slot, owner), ranks=holders)
+                return self._blobs[owner]
+            except (KeyMissing, KeyLost) as e:
+                if owner in _gone(self.pg) or time.monotonic() > deadline:
+                    raise NoSnapshot(f"{self.where}: the pieces of rank {owner} are held by none of ranks {holders} "
+                                     f"(lost: {sorted(_gone(self.pg))}; waited up to {PUBLISH_WAIT_S:.0f} s for "
+                                     f"rank {owner} to publish its own): {e}") from None
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._blobs.clear()
+
+
+def find(step: int | None = None) -> Reader:
+    """The newest complete snapshot this process holds (or the one of `step`) whose every
+    blob some live rank still holds; E1405 when there is none."""
+    pg = _group()
+    ses = _sessions.get(_session(pg))
+    held = ses.held if ses is not None else []
+    chosen = [h for h in held if step is None or h.step == step]
+    if not chosen:
+        raise NoSnapshot(f"this process holds no complete in-memory snapshot"
+                         + (f" of step {step}; it holds steps {[h.step for h in held]}" if step is not None and held
+                            else " (take one with dtm.checkpoint.snapshot(state) on every rank)"))
+    gone = _gone(pg)
+    lost: list[str] = []
+    for snap in reversed(chosen):
+        missing = [o for o, ranks in snap.holders.items() if ranks and all(r in gone for r in ranks)]
+        if not missing:
+            return Reader(snap, pg)
+        lost.append(f"snapshot {snap.step}: the pieces of ranks {missing} (held by "
+                    f"{[snap.holders[o] for o in missing]})")
+    raise NoSnapshot(f"every complete in-memory snapshot this process holds lost pieces with all their replicas "
+                     f"(lost ranks {sorted(gone)}): " + "; ".join(lost))
+
+
+def _gone(pg: Any) -> set[int]:
+    """The ranks lost or left: they hold nothing any more."""
+    m = pg.membership if pg is not None else None
+    return set() if m is None else set(m.lost) | set(m.left)
