@@ -64,6 +64,11 @@ __all__ = ["save", "load", "snapshot", "list", "verify", "export", "read_manifes
 _list = list  # (the module's `list` is the function below)
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 WRITER_NICE = 10  # a background save's thread: the training's steps beside it come first
+# While nobody waits for a save (wait(), the next save, the program's exit), its writer rests
+# after each tensor this many times as long as the tensor took to write (at most REST_S): the
+# training beside it shares the cores, memory and GIL less; a wait ends the rest at once.
+REST = 1.0
+REST_S = 0.25
 
 
 def step_dir_name(step: int) -> str:
@@ -103,11 +108,13 @@ class Handle:
         self.path, self.step = path, step
         self._total, self._written = max(total, 1), 0
         self._done = threading.Event()
+        self._hurry = threading.Event()  # someone waits for it: the writer no longer rests
         self._error: BaseException | None = None
         self._delivered = False
         self._thread: threading.Thread | None = None
 
     def wait(self, timeout: float | None = None) -> "Handle":
+        self._hurry.set()
         if not self._done.wait(timeout):
             raise DTMError(ErrorCode.TIMEOUT, f"the save of step {self.step} into {self.path} was not done within "
                            f"{timeout} s ({self.progress():.0%} written)")
@@ -137,6 +144,7 @@ def _finish_at_exit() -> None:
     error nobody waited for is printed."""
     h = _last
     if h is not None:
+        h._hurry.set()
         h._done.wait()
         if h._error is not None and not h._delivered:
             print(f"dtm.checkpoint: {h._error}", file=sys.stderr)
@@ -174,6 +182,7 @@ def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = Non
     with _last_lock:
         previous, _last = _last, None
     if previous is not None:
+        previous._hurry.set()
         previous._done.wait()
         if previous._error is not None and not previous._delivered:
             previous._delivered = True
@@ -280,7 +289,7 @@ def _write(h: Handle, keep: int | None, entries: dict, items: _list[_Item], mesh
                 st = _store.open(step_dir, inline_bytes=0, durable=False)  # synced in batches below
                 pending: _list[tuple[int, Any]] = []  # (item, its version written, committed below)
                 for i, it in enumerate(items):
-                    info, piece = None, None
+                    info, piece, t0 = None, None, time.perf_counter()
                     if isinstance(it.value, _Frozen) and it.value.device_mesh.process is not None:
                         piece = _write_pieces(st, it, version_dir(it.key, (seed + i) % (1 << 63)))
                     elif isinstance(it.value, _Frozen) and lead:  # (on local devices: no collective)
@@ -291,6 +300,8 @@ def _write(h: Handle, keep: int | None, entries: dict, items: _list[_Item], mesh
                     pieces.append(piece)
                     h._written += it.nbytes
                     st.start_sync()  # (the files' writeback beside the next tensors' writes)
+                    if not h._hurry.is_set():
+                        h._hurry.wait(min((time.perf_counter() - t0) * REST, REST_S))
                 if pending:  # one index transaction for them all, not one per tensor
                     for (i, _), entry in zip(pending, st.commit_pending([p for _, p in pending])):
                         infos[i] = entry
