@@ -15,6 +15,8 @@ import threading
 
 import numpy as np
 
+from test_checkpoint_l1 import launch  # this folder is on sys.path
+
 HERE = pathlib.Path(__file__).resolve()
 ROOT = HERE.parent.parent
 TIMEOUT_S = 180    # the whole launch, 2 processes sharing 2 busy cores
@@ -109,11 +111,7 @@ def test_save_on_two_processes_runs_beside_collectives_and_fails_on_every_rank(t
     import dtm
 
     root = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DTM_HOST="127.0.0.1")
-    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "2", "--join-timeout", str(PG_TIMEOUT_S),
-           str(HERE), str(root)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    launch(HERE, 2, str(root), timeout=TIMEOUT_S, join_timeout=PG_TIMEOUT_S)
     assert [c.step for c in dtm.checkpoint.list(root)] == [1, 3]
     assert dtm.checkpoint.verify(root).ok
     names = sorted(os.listdir(root / "step-000000000003"))

@@ -38,15 +38,22 @@ def rank_main(root: str) -> None:
     np.testing.assert_array_equal(other["b"].local_shards()[pg.rank].numpy(), B[4 * pg.rank:4 * pg.rank + 4])
 
 
+def launch(script: pathlib.Path, n: int, *args: str, timeout: float = TIMEOUT_S,
+           join_timeout: float = PG_TIMEOUT_S) -> None:
+    """Run `script ARGS...` as `n` ranks under `dtm launch` on 127.0.0.1, every wait bounded;
+    fails the test with the job's output when it does not end well."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DTM_HOST="127.0.0.1")
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", str(n), "--join-timeout", str(join_timeout),
+           str(script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 def test_two_processes_save_their_pieces_and_one_process_loads_them(tmp_path):
     import dtm
 
     root = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DTM_HOST="127.0.0.1")
-    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "2", "--join-timeout", str(PG_TIMEOUT_S),
-           str(HERE), str(root)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    launch(HERE, 2, str(root))
     (ckpt,) = dtm.checkpoint.list(root)
     assert ckpt.step == 7 and ckpt.mesh == "dp=2"
     state = {"w": dtm.zeros(5, 6), "b": dtm.zeros(7), "step": None}

@@ -113,6 +113,21 @@ class Handle:
         self._delivered = False
         self._thread: threading.Thread | None = None
 
+    @property
+    def step_dir(self) -> str:
+        """The step directory (path or URL) this save writes."""
+        return f"{self.path}/{step_dir_name(self.step)}"
+
+    def _finish(self) -> BaseException | None:
+        """Wait for the save, hurrying its writer; its error when nobody was given it yet
+        (which is then given)."""
+        self._hurry.set()
+        self._done.wait()
+        if self._error is None or self._delivered:
+            return None
+        self._delivered = True
+        return self._error
+
     def wait(self, timeout: float | None = None) -> "Handle":
         self._hurry.set()
         if not self._done.wait(timeout):
@@ -142,12 +157,9 @@ def _finish_at_exit() -> None:
     """A save still being written when the program ends is finished first (its writer's
     waits are bounded), so that a program that saves and exits keeps its checkpoint; an
     error nobody waited for is printed."""
-    h = _last
-    if h is not None:
-        h._hurry.set()
-        h._done.wait()
-        if h._error is not None and not h._delivered:
-            print(f"dtm.checkpoint: {h._error}", file=sys.stderr)
+    error = _last._finish() if _last is not None else None
+    if error is not None:
+        print(f"dtm.checkpoint: {error}", file=sys.stderr)
 
 
 # Run at exit before concurrent.futures refuses new work (its own hook of this kind), which
@@ -181,12 +193,9 @@ def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = Non
         raise DTMError(ErrorCode.ATTRIBUTE_VALUE, f"checkpoint.save: keep is None or an int >= 1, not {keep!r}")
     with _last_lock:
         previous, _last = _last, None
-    if previous is not None:
-        previous._hurry.set()
-        previous._done.wait()
-        if previous._error is not None and not previous._delivered:
-            previous._delivered = True
-            raise previous._error
+    error = previous._finish() if previous is not None else None
+    if error is not None:
+        raise error
     root = Place.of(path).url
     items: _list[_Item] = []
     meshes: _list[dict] = []
@@ -221,19 +230,17 @@ def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = Non
     return h
 
 
-_is_object = mf.is_object
-
 
 def _start(h: Handle, pg: Any) -> tuple[SaveLock | None, int]:
     """What a save does before it returns, beside the copies: process rank 0 prepares the
     step directory (`_prepare`); on a mesh of processes one all_gather, in the caller's
     thread like every collective of the training, tells every rank whether it did and
     carries rank 0's draw of the version directories' ids. A failure is recorded in `h`."""
-    step_dir = os.path.join(h.path, step_dir_name(h.step))
+    step_dir = h.step_dir
     lock, err = None, None
     if pg is None or pg.rank == 0:
         try:
-            lock = _prepare(h.path, step_dir, h.step, h._total)
+            lock = _prepare(h)
         except DTMError as e:
             err = e
     seed = secrets.randbits(63)
@@ -277,7 +284,7 @@ def _write(h: Handle, keep: int | None, entries: dict, items: _list[_Item], mesh
     runs here: each rank writes its pieces and the ranks agree through files (agree.py)."""
     root, step = h.path, h.step
     lead = pg is None or pg.rank == 0
-    step_dir = os.path.join(root, step_dir_name(step))
+    step_dir = h.step_dir
     _yield_cpu()
     st = None
     try:
@@ -400,11 +407,12 @@ def _agree(st: Any, step_dir: str, items: _list[_Item], infos: _list[Any],
     raise err or agree.error_of(failed, step_dir)
 
 
-def _prepare(root: str, step_dir: str, step: int, nbytes: int) -> SaveLock:
-    """Take the root's save lock (E1407 while another process saves into it), then make the
-    step directory, removing what an unfinished save of the same step left: E1404 when the
-    step is already complete, E1104 when the root is not a directory or its disk has not
-    `nbytes` free (refused before anything is written)."""
+def _prepare(h: Handle) -> SaveLock:
+    """Take save `h`'s root's save lock (E1407 while another process saves into it), then
+    make its step directory, removing what an unfinished save of the same step left: E1404
+    when the step is already complete, E1104 when the root is not a directory or its disk
+    has not the save's bytes free (refused before anything is written)."""
+    root, step_dir, step, nbytes = h.path, h.step_dir, h.step, h._total
     place, name = Place.of(root), step_dir_name(step)
     place.make()
     try:
@@ -422,11 +430,10 @@ def _prepare(root: str, step_dir: str, step: int, nbytes: int) -> SaveLock:
         place.remove_tree(name)  # an unfinished save's leftovers (it never had a manifest)
         if place.local:
             os.makedirs(step_dir)
-    except OSError as e:
+    except BaseException as e:
         lock.release()
-        raise StoreIOError(f"cannot create the checkpoint directory: {e.strerror or e}", step_dir) from None
-    except BaseException:
-        lock.release()
+        if isinstance(e, OSError):
+            raise StoreIOError(f"cannot create the checkpoint directory: {e.strerror or e}", step_dir) from None
         raise
     return lock
 
@@ -550,7 +557,7 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
     step_dir, doc = source.where, source.doc
     saved = doc["state"]
     by_name = {t["name"]: t for t in doc["tensors"]}
-    live = {name: (v.state_dict() if _is_object(v) else v) for name, v in state.items()}
+    live = {name: (v.state_dict() if mf.is_object(v) else v) for name, v in state.items()}
     missing, unexpected = [], []
     for name in state:
         if name not in saved:
@@ -560,7 +567,7 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
             raise CheckpointInvalid(f"{step_dir}/{mf.MANIFEST}: state entry {name!r} is not {{kind, tree}}", step_dir)
         if name not in state:
             unexpected.append(name)
-        elif entry["kind"] == "object" and _is_object(state[name]):
+        elif entry["kind"] == "object" and mf.is_object(state[name]):
             have = set(map(str, live[name])) if isinstance(live[name], dict) else set()
             keys = {str(k) for k, _ in entry["tree"].get("dict", [])}
             missing += [f"{name}/{k}" for k in sorted(have - keys)]
@@ -608,7 +615,7 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
         values[n] = value
     for n, value in values.items():  # every value read and checked: now change the state
         obj = state[n]
-        if saved[n]["kind"] == "object" and _is_object(obj):
+        if saved[n]["kind"] == "object" and mf.is_object(obj):
             if "strict" in inspect.signature(obj.load_state_dict).parameters:
                 obj.load_state_dict(value, strict=strict)
             else:
@@ -630,7 +637,7 @@ def _layouts(state: dict, names: _list[str], by_name: dict, live: dict) -> dict[
     out: dict[str, Any] = {}
     for n in names:
         hint = getattr(state[n], "checkpoint_layouts", None)
-        if not callable(hint) or not _is_object(state[n]):
+        if not callable(hint) or not mf.is_object(state[n]):
             continue
         for prefix, like in hint().items():
             for tname, t in by_name.items():

@@ -14,58 +14,61 @@ class CheckpointError(DTMError):
         self.path = path
 
 
-class NotACheckpoint(CheckpointError):
+class _Coded(CheckpointError):
+    """A checkpoint error of one code (`CODE`), made from its message and path."""
+
+    CODE: ErrorCode
+    PATH: str | None = None  # the path named when none is given
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(self.CODE, message, path if path is not None else self.PATH)
+
+
+class NotACheckpoint(_Coded):
     """E1401: the path holds no complete checkpoint (or none of the step asked for)."""
 
-    def __init__(self, message: str, path: str):
-        super().__init__(ErrorCode.NOT_A_CHECKPOINT, message, path)
+    CODE = ErrorCode.NOT_A_CHECKPOINT
 
 
-class CheckpointInvalid(CheckpointError):
+class CheckpointInvalid(_Coded):
     """E1403: a manifest that does not parse, exceeds its bound or contradicts itself."""
 
-    def __init__(self, message: str, path: str):
-        super().__init__(ErrorCode.CHECKPOINT_INVALID, message, path)
+    CODE = ErrorCode.CHECKPOINT_INVALID
 
 
-class CheckpointVersionError(CheckpointError):
+class CheckpointVersionError(_Coded):
     """E0601: a manifest of a newer major format version than this reader's."""
 
-    def __init__(self, message: str, path: str):
-        super().__init__(ErrorCode.UNSUPPORTED_VERSION, message, path)
+    CODE = ErrorCode.UNSUPPORTED_VERSION
 
 
-class CheckpointExists(CheckpointError):
+class CheckpointExists(_Coded):
     """E1404: a save of a step that already has a complete checkpoint under the root."""
 
-    def __init__(self, message: str, path: str):
-        super().__init__(ErrorCode.CHECKPOINT_EXISTS, message, path)
+    CODE = ErrorCode.CHECKPOINT_EXISTS
 
 
-class CheckpointBusy(CheckpointError):
+class CheckpointBusy(_Coded):
     """E1407: a save into a root another process is saving into (its lock is held); names
     that process and the step it is saving."""
 
-    def __init__(self, message: str, path: str):
-        super().__init__(ErrorCode.CHECKPOINT_BUSY, message, path)
+    CODE = ErrorCode.CHECKPOINT_BUSY
 
 
-class NoSnapshot(CheckpointError):
+class NoSnapshot(_Coded):
     """E1405: load from "mem://" when this process holds no complete in-memory snapshot (or
     none of the step asked for), or when every one it holds lost a rank's pieces with all
     of their replicas; names the snapshots held and the ranks lost."""
 
-    def __init__(self, message: str):
-        super().__init__(ErrorCode.NO_SNAPSHOT, message, "mem://")
+    CODE, PATH = ErrorCode.NO_SNAPSHOT, "mem://"
 
 
-class SnapshotFailed(CheckpointError):
+class SnapshotFailed(_Coded):
     """E1406: a snapshot that did not complete on every rank (another rank failed, or the
     ranks' states differ); names the step and the ranks, and that the earlier snapshots
     are kept."""
 
-    def __init__(self, message: str):
-        super().__init__(ErrorCode.SNAPSHOT_FAILED, message, "mem://")
+    CODE, PATH = ErrorCode.SNAPSHOT_FAILED, "mem://"
 
 
 class CheckpointChunkError(CheckpointError):

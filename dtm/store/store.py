@@ -47,7 +47,7 @@ def set_tensor_factory(factory: Callable[[np.ndarray], Any],
 # A version directory `data/KEY/@ID` or a path inside it (keys have no `@` segments, 9.2.1)
 _VERSION_DIR = re.compile(r"(data/(?:[^/]+/)+?@[0-9a-f]{16})(?:/|$)")
 
-COMMIT_GROUP = 256  # versions committed in one index transaction, each held open (a descriptor) until it
+COMMIT_GROUP = 256  # versions committed in one index transaction, each held open (a descriptor) until then
 Info = Entry  # what info() returns: dtype, shape, nbytes, checksum, version, written
 
 
@@ -178,23 +178,12 @@ class Store:
         key, layout, data = self._stage(key, a, dtype)
         if self._keeps_inline(layout):
             return self._put_inline(key, layout, data)
-        if not commit:
-            return self._write_version(key, layout, data)
-        return self._put_files(key, layout, data)
+        return self._put_files(key, layout, data, commit)
 
     def commit_pending(self, pending: Sequence[Pending]) -> list[Info]:
         """Commit versions that `put_array(..., commit=False)` wrote (spec 9.2.6 steps 2 to 4),
         COMMIT_GROUP to an index transaction; their infos, in order."""
         return self._commit_many([tuple(p) for p in pending])
-
-    def _write_version(self, key: str, layout: fmt.Layout, data: np.ndarray) -> Pending:
-        """The chunks of a put as a new version of `key`, not committed (`put_array`)."""
-        self._index.check_quota(key, layout.nbytes)
-        rel = version_dir(key, secrets.randbits(64))
-        with self._writing(key, rel):
-            self._files.make_dirs(rel, layout.chunk_keys())
-            with self._files.hold(rel):
-                return Pending(key, rel, layout, self._write_chunks(rel, layout, data))
 
     def _stage(self, key: str, a: Any, dtype: Any = None) -> tuple[str, fmt.Layout, np.ndarray]:
         """The checked key, the layout and the storage array of a put of `a` (E1101, E0401,
@@ -214,15 +203,17 @@ class Store:
     def _keeps_inline(self, layout: fmt.Layout) -> bool:
         return 0 < self._inline_bytes and layout.nbytes <= self._inline_bytes
 
-    def _put_files(self, key: str, layout: fmt.Layout, data: np.ndarray) -> Info:
+    def _put_files(self, key: str, layout: fmt.Layout, data: np.ndarray, commit: bool = True) -> Info | Pending:
         """A put of a tensor as a Zarr array, its version held (files.hold) from its first
-        file to its commit, so that no garbage collection takes it for a killed put's."""
+        file to its commit, so that no garbage collection takes it for a killed put's; with
+        `commit=False` the version written, not committed (`put_array`)."""
         self._index.check_quota(key, layout.nbytes)
         rel = version_dir(key, secrets.randbits(64))
         with self._writing(key, rel):
             self._files.make_dirs(rel, layout.chunk_keys())
             with self._files.hold(rel):
-                return self._commit(key, rel, layout, self._write_chunks(rel, layout, data))
+                checksum = self._write_chunks(rel, layout, data)
+                return self._commit(key, rel, layout, checksum) if commit else Pending(key, rel, layout, checksum)
 
     def _write_chunks(self, rel: str, layout: fmt.Layout, data: np.ndarray) -> str:
         """Write every chunk of `data` into version `rel`; the tensor's checksum."""
