@@ -16,8 +16,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/ir_tour.py
-	$(BIN)/dtm launch -n 4 --axes dp=2,tp=2 examples/train_char_gpt_dist.py
+	$(BIN)/python examples/demo.py
 
 # The op table (half the suite: every op on both backends, the `cpu` one compiling its C
 # kernels) runs on two workers; the rest runs serially, since its process tests time waits.

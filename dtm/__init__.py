@@ -37,6 +37,7 @@ from . import store  # noqa: E402 - dtm.store.open(), the tensor store
 from .ref.context import bind_process_store  # noqa: E402
 from . import tasks  # noqa: E402 - dtm.tasks.Graph, task graphs over the store
 from . import ckpt as checkpoint  # noqa: E402 - dtm.checkpoint.save / load / list (spec 9.4)
+from . import elastic  # noqa: E402 - dtm.elastic.steps, training through live mesh resize (spec 9.6.7)
 _sys.modules.setdefault("dtm.checkpoint", checkpoint)
 
 # the store (layer 8) returns Tensors, plain or distributed (a Shards value), without importing them

@@ -192,6 +192,21 @@ def _axes_option(text: str | None):
         raise click.BadParameter(e.message) from None
 
 
+def _names(text: str | None) -> tuple[str, ...]:
+    """A comma-separated list of names (--give-way) as a tuple."""
+    return tuple(a.strip() for a in (text or "").split(",") if a.strip())
+
+
+def _elastic_option(text: str | None) -> tuple[int, int] | None:
+    """--elastic MIN:MAX as (MIN, MAX)."""
+    if text is None:
+        return None
+    least, sep, most = text.partition(":")
+    if not sep or not least.strip().isdigit() or not most.strip().isdigit():
+        raise click.BadParameter(f"{text!r}: expected MIN:MAX, e.g. 2:8", param_hint="--elastic")
+    return int(least), int(most)
+
+
 @main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-n", "--nprocs", type=click.IntRange(min=1), required=True, help="number of ranks to start")
 @click.option("--coordinator", metavar="HOST:PORT", default=None,
@@ -217,10 +232,19 @@ def _axes_option(text: str | None):
 @click.option("--store-quota", default=None, metavar="SIZE",
               help="the bytes each rank's part of the mesh's store may hold (1G, 512M): a put that would pass it is "
                    "refused with E1103 (DTM_STORE_QUOTA in the ranks' environment)")
+@click.option("--elastic", default=None, metavar="MIN:MAX",
+              help="resize the mesh live (spec 9.6.7): a lost rank shrinks it, ranks started with --join grow it, "
+                   "between MIN and MAX ranks; the job goes on (dtm.elastic.steps)")
+@click.option("--give-way", default=None, metavar="AXIS,...",
+              help="with --elastic: the mesh axes that shrink first (default: dp, then the others from the last)")
+@click.option("--join", default=None, metavar="HOST:PORT",
+              help="start the ranks into the running elastic job whose coordinator is at HOST:PORT (its token: "
+                   "DTM_TOKEN, or the job's file on this machine)")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
                metrics_port: int | None, metrics_host: str, on_failure: str | None, memory_quota: str | None,
-               store_quota: str | None, command: tuple[str, ...]) -> None:
+               store_quota: str | None, elastic: str | None, give_way: str | None, join: str | None,
+               command: tuple[str, ...]) -> None:
     """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
     ranks; their output is forwarded with a `[rank k]` prefix. When one rank fails, the
     others are ended (--on-failure stop) or finish (continue), and dtm launch exits non-zero
@@ -244,7 +268,8 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
     try:
         status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
                         join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0),
-                        on_failure=on_failure)
+                        on_failure=on_failure, elastic=_elastic_option(elastic),
+                        give_way=_names(give_way), join=join)
     except DTMError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(status)
@@ -261,8 +286,11 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
               help="serve Prometheus metrics at this port (default: a free one; `dtm top` finds it)")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="DTM_METRICS_HOST",
               help="address the metrics are served at")
+@click.option("--elastic", default=None, metavar="MIN:MAX",
+              help="resize the mesh live between MIN and MAX ranks (spec 9.6.7)")
+@click.option("--give-way", default=None, metavar="AXIS,...", help="with --elastic: the axes that shrink first")
 def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, join_timeout: float, metrics_port: int,
-                    metrics_host: str) -> None:
+                    metrics_host: str, elastic: str | None, give_way: str | None) -> None:
     """Run a coordinator for WORLD_SIZE ranks until the mesh has formed and every rank has
     left (exit 0) or one was lost or the mesh did not form (exit 1). Ranks reach it with
     DTM_COORDINATOR=HOST:PORT and DTM_COORDINATOR_EXTERNAL=1; the cluster token is DTM_TOKEN,
@@ -271,6 +299,7 @@ def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, joi
 
     from .cluster.coordinator import Coordinator
     from .cluster.env import heartbeat_env
+    from .cluster.resize import ElasticCoordinator
     from .errors import DTMError
 
     logging.basicConfig(level=logging.INFO, format="dtm %(message)s")
@@ -279,9 +308,10 @@ def coordinator_cmd(host: str, port: int, world_size: int, axes: str | None, joi
         click.echo("dtm coordinator: DTM_TOKEN is empty: any process that reaches the port may join", err=True)
     try:
         heartbeat_ms, timeout_ms = heartbeat_env()
-        coord = Coordinator(world_size, token, host=host, port=port, axes=_axes_option(axes),
-                            heartbeat_ms=heartbeat_ms, timeout_ms=timeout_ms, join_timeout=join_timeout,
-                            metrics=(metrics_host, metrics_port))
+        kind, extra = (Coordinator, {}) if elastic is None else (ElasticCoordinator, {
+            "elastic": _elastic_option(elastic), "give_way": _names(give_way)})
+        coord = kind(world_size, token, host=host, port=port, axes=_axes_option(axes), heartbeat_ms=heartbeat_ms,
+                     timeout_ms=timeout_ms, join_timeout=join_timeout, metrics=(metrics_host, metrics_port), **extra)
     except DTMError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"dtm coordinator listening at {coord.address[0]}:{coord.address[1]} for {world_size} rank(s); "

@@ -113,6 +113,8 @@ class ErrorCode(str, enum.Enum):
     MISSING_CAPABILITY = "E1006"
     JOB_CANCELLED = "E1007"
     TENSOR_CHECKSUM_MISMATCH = "E1008"
+    RESIZE = "E1009"
+    RESIZE_FAILED = "E1010"
     # E11xx: the tensor store
     INVALID_STORE_KEY = "E1101"
     STORE_CHUNK_CORRUPT = "E1102"

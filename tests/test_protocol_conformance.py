@@ -108,6 +108,8 @@ def test_payload_sizes_named_in_the_manifest_are_the_vectors():
     ("#### 9.1.5", "a receiver MUST NOT refuse it with E0910, whatever its\n  shape", ["valid/quantized_dtypes"]),
     ("#### 9.1.6", "it MUST carry the same `major.minor` as the first", []),
     ("#### 9.1.12", "exceeds 2^53 is written as a string of decimal digits", ["valid/large_u64"]),
+    ("#### 9.6.7", "whose `code` is `E1009`, whose `rank` is -1",
+     ["valid/resize_rejoin", "valid/resize_notice_and_view", "valid/resize_spare"]),
 ])
 def test_spec_decisions_have_their_vectors(section, words, vectors):
     """Each rule an independent implementation asked about is in the spec's words and has a
@@ -172,6 +174,30 @@ def test_spec_worked_example_is_the_leave_vector():
     assert f"`0x{h.crc:08X}`" in worked
     table = re.findall(r"^\| `([0-9a-f ]+)` \| .+ \|$", worked, re.M)
     assert bytes.fromhex(" ".join(table)) == data, "the byte table does not add up to the frame"
+
+
+def test_spec_resize_example_is_the_rejoin_vector():
+    """The frame of 9.6.7's example is the vector resize_rejoin, byte for byte, and the
+    resize vectors hold the notice (E1009, rank -1) and the view of epoch 4 (dp=1, tp=2)."""
+    from dtm.protocol import Error, JoinMesh, MeshView
+
+    worked = _section("#### 9.6.7 Live resize")
+    block = re.search(r"```hex\n(.*?)```", worked, re.S).group(1)
+    data = bytes.fromhex(block.replace("\n", " "))
+    vector = json.loads((DEFAULT_ROOT / "valid" / "resize_rejoin.json").read_text(encoding="utf-8"))
+    assert data == bytes.fromhex("".join("".join(s.split()) for s in vector["hex"]))
+    assert f"The frame is {len(data)} bytes" in worked
+    [(h, p)] = FrameDecoder().feed(data)
+    assert decode_message(h, p) == JoinMesh(2, 0, "10.0.0.2", 41232, "node-b", 4242) and (h.epoch, h.seq) == (3, 9)
+    assert f"`0x{h.crc:08X}`" in worked
+    table = re.findall(r"^\| `([0-9a-f ]+)` \| .+ \|$", worked, re.M)
+    assert bytes.fromhex(" ".join(table)) == data, "the byte table does not add up to the frame"
+    seen = json.loads((DEFAULT_ROOT / "valid" / "resize_notice_and_view.json").read_text(encoding="utf-8"))
+    frames = [(decode_message(h, p), h.epoch) for h, p in FrameDecoder(expected_epoch=3).feed(
+        bytes.fromhex("".join("".join(s.split()) for s in seen["hex"])))]
+    notice, view = frames[1], frames[2]
+    assert isinstance(notice[0], Error) and (notice[0].code, notice[0].rank, notice[1]) == ("E1009", -1, 3)
+    assert isinstance(view[0], MeshView) and (view[0].epoch, view[1], view[0].axes) == (4, 4, (("dp", 1), ("tp", 2)))
 
 
 def test_spec_header_table_matches_the_codec():

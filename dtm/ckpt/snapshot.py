@@ -52,7 +52,7 @@ from ..store.store import as_distributed, as_store_dtype
 from . import manifest as mf
 from .errors import CheckpointInvalid, NoSnapshot, SnapshotFailed
 
-__all__ = ["snapshot", "snapshots", "Handle", "URL", "KEEP", "is_memory", "find"]
+__all__ = ["snapshot", "snapshots", "Handle", "URL", "KEEP", "is_memory", "find", "carry", "adopt", "Carried", "publish"]
 
 URL = "mem://"
 KEEP = 2        # complete snapshots each process keeps (see the module's docstring)
@@ -182,14 +182,7 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
     pg = _group()
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise DTMError(ErrorCode.ATTRIBUTE_VALUE, f"checkpoint.snapshot: replicas is an int >= 1, not {replicas!r}")
-    ses = _sessions.get(_session(pg))
-    if ses is None:
-        ses = _sessions[_session(pg)] = _Session()
-        if pg is not None:
-            # one thread puts every snapshot's blob (one start, not one per step)
-            threading.Thread(target=_putter, args=(ses.puts,), name="dtm-snapshot-puts", daemon=True).start()
-            if pg.membership is not None:
-                pg.membership.watch_lost(lambda r, notice: _publish_soon(ses, pg.rank))
+    ses = _sessions.get(_session(pg)) or _new_session(pg)
     _finish(ses, pg)  # the snapshot in flight: complete, or its error raised
     newest = ses.held[-1].step if ses.held else -1
     if step is None:
@@ -225,6 +218,17 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
         pending.put.set()
     ses.pending = pending
     return handle
+
+
+def _new_session(pg: Any) -> _Session:
+    """The snapshots of the mesh `pg` is in now (None: this process alone), empty."""
+    ses = _sessions[_session(pg)] = _Session()
+    if pg is not None:
+        # one thread puts every snapshot's blob (one start, not one per step)
+        threading.Thread(target=_putter, args=(ses.puts,), name="dtm-snapshot-puts", daemon=True).start()
+        if pg.membership is not None:
+            pg.membership.watch_lost(lambda r, notice: _publish_soon(ses, pg.rank))
+    return ses
 
 
 def _finish(ses: _Session, pg: Any) -> None:
@@ -553,3 +557,114 @@ def _gone(pg: Any) -> set[int]:
     """The ranks lost or left: they hold nothing any more."""
     m = pg.membership if pg is not None else None
     return set() if m is None else set(m.lost) | set(m.left)
+
+
+# --- across a live resize (dtm/elastic) -------------------------------------------------------
+
+@dataclass
+class Carried:
+    """A complete snapshot as one rank carries it from one epoch of its mesh into the next:
+    its step and manifest, and the blobs this rank holds of it by writer (process rank in
+    the old epoch): its own, and the replicas in its part of the old epoch's store."""
+
+    step: int
+    doc: dict
+    blobs: dict[int, np.ndarray]
+
+
+def publish() -> None:
+    """Put this rank's own blobs of the snapshots it holds into its part of the store now
+    (what a loss starts on a thread of its own), so that a survivor can `carry` them."""
+    pg = _group()
+    ses = _sessions.get(_session(pg))
+    if pg is not None and ses is not None:
+        _publish(ses, pg.rank)
+
+
+def carry(everything: bool = False) -> list[Carried]:
+    """Before this rank leaves an epoch of its mesh: every complete snapshot it holds, with
+    the blobs it has of each (read from its own part of the store, which closes with the
+    epoch). With `everything`, also every other blob a live rank holds, fetched from it:
+    the lowest survivor of a loss does this, since the next epoch may have no place for the
+    ranks that hold the only copies (the new shape's spares end)."""
+    pg = _group()
+    ses = _sessions.pop(_session(pg), None)
+    if pg is None or ses is None:
+        return []
+    _finish_quietly(ses, pg)
+    out = []
+    gone = _gone(pg)
+    held, ses.held = ses.held, []  # (its loss watcher must publish nothing into the next epoch's store)
+    for snap in held:
+        blobs = dict(snap.blobs)
+        for owner, ranks in snap.holders.items():
+            live = [r for r in ranks if r not in gone]
+            fetch = [pg.rank] if pg.rank in ranks else live if everything else []
+            if owner in blobs or not fetch:
+                continue
+            deadline = time.monotonic() + (PUBLISH_WAIT_S if everything else 0.0)
+            while True:  # a live writer publishes its own blob once it hears of the loss: wait for it
+                try:
+                    blobs[owner] = _store.mesh().get_array(blob_key(snap.slot, owner), ranks=fetch)
+                    break
+                except DTMError:  # (not there yet, or its put never landed: another holder may have it)
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+        out.append(Carried(snap.step, snap.doc, blobs))
+    return out
+
+
+def _finish_quietly(ses: _Session, pg: Any) -> None:
+    """Complete the snapshot in flight if the mesh still can; one that cannot is not kept."""
+    try:
+        _finish(ses, pg)
+    except DTMError:
+        pass
+
+
+def adopt(carried: list[Carried]) -> int:
+    """In the new epoch, every rank (those that carried snapshots and those that joined with
+    none): agree on the newest step that every carrier holds, learn its manifest from new
+    rank 0, put the blobs each carries into its own part of the new store, and learn who
+    holds which (one all_gather), so that `load(state, "mem://")` reads it laid out on the
+    new mesh. Returns its step. E1405 when no step is held by every carrier
+    or a writer's blob is held by no rank."""
+    pg = _group()
+    if pg is None:
+        raise NoSnapshot("a mesh of one process holds no snapshot from its peers")
+    steps = np.full((1, KEEP), -1, np.int64)
+    mine = sorted(c.step for c in carried)[-KEEP:]
+    steps[0, :len(mine)] = mine
+    every = pg.all_gather(steps, dim=0)
+    carriers = [set(int(s) for s in row if s >= 0) for row in every]
+    common = set.intersection(*[c for c in carriers if c]) if any(carriers) else set()
+    if not common:
+        raise NoSnapshot(f"no in-memory snapshot is held by every rank that carried one into epoch {pg.epoch}: "
+                         f"their steps are {[sorted(c) for c in carriers]}")
+    step = max(common)
+    chosen = next((c for c in carried if c.step == step), None)
+    text = json.dumps(chosen.doc).encode() if chosen is not None and pg.rank == 0 else b""
+    size = int(pg.broadcast(np.array([len(text)], np.int64), src=0)[0])
+    doc_bytes = pg.broadcast(np.frombuffer(text, np.uint8) if pg.rank == 0 else np.empty(size, np.uint8), src=0)
+    doc = json.loads(doc_bytes.tobytes())
+    writers = sorted({p["owner"] for t in doc["tensors"] for p in t.get("pieces", [])})
+    width = max(writers, default=-1) + 1
+    blobs = chosen.blobs if chosen is not None else {}
+    slot = 0
+    for owner, blob in blobs.items():
+        if blob.size:
+            _store.mesh().put_array(blob_key(slot, owner), blob, ranks=[pg.rank])
+    row = np.zeros((1, max(width, 1)), np.int64)
+    for owner in blobs:
+        if owner < width:
+            row[0, owner] = 1
+    held = pg.all_gather(row, dim=0)
+    holders = {o: [int(r) for r in np.flatnonzero(held[:, o])] for o in writers}
+    missing = [o for o, ranks in holders.items() if not ranks]
+    if missing:
+        raise NoSnapshot(f"snapshot {step}: the pieces written by ranks {missing} of the last epoch are held by no "
+                         f"rank of epoch {pg.epoch}")
+    ses = _sessions.get(_session(pg)) or _new_session(pg)
+    ses.held = [_Held(step, slot, doc, holders, dict(blobs))]
+    return step

@@ -24,7 +24,7 @@ LEVEL = 1  # membership is level L1 (spec 8.1)
 # Both sides read a Heartbeat's worker rows (spec 9.1.5); a rank sends them only to a
 # coordinator that announced this too. Both relay and hear a job's cancel (spec 9.4.10): a
 # rank asks for one only of a coordinator that announced CAP_CANCEL.
-CAPS = int(level_caps(LEVEL) | Cap.WORKER_ROWS | Cap.CANCEL)
+CAPS = int(level_caps(LEVEL) | Cap.WORKER_ROWS | Cap.CANCEL | Cap.RESIZE)  # RESIZE: spec 9.6.7
 
 
 class Control:

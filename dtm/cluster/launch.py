@@ -49,7 +49,9 @@ from typing import IO
 from ..comm.shm import remove_segments
 from ..errors import DTMError, ErrorCode as E
 from .cancel import canceller
+from . import jobfile
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
+from .resize import ElasticCoordinator
 from .env import Axes, heartbeat_env, metrics_env, parse_address
 from .leftovers import RUN_ENV, note, remove_noted, remove_orphans, scratch_base
 from .metrics import DEFAULT_HOST
@@ -102,22 +104,34 @@ class _Forward(threading.Thread):
 def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, axes: Axes = (),
            grace: float = GRACE_S, join_timeout: float = JOIN_TIMEOUT_S, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, metrics: tuple[str, int] | None = None,
-           on_failure: str | None = None) -> int:
+           on_failure: str | None = None, elastic: tuple[int, int] | None = None, give_way: Sequence[str] = (),
+           join: str | None = None) -> int:
     """Run `argv` as `nprocs` ranks (see the module doc); returns the exit status. The
     coordinator's heartbeat settings come from DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS;
     its Prometheus metrics are served at `metrics` (host, port), else as DTM_METRICS_PORT and
     DTM_METRICS_HOST say, else at a free port of 127.0.0.1 (`dtm top` finds it). `on_failure`
-    is "stop" or "continue"; None: continue when the job declared itself elastic, else stop."""
+    is "stop" or "continue"; None: continue when the job declared itself elastic, else stop.
+
+    `elastic` (fewest, most): the launcher's coordinator resizes the mesh live (spec 9.6.7,
+    `give_way` the axes that shrink first); the job goes on when a rank fails, and
+    succeeds when its mesh finished, whatever ranks it lost on the way. `join`: start the
+    ranks into the running elastic job whose coordinator is at HOST:PORT (its token from
+    DTM_TOKEN or the job's file on this machine); they ask for no rank."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     command = rank_command(argv)
     if on_failure not in (None, STOP, CONTINUE):
         raise DTMError(E.ATTRIBUTE_VALUE, f"on_failure is {STOP!r} or {CONTINUE!r}, not {on_failure!r}")
     coord = None
+    if join is not None:
+        coordinator = join
+        os.environ.setdefault("DTM_TOKEN", _job_token(join))
     if coordinator is None:
         token = os.environ.get("DTM_TOKEN") or secrets.token_hex(16)
         heartbeat_ms, timeout_ms = heartbeat_env()
-        coord = Coordinator(nprocs, token, axes=axes, join_timeout=join_timeout, heartbeat_ms=heartbeat_ms,
-                            timeout_ms=timeout_ms, metrics=metrics or metrics_env() or (DEFAULT_HOST, 0)).start()
+        kind, extra = (Coordinator, {}) if elastic is None else \
+            (ElasticCoordinator, {"elastic": elastic, "give_way": tuple(give_way)})
+        coord = kind(nprocs, token, axes=axes, join_timeout=join_timeout, heartbeat_ms=heartbeat_ms,
+                     timeout_ms=timeout_ms, metrics=metrics or metrics_env() or (DEFAULT_HOST, 0), **extra).start()
         host, port = coord.address
     else:
         host, port = parse_address(coordinator, "--coordinator")
@@ -140,18 +154,25 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         # fill the cores once (OpenMP threads spinning on a busy core stall every kernel).
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
         for k in range(nprocs):
-            env = dict(os.environ, DTM_COORDINATOR=address, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs),
-                       DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=threads, **{RUN_ENV: run})
+            ranked = {} if join is not None else {"DTM_RANK": str(k), "DTM_WORLD_SIZE": str(nprocs)}
+            env = dict(os.environ, DTM_COORDINATOR=address, DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1",
+                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, **ranked, **{RUN_ENV: run})
+            if join is not None:
+                for name in ("DTM_RANK", "DTM_WORLD_SIZE"):
+                    env.pop(name, None)
             p = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True)
             procs.append(p)
+            label = f"joiner {k}" if join is not None else f"rank {k}"
             for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
-                forwards.append(_Forward(pipe, out, f"[rank {k}] ", lock))
+                forwards.append(_Forward(pipe, out, f"[{label}] ", lock))
                 forwards[-1].start()
         cancelled = (lambda: coord.cancelled is not None) if coord is not None else (lambda: False)
-        failed, went_on = _watch(procs, interrupted, coord.lost if coord is not None else {},
-                                 lambda: cancelled() or _goes_on(on_failure, run))
+        goes_on = (lambda: True) if elastic is not None or join is not None else \
+            (lambda: cancelled() or _goes_on(on_failure, run))
+        # an elastic mesh renumbers its ranks at each resize: its coordinator's ranks are not ours
+        lost = coord.lost if coord is not None and elastic is None else {}
+        failed, went_on = _watch(procs, interrupted, lost, goes_on)
     finally:
         _end(procs, grace)
         for f in forwards:
@@ -169,6 +190,8 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         by, reason = coord.cancelled
         ended = ", ".join(f"rank {k} {_status(p.returncode)}" for k, p in enumerate(procs))
         stderr.write(f"dtm launch: the job was cancelled by {canceller(by)}: {reason}; {ended}\n")
+    elif isinstance(coord, ElasticCoordinator):
+        return _elastic_report(coord, procs, stderr)
     elif failed:
         stderr.write(_report(procs, failed, went_on, coord.lost if coord is not None else {}) + "\n")
     if not failed:
@@ -176,6 +199,33 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
     stderr.flush()
     code = procs[failed[0]].returncode
     return code if code > 0 else 128 - code
+
+
+def _job_token(address: str) -> str:
+    """DTM_TOKEN, else the token in the file of the local job whose coordinator is `address`."""
+    if os.environ.get("DTM_TOKEN"):
+        return os.environ["DTM_TOKEN"]
+    for job in jobfile.find():
+        if job.get("coordinator") == address and job.get("token"):
+            return bytes.fromhex(str(job["token"])).decode()
+    raise DTMError(E.NOT_INITIALIZED, f"dtm launch --join {address}: no job on this machine has its coordinator "
+                                      "there; set DTM_TOKEN to the job's token")
+
+
+def _elastic_report(coord: "ElasticCoordinator", procs: list[subprocess.Popen], stderr: IO[str]) -> int:
+    """An elastic job's last word: its resizes, how each process ended; 0 when the mesh
+    finished (whatever it lost on the way), else the coordinator's error's failure."""
+    ended = ", ".join(f"process {k} {_status(p.returncode)}" for k, p in enumerate(procs))
+    resizes = "; ".join(coord.resizes) or "none"
+    if coord.error is not None:
+        stderr.write(f"dtm launch: the elastic job failed: {coord.error}; resizes: {resizes}; {ended}\n")
+        return 1
+    if coord.resizes:
+        stderr.write(f"dtm launch: the elastic job finished after {len(coord.resizes)} resize(s): {resizes}; "
+                     f"{ended}\n")
+    # a process ended by a signal was lost and the job went on without it; one that exited
+    # non-zero failed on its own
+    return 1 if any(p.returncode is not None and p.returncode > 0 for p in procs) else 0
 
 
 def _goes_on(on_failure: str | None, run: str) -> bool:
@@ -214,9 +264,11 @@ def _report(procs: list[subprocess.Popen], failed: list[int], went_on: bool, los
 def _remove_segments(coord: Coordinator, token: str) -> None:
     """Once every rank ended: the shared-memory segments their mesh left named (a rank
     killed with its resource tracker before it dropped a name) go, so none outlives the run."""
-    if coord.view is not None:
-        addresses = [(m.host, m.port) for m in coord.view.members]
-        for name in remove_segments(token, addresses, coord.view.epoch):
+    for view in getattr(coord, "views", [coord.view]):  # an elastic mesh's every epoch
+        if view is None:
+            continue
+        addresses = [(m.host, m.port) for m in view.members]
+        for name in remove_segments(token, addresses, view.epoch):
             log.info("dtm launch: removed shared memory %s that the ranks left behind", name)
 
 

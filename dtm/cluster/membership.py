@@ -207,6 +207,9 @@ class Membership:
         self.left: dict[int, str] = {}            # rank -> the reason it gave for leaving
         self.coordinator_gone: str | None = None  # why failure detection ended
         self.cancelled: Cancelled | None = None   # the job's cancel, once this rank heard of it
+        self.resize_pending: str | None = None    # the coordinator's resize notice (E1009), until the next view
+        self._rejoin: tuple[str, int] | None = None  # this rank's new data address while it rejoins
+        self._rejoin_error: DTMError | None = None
         self._watchers: tuple[Callable[[int, str], None], ...] = ()
         self._cancel_watchers: tuple[Callable[[Cancelled], None], ...] = ()
         self._send_lock = threading.Lock()  # the heartbeat thread's frames and a cancel request
@@ -269,13 +272,76 @@ class Membership:
             self._record_lost(msg.rank, msg.message)
         elif is_cancel(msg):
             self.record_cancel(Cancelled(msg.rank, msg.message))
+        elif isinstance(msg, Error) and msg.code == E.RESIZE.value:
+            with self._cond:
+                self.resize_pending = msg.message
+                self._cond.notify_all()
+        elif isinstance(msg, Error) and self._rejoin is not None and msg.code in (E.JOIN_REFUSED.value,
+                                                                                  E.RESIZE_FAILED.value):
+            with self._cond:
+                self._rejoin_error = remote_error(msg, self.coordinator)
+                self._cond.notify_all()
         elif isinstance(msg, Error):
             log.warning("rank %d: %s", self.rank, remote_error(msg, self.coordinator))
+        elif isinstance(msg, MeshView) and self._rejoin is not None and msg.epoch > self.view.epoch:
+            self._accept(msg)
         elif isinstance(msg, MeshView):
-            log.warning("rank %d: %s published epoch %d; this version does not resize a running mesh", self.rank,
-                        self.coordinator, msg.epoch)
+            log.warning("rank %d: %s published epoch %d, which this rank did not rejoin for; kept epoch %d",
+                        self.rank, self.coordinator, msg.epoch, self.view.epoch)
         else:
             raise DTMError(E.UNEXPECTED_MESSAGE, f"{self.coordinator} sent {msg.TYPE.name} to a member")
+
+    def _accept(self, view: MeshView) -> None:
+        """On the heartbeat thread: the view this rank rejoined for (spec 9.6.7). From here
+        on it stamps and checks frames with the new epoch, under its new rank; what it knew
+        of the old members' losses and figures is of the old numbering, and goes."""
+        addresses = [(m.host, m.port) for m in view.members]
+        with self._cond:
+            if self._rejoin not in addresses:
+                self._rejoin_error = DTMError(E.BAD_PAYLOAD, f"the MeshView of epoch {view.epoch} from "
+                                              f"{self.coordinator} does not list this rank's address "
+                                              f"{self._rejoin[0]}:{self._rejoin[1]}")
+            else:
+                self._control.epoch = self._control.decoder.expected_epoch = view.epoch
+                self.view, self.rank, self.world_size = view, addresses.index(self._rejoin), len(view.members)
+                self.peers, self.lost, self.left = {}, {}, {}
+                self.resize_pending = None
+                self._rejoin = None
+            self._cond.notify_all()
+
+    def rejoin(self, host: str, port: int, timeout: float) -> MeshView:
+        """Rejoin the resizing mesh (spec 9.6.7) with this rank's new data address: send
+        JoinMesh on the control connection and wait, at most `timeout` s, for the view of
+        the next epoch, which the heartbeat thread accepts (`rank`, `view` and
+        `world_size` are then the new ones). E1004 when the new mesh has no place for this
+        rank, E1010 when the resize cannot complete, E1001 when the coordinator is gone."""
+        deadline = time.monotonic() + timeout
+        epoch = self.view.epoch
+        with self._cond:
+            self._rejoin, self._rejoin_error = (host, port), None
+        with self._send_lock:
+            self._sock.settimeout(self.timeout_s)
+            try:
+                self._sock.sendall(self._control.encode(JoinMesh(self.rank, 0, host, port, node_id(), os.getpid())))
+            except OSError as e:
+                raise DTMError(E.PEER_LOST, f"rejoining the mesh: sending to {self.coordinator} failed: "
+                               f"{e.strerror or e}") from None
+        with self._cond:
+            while self.view.epoch == epoch and self._rejoin_error is None and self.coordinator_gone is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self.view.epoch != epoch:
+                return self.view
+            self._rejoin = None
+            if self._rejoin_error is not None:
+                raise self._rejoin_error
+            if self.coordinator_gone is not None:
+                raise DTMError(E.RESIZE_FAILED, f"rejoining the mesh of epoch {epoch}: {self.coordinator} is gone "
+                               f"({self.coordinator_gone})")
+            raise DTMError(E.TIMEOUT, f"rejoining the mesh of epoch {epoch}: no view from {self.coordinator} in "
+                           f"{timeout:g} s")
 
     def _record_lost(self, rank: int, message: str) -> None:
         if rank == self.rank:

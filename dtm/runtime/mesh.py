@@ -66,6 +66,23 @@ class DeviceMesh:
         self._ir = IRMesh(IR_NAME, self.axes)
         _BY_IR[id(self._ir)] = self
 
+    def resize(self, axes: Sequence[tuple[str, int]]) -> None:
+        """Take the shape of a process mesh after a live resize (dtm/elastic): the same axis
+        names with the sizes of the new view, one mesh rank per process of the group again.
+        The values laid out on the old shape are stale until they are loaded anew, and every
+        program traced on it is traced again (`generation`)."""
+        global _generation
+        if self.process is None:
+            raise DTMError(E.INVALID_MESH, f"{self!r} is a mesh of local devices; only a process mesh resizes")
+        if [a for a, _ in axes] != list(self.axis_names):
+            raise DTMError(E.INVALID_MESH, f"a resize keeps the axes {list(self.axis_names)}, not {[a for a, _ in axes]}")
+        self.axes = tuple((a, int(n)) for a, n in axes)
+        self.size = math.prod(n for _, n in self.axes)
+        self.devices = tuple(l0.Device(r, "process") for r in range(self.size))
+        self._ir = IRMesh(IR_NAME, self.axes)
+        _BY_IR[id(self._ir)] = self
+        _generation += 1
+
     @staticmethod
     def of(ir_mesh: IRMesh) -> "DeviceMesh | None":
         """The mesh whose `ir()` is `ir_mesh` (the very object a captured module holds)."""
@@ -183,6 +200,15 @@ class DeviceMesh:
     __str__ = __repr__
 
 
+_generation = 0  # how many process meshes resized so far (part of every traced program's key)
+
+
+def generation() -> int:
+    """A number that changes whenever a process mesh resizes: a program traced before then
+    may hold the old shape, so dtm.jit's traces are keyed by it."""
+    return _generation
+
+
 _HASHES = ModuleHashes()  # a module partitioned again (a step's program, run each step) is not hashed again
 _PARTITIONED: OrderedDict[tuple, list[Module]] = OrderedDict()
 _PARTITIONED_LOCK = threading.Lock()
@@ -205,4 +231,4 @@ def _cached(key: tuple, make) -> list[Module]:
     return mods
 
 
-__all__ = ["DeviceMesh", "Shards", "IR_NAME", "BUCKET_BYTES"]
+__all__ = ["DeviceMesh", "Shards", "IR_NAME", "BUCKET_BYTES", "generation"]

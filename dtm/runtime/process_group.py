@@ -80,12 +80,56 @@ class ProcessGroup:
         self.service_listener: socket.socket | None = None
         self._cancelled: Cancelled | None = None  # a group without membership: its own cancel
         self._closers: list[Callable[[], None]] = []
+        # Live resize (dtm/elastic): while `poison` is set (a training step's body runs), a
+        # collective that fails because a peer is lost marks the epoch `broken` and returns
+        # NaN (zeros for integers) instead of raising, as does every later one of the epoch:
+        # the step is redone on the resized mesh, and its results are never used.
+        self.poison = False
+        self.broken: str | None = None
+        self.joined_running = False  # this process joined a mesh that had formed (an elastic grow)
+        self.comm_timeout = DEFAULT_TIMEOUT_S  # each collective's bound, kept across epochs
 
     def _attach(self, comm: Communicator) -> None:
         self.comm = comm
         if self.membership is not None:
             self.membership.watch_lost(self._on_lost)
             self.membership.watch_cancel(self._on_cancel)
+
+    def reform(self, timeout: float) -> None:
+        """Move this rank into the next epoch of its elastic mesh (spec 9.6.7): end this
+        epoch's data connections and services, rejoin through the coordinator with a new data
+        address, and connect to the members of the view it publishes; `rank`, `world_size`,
+        `axes` and `epoch` are then the new view's. The caller (dtm/elastic) moves the state.
+        E1004 when the new mesh has no place for this rank; E1010 when the resize fails."""
+        m = self.membership
+        if m is None:
+            raise DTMError(E.NOT_INITIALIZED, "a process group of one process has no mesh to resize")
+        deadline = time.monotonic() + timeout
+        listener = listen(m.view.members[self.rank].host, 0)
+        try:
+            # The old epoch's services stay open until the new view comes: the coordinator
+            # publishes it once every member rejoined, so until then a peer may still read
+            # this rank's part of the old store (dtm/elastic carries snapshots that way).
+            view = m.rejoin(*listener.getsockname()[:2], timeout=timeout)
+            self._end_epoch()
+            self.rank, self.world_size, self.axes = m.rank, m.world_size, tuple(view.axes)
+            self.broken = None
+            self.comm = Communicator(_connect(m, listener, self.token, deadline, self.comm_timeout))
+        except BaseException:
+            listener.close()
+            raise
+        _start_services(self, self.token, view, session_of(self.token, _addresses(view), view.epoch))
+
+    def _end_epoch(self) -> None:
+        """Close this epoch's services and data connections (their peers are resizing too, or lost)."""
+        self._run_closers()
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            self.comm_timeout = comm.transport.timeout
+            try:
+                comm.close()
+            except DTMError as e:
+                log.info("rank %d: closing the data connections of epoch %d: %s", self.rank, self.epoch, e)
 
     def figures(self) -> Figures:
         """What this rank's heartbeats report (read on the heartbeat thread): its collectives
@@ -219,11 +263,26 @@ class ProcessGroup:
         its parameters; they name the call in heartbeats and errors, as in
         "reduce_scatter(sum, dim=0)". A barrier has no operand and no result."""
         if name == "barrier":
-            self.run(self._describe(name, None, group), lambda: self._comm().barrier(group))
+            self._poisonable(lambda: self.run(self._describe(name, None, group), lambda: self._comm().barrier(group)))
             return None
         x = np.asarray(x)
         fn = getattr(self._comm(), name)
-        return self.run(self._describe(name, x, group, call_args(params)), lambda: fn(x, **params, group=group))
+        return self._poisonable(lambda: self.run(self._describe(name, x, group, call_args(params)),
+                                                 lambda: fn(x, **params, group=group)),
+                                lambda: poisoned(name, x, len(group) if group is not None else self.world_size, params))
+
+    def _poisonable(self, op: Callable[[], T], fake: Callable[[], T] = lambda: None) -> T:
+        """`op()`, or, while `poison` is set and this epoch lost a peer, `fake()` (see __init__)."""
+        if self.poison and self.broken is not None:
+            return fake()
+        try:
+            return op()
+        except DTMError as err:
+            if not self.poison or err.code not in (E.PEER_LOST, E.COLLECTIVE_ABORTED):
+                raise
+            self.broken = err.message
+            log.warning("rank %d: %s; this step is redone once the mesh has resized", self.rank, err.message)
+            return fake()
 
     def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None, compress: str | None = None) -> np.ndarray:
         return self.collective("all_reduce", x, self.group(axis), op=op, **_compressed(compress))
@@ -246,23 +305,31 @@ class ProcessGroup:
 
     def send(self, x: np.ndarray, dst: int) -> None:
         x = np.asarray(x)
-        self.run(self._describe("send", x, (self.rank, dst), f"dst={dst}"), lambda: self._comm().send(x, dst))
+        self._poisonable(lambda: self.run(self._describe("send", x, (self.rank, dst), f"dst={dst}"),
+                                          lambda: self._comm().send(x, dst)))
 
     def recv(self, src: int, *, dtype=None, shape: Sequence[int] | None = None) -> np.ndarray:
-        return self.run(self._describe("recv", None, (src, self.rank), f"src={src}"),
-                        lambda: self._comm().recv(src, dtype=dtype, shape=shape))
+        def fake() -> np.ndarray:
+            if dtype is None or shape is None:  # nothing to make a stand-in of: the step cannot go on
+                raise DTMError(E.PEER_LOST, f"recv from rank {src} in a step whose mesh lost a peer: {self.broken}")
+            return poisoned("recv", np.empty(tuple(shape), dtype), 1, {})
+        return self._poisonable(lambda: self.run(self._describe("recv", None, (src, self.rank), f"src={src}"),
+                                                 lambda: self._comm().recv(src, dtype=dtype, shape=shape)), fake)
 
     # --- ending ---------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Flush and close the data connections (Leave to every peer), leave the mesh, and,
-        on the rank that runs the coordinator, let the others leave before it stops."""
+    def _run_closers(self) -> None:
         for closer in reversed(self._closers):
             try:
                 closer()
             except Exception as e:  # noqa: BLE001 - closing goes on; the data connections still close
                 log.warning("rank %d: closing a service: %s", self.rank, e)
         self._closers.clear()
+
+    def close(self) -> None:
+        """Flush and close the data connections (Leave to every peer), leave the mesh, and,
+        on the rank that runs the coordinator, let the others leave before it stops."""
+        self._run_closers()
         try:
             if self.comm is not None:
                 self.comm.close()
@@ -275,6 +342,20 @@ class ProcessGroup:
             if self.coordinator is not None:
                 self.coordinator.finished.wait(SHUTDOWN_GRACE_S)
                 self.coordinator.stop()
+
+
+def poisoned(name: str, x: np.ndarray, group_size: int, params: dict) -> np.ndarray:
+    """The stand-in result of collective `name` of `x` over `group_size` ranks in a step
+    that lost a peer: its shape and dtype, filled with NaN (zeros for integers and bools)."""
+    shape = list(x.shape)
+    if name == "all_gather":
+        shape[params.get("dim", 0)] *= group_size
+    elif name == "reduce_scatter":
+        shape[params.get("dim", 0)] //= group_size
+    elif name == "all_to_all":
+        shape[params.get("split_dim", 0)] //= group_size
+        shape[params.get("concat_dim", 0)] *= group_size
+    return np.full(shape, np.nan if x.dtype.kind in "fc" else 0, x.dtype)
 
 
 def _compressed(compress: str | None) -> dict:
@@ -340,17 +421,10 @@ def _join(env, timeout: float, op_timeout: float) -> ProcessGroup:
         view = membership.view
         pg = ProcessGroup(membership.rank, membership.world_size, axes=view.axes, membership=membership,
                           coordinator=coordinator)
+        pg.joined_running = view.epoch > 1
         membership.start(pg.figures)
-        addresses = [(m.host, m.port) for m in view.members]
-        mine = view.members[membership.rank].node
-        local = [r for r, m in enumerate(view.members) if m.node == mine]
-        connect = connect_local if len(local) > 1 else connect_mesh
-        kw = {"local": local} if len(local) > 1 else {}
-        transport = connect(membership.rank, membership.world_size, addresses, env.token, listener=listener,
-                            epoch=view.epoch, timeout=max(deadline - time.monotonic(), 1.0), **kw)
-        transport.timeout = op_timeout
-        pg._attach(Communicator(transport))
-        _start_services(pg, env.token, view, session_of(env.token, addresses, view.epoch))
+        pg._attach(Communicator(_connect(membership, listener, env.token, deadline, op_timeout)))
+        _start_services(pg, env.token, view, session_of(env.token, _addresses(view), view.epoch))
         return pg
     except BaseException as err:
         if listener is not None:
@@ -363,6 +437,25 @@ def _join(env, timeout: float, op_timeout: float) -> ProcessGroup:
         if lost is not None:  # a rank died while the others connected to it
             raise PeerLost(lost[0], "forming the mesh", lost[1]) from err
         raise
+
+
+def _addresses(view) -> list[tuple[str, int]]:
+    return [(m.host, m.port) for m in view.members]
+
+
+def _connect(membership: Membership, listener: socket.socket, token: bytes | str, deadline: float,
+             op_timeout: float):
+    """The transport between every pair of ranks of `membership`'s view: shared memory among
+    the ranks of one host, TCP otherwise; each operation bounded by `op_timeout`."""
+    view, rank = membership.view, membership.rank
+    mine = view.members[rank].node
+    local = [r for r, m in enumerate(view.members) if m.node == mine]
+    connect = connect_local if len(local) > 1 else connect_mesh
+    kw = {"local": local} if len(local) > 1 else {}
+    transport = connect(rank, len(view.members), _addresses(view), token, listener=listener, epoch=view.epoch,
+                        timeout=max(deadline - time.monotonic(), 1.0), **kw)
+    transport.timeout = op_timeout
+    return transport
 
 
 def _start_services(pg: ProcessGroup, token: bytes | str, view, session: str) -> None:

@@ -132,9 +132,12 @@ def mesh(*, replicas: int | None = None, share_memory: bool = True) -> MeshStore
                                                     "dtm.store.open())")
     with _lock:
         made = _meshes.setdefault(pg, {})
-        if (replicas, share_memory) not in made:
-            made[replicas, share_memory] = MeshStore(pg, *part, replicas=replicas, share_memory=share_memory)
-        return made[replicas, share_memory]
+        key = (pg.epoch, replicas, share_memory)  # an elastic mesh's next epoch has a store of its own
+        if key not in made:
+            for old in [k for k in made if k[0] != pg.epoch]:
+                del made[old]
+            made[key] = MeshStore(pg, *part, replicas=replicas, share_memory=share_memory)
+        return made[key]
 
 
 def use(store: Store | MeshStore) -> Store | MeshStore:

@@ -44,7 +44,7 @@ from ..errors import ErrorCode, user_error as error
 from ..ir.module import Module
 from ..runtime import execute
 from ..ref import run as ref_run
-from ..runtime.mesh import Shards
+from ..runtime.mesh import Shards, generation as mesh_generation
 from . import autocast, dynamic
 from .core import STATE, Tensor, Trace, capture, prepare_in_place, realize
 
@@ -103,7 +103,8 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
             if isinstance(a, Tensor) and a._mesh is not None:
                 a.realize()  # its layout is part of the signature
         return tuple(("T", a._type, a._mesh, a._placements) if isinstance(a, Tensor) else ("V", repr(a))
-                     for a in args) + ((("autocast", autocast.current()),) if autocast.current() is not None else ())
+                     for a in args) + ((("autocast", autocast.current()),) if autocast.current() is not None else ()) \
+            + (("meshes", mesh_generation()),)  # a resized process mesh: the captured weights' shards changed
 
     def _trace(self, args) -> tuple[_Traced, bool]:
         """The trace for these arguments, and whether it was made just now."""

@@ -74,6 +74,20 @@ def _q8_chunk(values) -> bytes:
 Q8_CHUNK = _q8_chunk(list(range(40)))
 BF16_CHUNK = struct.pack("<BBHI", 2, 0, 0, 4) + BF16_BYTES
 
+# Live resize (spec 9.6.7), the example of its text: an elastic mesh dp=2,tp=2 of epoch 3
+# (ranks 0 and 1 on node-a, 2 and 3 on node-b) loses rank 3; ranks 0, 1 and 2 rejoin with new
+# data addresses; the view of epoch 4 is dp=1,tp=2 (old ranks 0 and 1, in that order), and
+# rank 2 is a spare. A rank's control stream had its two Hellos, JoinMesh and heartbeats
+# before the rejoin; the coordinator's, its Hello, the view of epoch 1 and relayed heartbeats.
+RESIZE_REJOIN = JoinMesh(2, 0, "10.0.0.2", 41232, "node-b", 4242)
+RESIZE_LOST = Error("E1001", "the coordinator lost rank 3: its connection closed without Leave: the process ended "
+                    "or was killed; its last operation was all_reduce #812", 3)
+RESIZE_NOTICE = Error("E1009", "the mesh of epoch 3 resizes: rank 3 was lost; rejoin at the next step boundary", -1)
+RESIZE_VIEW = MeshView(4, 500, 5000, (Member("10.0.0.1", 41230, "node-a"), Member("10.0.0.1", 41231, "node-a")),
+                       (("dp", 1), ("tp", 2)))
+RESIZE_SPARE = Error("E1004", "the mesh of epoch 4 ({'dp': 1, 'tp': 2}) has no place for rank 2: 3 ranks for 2 "
+                     "places; it ends", -1)
+
 
 # The mesh's store (spec 9.2.11): a client's requests and a service's replies on stream 0 of
 # their own connection, after the handshake. The connecting peer (the client) sent two Hellos
@@ -206,6 +220,19 @@ VALID = {
     "exempt_from_epoch": ("Hello, JoinMesh and Error of epoch 0 reach a receiver at epoch 5",
                           [frame(HELLO_C), frame(JoinMesh(1, 2, "h", 1, "n", 1), seq=1),
                            frame(Error("E0909", "bad token"), seq=2)], {"expected_epoch": 5}),
+    "resize_rejoin": ("live resize (9.6.7): rank 2 of the mesh of epoch 3 rejoins, sending JoinMesh again on its "
+                      "control connection, in a frame of epoch 3: its new data address, its current rank, world "
+                      "size 0", [frame(RESIZE_REJOIN, epoch=3, seq=9)], {"expected_epoch": 3, "next_seq": {"0": 9}}),
+    "resize_notice_and_view": ("live resize (9.6.7), what rank 1 of a dp=2,tp=2 mesh of epoch 3 hears: the loss "
+                               "of rank 3 (E1001), the resize notice (E1009, rank -1, which closes nothing), then, "
+                               "once every survivor rejoined, the view of epoch 4 (dp=1, tp=2) in a frame of "
+                               "epoch 4, newer than the receiver's",
+                               [frame(RESIZE_LOST, epoch=3, seq=20), frame(RESIZE_NOTICE, epoch=3, seq=21),
+                                frame(RESIZE_VIEW, epoch=4, seq=22)], {"expected_epoch": 3, "next_seq": {"0": 20}}),
+    "resize_spare": ("live resize (9.6.7), what rank 2 of the same mesh hears: the loss, the notice, then E1004 "
+                     "(the view of epoch 4 has no place for it), after which the coordinator closes the connection",
+                     [frame(RESIZE_LOST, epoch=3, seq=20), frame(RESIZE_NOTICE, epoch=3, seq=21),
+                      frame(RESIZE_SPARE, epoch=3, seq=22)], {"expected_epoch": 3, "next_seq": {"0": 20}}),
     "empty_stream": ("no bytes: no frames, and no error", [], {}),
     "large_u64": ("u64 fields past 2^53 (seq, epoch, offset), written in the JSON as decimal strings",
                   [frame(Cancel(2 ** 64 - 1, "x"), epoch=2 ** 53 + 1, stream=7, seq=2 ** 60),

@@ -1,0 +1,108 @@
+"""An elastic training job for tests/test_elastic.py and benchmarks/elastic.py: the char GPT
+trained with DDP x tensor parallel over the launch's mesh axes inside `dtm.elastic.steps`.
+
+    dtm launch -n 4 --axes dp=2,tp=2 --elastic 2:8 tests/elastic_train.py --steps 12 \\
+        --kill 3:4 --out losses.json
+    python tests/elastic_train.py --steps 12 --out want.json      # the same steps on one process
+
+`--kill RANK:STEP` makes the process that is rank RANK of the first epoch SIGKILL itself at
+the start of step STEP: a real death, which
+the others survive (they are in the step's collectives when it dies). Batch i is a function of the seed and i alone (`Batches`, whose state
+travels in the snapshot), so every run sees the same global batches whatever its mesh.
+Rank 0 of the last epoch writes {"losses": {step: loss}, "resizes": [...]} to `--out`;
+every rank prints one line per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import dtm
+from dtm.models.char_gpt import TEXT, CharTokenizer, TrainConfig, model_config
+from dtm.models.gpt2 import GPT2
+from dtm.nn import functional as NF
+from dtm.parallel import DDP, GPT2_PLAN, tensor_parallel
+
+
+class Batches:
+    """Global batch i: `batch` windows of the corpus at offsets drawn from (seed, i)."""
+
+    def __init__(self, cfg: TrainConfig, tok: CharTokenizer):
+        self.cfg, self.data, self.i = cfg, tok.encode(TEXT), 0
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng((self.cfg.seed, self.i))
+        self.i += 1
+        at = rng.integers(0, len(self.data) - self.cfg.block_size - 1, self.cfg.batch_size)
+        x = np.stack([self.data[a:a + self.cfg.block_size] for a in at])
+        y = np.stack([self.data[a + 1:a + 1 + self.cfg.block_size] for a in at])
+        return x, y
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.i = int(d["i"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--kill", default=None, metavar="RANK:STEP")
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds each step waits (time to join)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = TrainConfig(steps=args.steps, batch_size=8)
+    tok = CharTokenizer()
+    dtm.manual_seed(cfg.seed)
+    model = GPT2(model_config(cfg, tok))
+    model.train()
+    pg = dtm.init()
+    net = model
+    if pg.world_size > 1 or pg.joined_running:
+        mesh = dtm.Mesh(pg.axes or {"dp": pg.world_size})
+        net = DDP(tensor_parallel(model, mesh, GPT2_PLAN) if "tp" in mesh.shape else model, mesh)
+    opt = dtm.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    batches = Batches(cfg, tok)
+    first_rank = pg.rank  # the rank of the first epoch (a joiner's is that of the epoch it joined)
+    if pg.rank == 0 and not pg.joined_running:
+        print(f"coordinator {os.environ.get('DTM_COORDINATOR', '')}", flush=True)
+    kill = tuple(int(v) for v in args.kill.split(":")) if args.kill else None
+
+    @dtm.jit
+    def train_step(x, y):
+        loss = NF.cross_entropy(net(x).reshape(-1, tok.vocab_size), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses: dict[int, float] = {}
+    state = {"model": model, "optim": opt, "batches": batches}
+    for step in dtm.elastic.steps(state, total=cfg.steps, snapshot_every=1):
+        if kill is not None and (first_rank, step, pg.epoch) == (kill[0], kill[1], 1):
+            print(f"killing myself at t={time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # the others are inside the step's collectives by now
+        x, y = next(batches)
+        loss = train_step(dtm.tensor(x), dtm.tensor(y)).item()
+        losses[step] = loss
+        print(f"epoch {pg.epoch} rank {pg.rank}/{pg.world_size} {dict(pg.axes)} step {step} loss {loss:.6f} "
+              f"t={time.time():.3f}", flush=True)
+        time.sleep(args.sleep)
+    if pg.rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"losses": {str(k): v for k, v in sorted(losses.items())},
+                       "resizes": [repr(r) for r in dtm.elastic.history], "epoch": pg.epoch,
+                       "axes": dict(pg.axes)}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
