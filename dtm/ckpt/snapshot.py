@@ -34,6 +34,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -460,6 +461,20 @@ def _discard(slot: int, owner: int, ranks: list[int]) -> None:
 
 # --- reading one back ------------------------------------------------------------------------
 
+def _get_blob(slot: int, owner: int, ranks: list[int], hopeless: Callable[[], bool]) -> np.ndarray:
+    """Writer `owner`'s blob in `slot` from the first of `ranks` that has it. A live writer
+    publishes its own once it hears of a loss (`_publish`), so a missing blob is waited for,
+    at most PUBLISH_WAIT_S, until `hopeless()`; then the last KeyMissing or KeyLost."""
+    deadline = time.monotonic() + PUBLISH_WAIT_S
+    while True:
+        try:
+            return _store.mesh().get_array(blob_key(slot, owner), ranks=ranks)
+        except (KeyMissing, KeyLost):
+            if hopeless() or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
+
+
 class Reader:
     """A complete snapshot chosen for a load: `where` names it, `doc` is its manifest,
     `read(t, like)` gives tensor entry `t` laid out like the live tensor `like`."""
@@ -514,17 +529,13 @@ class Reader:
         if owner in self._blobs:
             return self._blobs[owner]
         holders = self.snap.holders[owner]
-        deadline = time.monotonic() + PUBLISH_WAIT_S
-        while True:
-            try:
-                self._blobs[owner] = _store.mesh().get_array(blob_key(self.snap.slot, owner), ranks=holders)
-                return self._blobs[owner]
-            except (KeyMissing, KeyLost) as e:
-                if owner in _gone(self.pg) or time.monotonic() > deadline:
-                    raise NoSnapshot(f"{self.where}: the pieces of rank {owner} are held by none of ranks {holders} "
-                                     f"(lost: {sorted(_gone(self.pg))}; waited up to {PUBLISH_WAIT_S:.0f} s for "
-                                     f"rank {owner} to publish its own): {e}") from None
-            time.sleep(0.02)
+        try:
+            self._blobs[owner] = _get_blob(self.snap.slot, owner, holders, lambda: owner in _gone(self.pg))
+        except (KeyMissing, KeyLost) as e:
+            raise NoSnapshot(f"{self.where}: the pieces of rank {owner} are held by none of ranks {holders} "
+                             f"(lost: {sorted(_gone(self.pg))}; waited up to {PUBLISH_WAIT_S:.0f} s for "
+                             f"rank {owner} to publish its own): {e}") from None
+        return self._blobs[owner]
 
     def close(self) -> None:
         self._blobs.clear()
@@ -602,15 +613,10 @@ def carry(everything: bool = False) -> list[Carried]:
             fetch = [pg.rank] if pg.rank in ranks else live if everything else []
             if owner in blobs or not fetch:
                 continue
-            deadline = time.monotonic() + (PUBLISH_WAIT_S if everything else 0.0)
-            while True:  # a live writer publishes its own blob once it hears of the loss: wait for it
-                try:
-                    blobs[owner] = _store.mesh().get_array(blob_key(snap.slot, owner), ranks=fetch)
-                    break
-                except DTMError:  # (not there yet, or its put never landed: another holder may have it)
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.01)
+            try:  # (from this rank's own part, its put may not have landed: another holder may have it)
+                blobs[owner] = _get_blob(snap.slot, owner, fetch, lambda: not everything)
+            except (KeyMissing, KeyLost):
+                continue
         out.append(Carried(snap.step, snap.doc, blobs))
     return out
 

@@ -122,10 +122,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
     if on_failure not in (None, STOP, CONTINUE):
         raise DTMError(E.ATTRIBUTE_VALUE, f"on_failure is {STOP!r} or {CONTINUE!r}, not {on_failure!r}")
     coord = None
-    if join is not None:
-        coordinator = join
-        os.environ.setdefault("DTM_TOKEN", _job_token(join))
-    if coordinator is None:
+    if coordinator is None and join is None:
         token = os.environ.get("DTM_TOKEN") or secrets.token_hex(16)
         heartbeat_ms, timeout_ms = heartbeat_env()
         kind, extra = (Coordinator, {}) if elastic is None else \
@@ -134,8 +131,8 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
                      timeout_ms=timeout_ms, metrics=metrics or metrics_env() or (DEFAULT_HOST, 0), **extra).start()
         host, port = coord.address
     else:
-        host, port = parse_address(coordinator, "--coordinator")
-        token = os.environ.get("DTM_TOKEN", "")
+        host, port = parse_address(join or coordinator, "--join" if join else "--coordinator")
+        token = _job_token(join) if join else os.environ.get("DTM_TOKEN", "")
         if not token:
             raise DTMError(E.NOT_INITIALIZED, "dtm launch --coordinator needs DTM_TOKEN: the token the coordinator "
                                               "was started with")
@@ -154,12 +151,11 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         # fill the cores once (OpenMP threads spinning on a busy core stall every kernel).
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
         for k in range(nprocs):
-            ranked = {} if join is not None else {"DTM_RANK": str(k), "DTM_WORLD_SIZE": str(nprocs)}
-            env = dict(os.environ, DTM_COORDINATOR=address, DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1",
-                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, **ranked, **{RUN_ENV: run})
-            if join is not None:
-                for name in ("DTM_RANK", "DTM_WORLD_SIZE"):
-                    env.pop(name, None)
+            env = dict(os.environ, DTM_COORDINATOR=address, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs),
+                       DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
+                       OMP_NUM_THREADS=threads, **{RUN_ENV: run})
+            if join is not None:  # a joiner asks for no rank and no world size (spec 9.6.7)
+                del env["DTM_RANK"], env["DTM_WORLD_SIZE"]
             p = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True)
             procs.append(p)

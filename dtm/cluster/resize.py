@@ -118,8 +118,12 @@ class ElasticCoordinator(Coordinator):
     def _grows(self) -> bool:
         """Whether the waiting ranks would make the mesh larger."""
         have = len(self._members())
-        return math.prod(n for _, n in shape_for(self.base_axes, have + len(self._waiting), self.order,
-                                                 self.most)) > have if self.base_axes else have < self.most
+        return self._shape(have + len(self._waiting))[1] > have
+
+    def _shape(self, ranks: int) -> tuple[tuple[tuple[str, int], ...], int]:
+        """The axes and the number of ranks of the mesh for `ranks` available ones."""
+        axes = shape_for(self.base_axes, ranks, self.order, self.most)
+        return axes, math.prod(n for _, n in axes) if axes else min(ranks, self.most)
 
     def _lose(self, c: _Conn, why: str) -> None:
         self._rejoined.pop(c, None)
@@ -172,8 +176,7 @@ class ElasticCoordinator(Coordinator):
         if len(members) < self.least:
             return self._cannot_resize(members, f"{len(members)} rank(s) are left, the job needs at least "
                                                 f"{self.least}")
-        axes = shape_for(self.base_axes, len(members), self.order, self.most)
-        size = math.prod(n for _, n in axes) if axes else min(len(members), self.most)
+        axes, size = self._shape(len(members))
         chosen, spare = members[:size], members[size:]
         self.epoch += 1
         view = MeshView(self.epoch, self.heartbeat_ms, self.timeout_ms,

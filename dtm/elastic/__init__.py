@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,12 +52,17 @@ log = logging.getLogger("dtm.elastic")
 RESIZE_TIMEOUT_S = 60.0  # a rank's whole rejoin: the coordinator's own bound (30 s) and then some
 
 
+@dataclass(frozen=True)
 class Resized:
-    """What the last resize did, for logs and benchmarks: the epoch, the mesh axes, the step
-    the loop went back to, where the state came from and how long it took (seconds)."""
+    """What a resize did, for logs and benchmarks: the epoch, the mesh axes, the step the
+    loop went back to, where the state came from and how long it took (seconds)."""
 
-    def __init__(self, epoch: int, axes: tuple, step: int, source: str, seconds: float, why: str):
-        self.epoch, self.axes, self.step, self.source, self.seconds, self.why = epoch, axes, step, source, seconds, why
+    epoch: int
+    axes: tuple
+    step: int
+    source: str
+    seconds: float
+    why: str
 
     def __repr__(self) -> str:
         return (f"Resized(epoch={self.epoch}, axes={dict(self.axes)}, step={self.step}, source={self.source!r}, "
@@ -87,12 +93,16 @@ def steps(state: dict, total: int, snapshot_every: int = 1, *, start: int = 0, c
         try:
             if step % snapshot_every == 0 and step not in snapshots():
                 snapshot(state, replicas=replicas, step=step).wait()
-            resize = _agree(pg)
+            kind = _agree(pg)
+            if kind == JOIN and step not in snapshots():  # a grow: the live state, as of now
+                snapshot(state, replicas=replicas, step=step).wait()
+            why = "a rank was lost" if kind == LOSS else \
+                f"ranks wait to join ({pg.membership.resize_pending or 'heard by a peer'})"
         except DTMError as e:
             if e.code not in (E.PEER_LOST, E.COLLECTIVE_ABORTED, E.SNAPSHOT_FAILED):
                 raise
-            resize = f"at the boundary of step {step}: {e.message}"
-        if resize is None:
+            kind, why = LOSS, f"at the boundary of step {step}: {e.message}"
+        if kind is None:
             pg.poison = True
             try:
                 yield step
@@ -101,32 +111,30 @@ def steps(state: dict, total: int, snapshot_every: int = 1, *, start: int = 0, c
             if pg.broken is None:
                 step += 1
                 continue
-            resize = f"step {step} lost a peer: {pg.broken}"
-        elif "wait to join" in resize and step not in snapshots():  # a grow: the live state, as of now
-            snapshot(state, replicas=replicas, step=step).wait()
-        step = _resize(state, pg, step, resize, checkpoint, resize_timeout)
+            kind, why = LOSS, f"step {step} lost a peer: {pg.broken}"
+        step = _resize(state, pg, step, kind == LOSS, why, checkpoint, resize_timeout)
 
 
-def _agree(pg: process_group.ProcessGroup) -> str | None:
-    """Whether any rank heard of a resize (a loss, or ranks waiting to join): one all_reduce
-    of a flag, so that every rank resizes at the same boundary. The reason, or None."""
+JOIN, LOSS = 1, 2  # what a boundary's flag says; the larger wins (a loss's resize takes the joiners too)
+
+
+def _agree(pg: process_group.ProcessGroup) -> int | None:
+    """Whether any rank heard of a resize: one all_reduce(max) of this rank's flag (LOSS,
+    JOIN or 0), so that every rank resizes at the same boundary. None when none did."""
     m = pg.membership
-    lost = "a rank was lost" if m.lost else None
-    heard = lost or (f"ranks wait to join ({m.resize_pending})" if m.resize_pending else None)
-    flags = pg.all_reduce(np.array([1 if lost else 2 if heard else 0], np.int32), "max")
-    if flags[0] == 0:
-        return None
-    return heard or ("a rank was lost" if flags[0] == 1 else "ranks wait to join (heard by a peer)")
+    mine = LOSS if m.lost else JOIN if m.resize_pending else 0
+    flag = int(pg.all_reduce(np.array([mine], np.int32), "max")[0])
+    return flag or None
 
 
-def _resize(state: dict, pg: process_group.ProcessGroup, step: int, why: str, checkpoint: str | None,
+def _resize(state: dict, pg: process_group.ProcessGroup, step: int, loss: bool, why: str, checkpoint: str | None,
             timeout: float) -> int:
     """One resize (the module doc's four points); the step the loop goes on from."""
     t0 = time.perf_counter()
     was = (pg.epoch, pg.rank, dict(pg.axes))
     log.warning("rank %d: resizing the mesh of epoch %d at step %d: %s", pg.rank, pg.epoch, step, why)
     try:
-        carried = _carry(pg, "lost" in why)
+        carried = _carry(pg, loss)
         pg.reform(timeout)
     except DTMError as e:
         if e.code is E.JOIN_REFUSED:  # the new shape has no place for this rank: it is not needed

@@ -87,7 +87,6 @@ class ProcessGroup:
         self.poison = False
         self.broken: str | None = None
         self.joined_running = False  # this process joined a mesh that had formed (an elastic grow)
-        self.comm_timeout = DEFAULT_TIMEOUT_S  # each collective's bound, kept across epochs
 
     def _attach(self, comm: Communicator) -> None:
         self.comm = comm
@@ -96,15 +95,17 @@ class ProcessGroup:
             self.membership.watch_cancel(self._on_cancel)
 
     def reform(self, timeout: float) -> None:
-        """Move this rank into the next epoch of its elastic mesh (spec 9.6.7): end this
-        epoch's data connections and services, rejoin through the coordinator with a new data
-        address, and connect to the members of the view it publishes; `rank`, `world_size`,
-        `axes` and `epoch` are then the new view's. The caller (dtm/elastic) moves the state.
+        """Move this rank into the next epoch of its elastic mesh (spec 9.6.7): rejoin through
+        the coordinator with a new data address, then end this epoch's services and data
+        connections, and connect to the members of the view the coordinator published, each
+        collective bounded as before; `rank`, `world_size`, `axes` and `epoch` are then the
+        new view's. The caller (dtm/elastic) moves the state.
         E1004 when the new mesh has no place for this rank; E1010 when the resize fails."""
         m = self.membership
         if m is None:
             raise DTMError(E.NOT_INITIALIZED, "a process group of one process has no mesh to resize")
         deadline = time.monotonic() + timeout
+        op_timeout = self._comm().transport.timeout
         listener = listen(m.view.members[self.rank].host, 0)
         try:
             # The old epoch's services stay open until the new view comes: the coordinator
@@ -114,7 +115,7 @@ class ProcessGroup:
             self._end_epoch()
             self.rank, self.world_size, self.axes = m.rank, m.world_size, tuple(view.axes)
             self.broken = None
-            self.comm = Communicator(_connect(m, listener, self.token, deadline, self.comm_timeout))
+            self.comm = Communicator(_connect(m, listener, self.token, deadline, op_timeout))
         except BaseException:
             listener.close()
             raise
@@ -125,7 +126,6 @@ class ProcessGroup:
         self._run_closers()
         comm, self.comm = self.comm, None
         if comm is not None:
-            self.comm_timeout = comm.transport.timeout
             try:
                 comm.close()
             except DTMError as e:
