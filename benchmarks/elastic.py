@@ -84,7 +84,7 @@ def measure_dtm(steps: int, timeout: float = 300) -> dict:
         if m is None:
             continue
         epoch, step, t = int(m[1]), int(m[4]), float(m[6])
-        if epoch == 1:
+        if epoch == 1 and m[5] != "nan":  # (a NaN loss is the step the kill broke: it is redone, not done)
             done_before.add(step)
         if killed is not None and epoch == 2:
             redone.add(step)
