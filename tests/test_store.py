@@ -927,3 +927,30 @@ def test_put_many_commits_small_tensors_in_one_transaction_and_large_ones_each(s
     with pytest.raises(InvalidKey):          # every key checked before anything is written
         st.put_many([("z", np.ones(1)), ("bad//key", np.ones(1))])
     assert "z" not in st
+
+
+def test_a_writer_registering_is_never_seen_dead(tmp_path, monkeypatch):
+    """Another process that opens the store while this one registers its writer file must
+    not count it dead (and collect the versions it is writing): the file is in `writers/`
+    only once locked. The check runs at the worst moment, just before the lock is taken."""
+    from dtm.store import files as files_mod
+
+    writer, other = files_mod.LocalFiles(str(tmp_path)), files_mod.LocalFiles(str(tmp_path))
+    seen: list[list[str]] = []
+    real_flock = files_mod.fcntl.flock
+
+    def flock_after_a_look(fd, op):
+        if not seen:  # the writer's own lock: look first (the look's own flocks pass through)
+            seen.append([])
+            seen[0] = other.dead_writers()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(files_mod.fcntl, "flock", flock_after_a_look)
+    writer._register_writer()
+    monkeypatch.setattr(files_mod.fcntl, "flock", real_flock)
+    try:
+        assert seen and seen[0] == []
+        assert other.dead_writers() == []                        # locked, so alive
+        assert [n for n in os.listdir(tmp_path / "writers") if not n.startswith(".")]
+    finally:
+        writer.close()

@@ -92,9 +92,14 @@ class LocalFiles:
         if self._writer is not None:
             return
         os.makedirs(self.path(WRITERS), exist_ok=True)
-        path = self.path(f"{WRITERS}/{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        name = f"{os.getpid()}-{secrets.token_hex(8)}"
+        # Locked before it is in WRITERS (a rename keeps the lock): another process opening the
+        # store must never see it unlocked, count it dead and collect this writer's versions.
+        fresh = self.path(f"{WRITERS}/.{name}")  # (a dot name: not a writer yet, see dead_writers)
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh file: no one else holds it
+        path = self.path(f"{WRITERS}/{name}")
+        os.rename(fresh, path)
         self._writer = (fd, path)
         atexit.register(self.close)
 
@@ -105,7 +110,7 @@ class LocalFiles:
             names = os.listdir(self.path(WRITERS))
         except FileNotFoundError:
             return []
-        return [n for n in names if not _held(self.path(f"{WRITERS}/{n}"))]
+        return [n for n in names if not n.startswith(".") and not _held(self.path(f"{WRITERS}/{n}"))]
 
     def forget_writers(self, names: list[str]) -> None:
         """Remove the writer files `names` of dead writers, once their leftovers are removed."""
