@@ -5,9 +5,9 @@ trained with DDP x tensor parallel over the launch's mesh axes inside `dtm.elast
         --kill 3:4 --out losses.json
     python tests/elastic_train.py --steps 12 --out want.json      # the same steps on one process
 
-`--kill RANK:STEP` makes the process that is rank RANK of the first epoch SIGKILL itself at
-the start of step STEP: a real death, which
-the others survive (they are in the step's collectives when it dies). Batch i is a function of the seed and i alone (`Batches`, whose state
+`--kill RANK:STEP[:EPOCH]` makes the process that is rank RANK of epoch EPOCH (default 1)
+SIGKILL itself at the start of step STEP: a real death, which the others survive (they are
+in the step's collectives when it dies). Batch i is a function of the seed and i alone (`Batches`, whose state
 travels in the snapshot), so every run sees the same global batches whatever its mesh.
 Rank 0 of the last epoch writes {"losses": {step: loss}, "resizes": [...]} to `--out`;
 every rank prints one line per step.
@@ -55,7 +55,7 @@ class Batches:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--kill", default=None, metavar="RANK:STEP")
+    ap.add_argument("--kill", default=None, metavar="RANK:STEP[:EPOCH]")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds each step waits (time to join)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -71,10 +71,9 @@ def main() -> int:
         net = DDP(tensor_parallel(model, mesh, GPT2_PLAN) if "tp" in mesh.shape else model, mesh)
     opt = dtm.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     batches = Batches(cfg, tok)
-    first_rank = pg.rank  # the rank of the first epoch (a joiner's is that of the epoch it joined)
     if pg.rank == 0 and not pg.joined_running:
         print(f"coordinator {os.environ.get('DTM_COORDINATOR', '')}", flush=True)
-    kill = tuple(int(v) for v in args.kill.split(":")) if args.kill else None
+    kill = (*map(int, args.kill.split(":")), 1)[:3] if args.kill else None
 
     @dtm.jit
     def train_step(x, y):
@@ -87,7 +86,7 @@ def main() -> int:
     losses: dict[int, float] = {}
     state = {"model": model, "optim": opt, "batches": batches}
     for step in dtm.elastic.steps(state, total=cfg.steps, snapshot_every=1):
-        if kill is not None and (first_rank, step, pg.epoch) == (kill[0], kill[1], 1):
+        if kill is not None and (pg.rank, step, pg.epoch) == kill:
             print(f"killing myself at t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # the others are inside the step's collectives by now
         x, y = next(batches)

@@ -19,7 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from dtm.cluster.resize import give_way_order, shape_for
+from dtm.cluster.env import ElasticPolicy, elastic_env
+from dtm.cluster.membership import join
+from dtm.cluster.resize import ElasticCoordinator, give_way_order, shape_for
+from dtm.errors import DTMError, ErrorCode as E
+from dtm.protocol.messages import Member, MeshView
 
 HERE = pathlib.Path(__file__).resolve()
 SCRIPT = str(HERE.parent / "elastic_train.py")
@@ -40,6 +44,52 @@ def test_give_way_order_and_shapes():
     assert shape_for(axes, 1, order) == (("dp", 1), ("tp", 1))   # then TP gives way too
     assert shape_for(axes, 3, give_way_order(axes, ("tp",))) == (("dp", 2), ("tp", 1))
     assert shape_for((), 5, ()) == ()
+
+
+def test_successor_waits_for_each_member_then_publishes():
+    """A successor of a dp=3 mesh of epoch 4 (spec 9.6.7, "Succession"): ranks 0 and 1
+    reconnect and rejoin, a second rejoin as rank 1 is refused (E1004), rank 2 never comes
+    and is lost at the bound; the view of epoch 5 is dp=2 with the two in their order, and
+    the ranks hear the successor's heartbeats through their Membership."""
+    view = MeshView(4, 50, 2000, tuple(Member("127.0.0.1", 1 + r, "n") for r in range(3)), (("dp", 3),))
+    policy = ElasticPolicy(1, 4, (("dp", 3),))
+    coord = ElasticCoordinator.successor(view, b"tok", policy, host="127.0.0.1", host_rank=0,
+                                         resize_timeout=1.5).start()
+    got: dict[int, object] = {}
+
+    def rejoin(rank: int) -> None:
+        try:
+            got[rank] = join(coord.address, b"tok", rank=rank, world_size=0, timeout=10)
+        except DTMError as e:
+            got[rank] = e
+
+    threads = [threading.Thread(target=rejoin, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    with pytest.raises(DTMError) as again:
+        join(coord.address, b"tok", rank=1, world_size=0, timeout=10)
+    for t in threads:
+        t.join(10)
+    try:
+        assert again.value.code is E.JOIN_REFUSED
+        (m0, l0), (m1, l1) = got[0], got[1]
+        assert (m0.rank, m1.rank, m0.view.epoch, m0.view.axes) == (0, 1, 5, (("dp", 2),))
+        assert "rank 2 of epoch 4 did not reconnect" in coord.lost[2]
+        assert coord.resizes == ["epoch 5: {'dp': 2} (0->0, 1->1)"]
+    finally:
+        for m, listener in (got[0], got[1]):
+            listener.close()
+            m.leave()
+        coord.stop()
+
+
+def test_elastic_policy_round_trips_through_the_environment():
+    policy = ElasticPolicy(2, 8, (("dp", 2), ("tp", 2)), ("tp",))
+    assert elastic_env(policy.env()) == policy
+    assert elastic_env({}) is None
+    with pytest.raises(DTMError, match="DTM_ELASTIC"):
+        elastic_env({"DTM_ELASTIC": "3:2"})
 
 
 def _reference(tmp_path: pathlib.Path, steps: int) -> dict[str, float]:
@@ -147,20 +197,55 @@ def test_below_the_minimum_ends_every_rank(tmp_path):
     assert "E1010" in text and "at step 2" in text and "needs at least 2" in text, text[-3000:]
 
 
-def test_coordinator_killed_mid_training(tmp_path):
-    """The coordinator runs in its own process (`dtm coordinator --elastic`); SIGKILL it
-    while two ranks train: no successor is elected (spec 9.6.7), so each rank ends at its
-    next step boundary with E1010 naming the coordinator, within the heartbeat bound."""
+def _coordinator(env: dict[str, str], *args: str) -> tuple[subprocess.Popen, str]:
+    """`dtm coordinator` in its own process, and the address it listens at."""
+    coord = subprocess.Popen([DTM, "coordinator", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env)
+    line = ""
+    for _ in range(20):  # (a log line or two come first)
+        line = coord.stdout.readline()
+        if " listening at " in line or not line:
+            break
+    assert " listening at " in line, line
+    return coord, line.split(" listening at ")[1].split()[0]
+
+
+def test_coordinator_killed_then_a_rank(tmp_path):
+    """DP=2 x TP=2 with the coordinator in its own process (`dtm coordinator --elastic`);
+    SIGKILL it mid-training: the ranks agree on it at a step boundary, rank 0 runs the
+    successor, everyone reconnects to it (epoch 2, same shape). Then rank 3 dies: the
+    successor resizes the mesh to DP=1 x TP=2 (epoch 3). Every step's loss equals the
+    single-process run's."""
+    steps = 20
+    want = _reference(tmp_path, steps)
+    out = tmp_path / "got.json"
     env = _env(DTM_TOKEN="elastic-test-token")
-    coord = subprocess.Popen([DTM, "coordinator", "--world-size", "2", "--axes", "dp=2", "--elastic", "2:4"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    coord, address = _coordinator(env, "--world-size", "4", "--axes", "dp=2,tp=2", "--elastic", "2:8")
     try:
-        line = ""
-        for _ in range(20):  # (a log line or two come first)
-            line = coord.stdout.readline()
-            if " listening at " in line or not line:
-                break
-        address = line.split(" listening at ")[1].split()[0]
+        job = Job(["-n", "4", "--coordinator", address, "--axes", "dp=2,tp=2", "--elastic", "2:8", SCRIPT,
+                   "--steps", str(steps), "--kill", "3:12:2", "--sleep", "0.3", "--out", str(out)], env)
+        job.wait_for("step 2 ", 120)
+        coord.send_signal(signal.SIGKILL)
+        code = job.finish()
+    finally:
+        coord.kill()
+        coord.wait()
+    text = "".join(job.lines)
+    assert code == 0, text[-3000:]
+    assert "this rank runs its successor at" in text, text[-3000:]
+    got = json.loads(out.read_text())
+    _close(got["losses"], want, steps)
+    assert got["epoch"] == 3 and got["axes"] == {"dp": 1, "tp": 2}, got
+    assert "the coordinator was lost" in got["resizes"][0] and got["resizes"][1].startswith("Resized(epoch=3"), got
+
+
+def test_coordinator_killed_without_the_policy(tmp_path):
+    """Ranks not told the job's elastic policy (launched without --elastic) cannot run a
+    successor: when the coordinator's process is killed each rank ends at its next step
+    boundary with E1010 naming the cause, within the heartbeat bound."""
+    env = _env(DTM_TOKEN="elastic-test-token")
+    coord, address = _coordinator(env, "--world-size", "2", "--axes", "dp=2", "--elastic", "2:4")
+    try:
         job = Job(["-n", "2", "--coordinator", address, SCRIPT, "--steps", "200", "--sleep", "0.2"], env)
         job.wait_for("step 2 ", 120)
         coord.send_signal(signal.SIGKILL)
@@ -172,4 +257,5 @@ def test_coordinator_killed_mid_training(tmp_path):
         coord.wait()
     text = "".join(job.lines)
     assert code != 0 and took < 30
-    assert text.count("E1010") >= 2 and "is gone" in text and "elects no successor" in text, text[-3000:]
+    assert text.count("E1010") >= 2 and "is gone" in text and "not told the job's elastic policy" in text, \
+        text[-3000:]

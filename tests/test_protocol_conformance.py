@@ -110,6 +110,7 @@ def test_payload_sizes_named_in_the_manifest_are_the_vectors():
     ("#### 9.1.12", "exceeds 2^53 is written as a string of decimal digits", ["valid/large_u64"]),
     ("#### 9.6.7", "whose `code` is `E1009`, whose `rank` is -1",
      ["valid/resize_rejoin", "valid/resize_notice_and_view", "valid/resize_spare"]),
+    ("#### 9.6.7", "stamped with the epoch it leaves", ["valid/succession_rejoin"]),
 ])
 def test_spec_decisions_have_their_vectors(section, words, vectors):
     """Each rule an independent implementation asked about is in the spec's words and has a

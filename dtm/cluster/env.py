@@ -15,6 +15,10 @@ any other launcher can start ranks:
     DTM_METRICS_PORT             serve the coordinator's Prometheus metrics at this port (0: any
                                  free one); `dtm launch` and `dtm coordinator` serve them anyway
     DTM_METRICS_HOST             the address the metrics are served at (default 127.0.0.1)
+    DTM_ELASTIC                  MIN:MAX of an elastic job (`dtm launch --elastic`): what a rank
+                                 needs to run the coordinator when the job's own is lost
+    DTM_ELASTIC_AXES             with DTM_ELASTIC: the job's first mesh axes ("dp=2,tp=2")
+    DTM_GIVE_WAY                 with DTM_ELASTIC: the axes that shrink first ("tp,dp")
 """
 
 from __future__ import annotations
@@ -76,6 +80,37 @@ def metrics_env(environ: Mapping[str, str] = os.environ) -> tuple[str, int] | No
     if port > 65535:
         raise _bad("DTM_METRICS_PORT", str(port), "a port from 0 to 65535")
     return environ.get("DTM_METRICS_HOST", "").strip() or "127.0.0.1", port
+
+
+@dataclass(frozen=True)
+class ElasticPolicy:
+    """What an elastic job's coordinator decides shapes by (spec 9.6.7): at least `least`
+    and at most `most` ranks, the axes of its first view, the axes that give way first."""
+
+    least: int
+    most: int
+    axes: Axes = ()
+    give_way: tuple[str, ...] = ()
+
+    def env(self) -> dict[str, str]:
+        """The policy as the DTM_ELASTIC* variables a launcher gives its ranks."""
+        return {"DTM_ELASTIC": f"{self.least}:{self.most}",
+                "DTM_ELASTIC_AXES": ",".join(f"{a}={n}" for a, n in self.axes),
+                "DTM_GIVE_WAY": ",".join(self.give_way)}
+
+
+def elastic_env(environ: Mapping[str, str] = os.environ) -> ElasticPolicy | None:
+    """The job's elastic policy from DTM_ELASTIC, DTM_ELASTIC_AXES and DTM_GIVE_WAY; None
+    when DTM_ELASTIC is unset (the rank was not told the policy)."""
+    text = environ.get("DTM_ELASTIC", "").strip()
+    if not text:
+        return None
+    least, sep, most = text.partition(":")
+    if not sep or not least.isdigit() or not most.isdigit() or not 1 <= int(least) <= int(most):
+        raise _bad("DTM_ELASTIC", text, "MIN:MAX with 1 <= MIN <= MAX")
+    give_way = tuple(filter(None, (s.strip() for s in environ.get("DTM_GIVE_WAY", "").split(","))))
+    return ElasticPolicy(int(least), int(most), parse_axes(environ.get("DTM_ELASTIC_AXES", ""), "DTM_ELASTIC_AXES"),
+                         give_way)
 
 
 @dataclass(frozen=True)

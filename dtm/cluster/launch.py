@@ -52,7 +52,7 @@ from .cancel import canceller
 from . import jobfile
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
 from .resize import ElasticCoordinator
-from .env import Axes, heartbeat_env, metrics_env, parse_address
+from .env import Axes, ElasticPolicy, heartbeat_env, metrics_env, parse_address
 from .leftovers import RUN_ENV, note, remove_noted, remove_orphans, scratch_base
 from .metrics import DEFAULT_HOST
 
@@ -116,7 +116,9 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
     `give_way` the axes that shrink first); the job goes on when a rank fails, and
     succeeds when its mesh finished, whatever ranks it lost on the way. `join`: start the
     ranks into the running elastic job whose coordinator is at HOST:PORT (its token from
-    DTM_TOKEN or the job's file on this machine); they ask for no rank."""
+    DTM_TOKEN or the job's file on this machine); they ask for no rank. With `elastic`,
+    the ranks are told the policy (DTM_ELASTIC*: `elastic`, `axes` as the job's first axes,
+    `give_way`), so that when the coordinator is lost their rank 0 runs its successor."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     command = rank_command(argv)
     if on_failure not in (None, STOP, CONTINUE):
@@ -137,6 +139,8 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
             raise DTMError(E.NOT_INITIALIZED, "dtm launch --coordinator needs DTM_TOKEN: the token the coordinator "
                                               "was started with")
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    # the ranks know the policy, so that one can run a successor when the coordinator is lost
+    policy = {} if elastic is None else ElasticPolicy(*elastic, tuple(axes), tuple(give_way)).env()
     run = tempfile.mkdtemp(prefix="dtm-launch-")  # what the ranks tell the launcher (leftovers.note)
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
@@ -153,7 +157,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         for k in range(nprocs):
             env = dict(os.environ, DTM_COORDINATOR=address, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs),
                        DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=threads, **{RUN_ENV: run})
+                       OMP_NUM_THREADS=threads, **{RUN_ENV: run}, **policy)
             if join is not None:  # a joiner asks for no rank and no world size (spec 9.6.7)
                 del env["DTM_RANK"], env["DTM_WORLD_SIZE"]
             p = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -186,7 +190,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         by, reason = coord.cancelled
         ended = ", ".join(f"rank {k} {_status(p.returncode)}" for k, p in enumerate(procs))
         stderr.write(f"dtm launch: the job was cancelled by {canceller(by)}: {reason}; {ended}\n")
-    elif isinstance(coord, ElasticCoordinator):
+    elif elastic is not None:
         return _elastic_report(coord, procs, stderr)
     elif failed:
         stderr.write(_report(procs, failed, went_on, coord.lost if coord is not None else {}) + "\n")
@@ -208,17 +212,19 @@ def _job_token(address: str) -> str:
                                       "there; set DTM_TOKEN to the job's token")
 
 
-def _elastic_report(coord: "ElasticCoordinator", procs: list[subprocess.Popen], stderr: IO[str]) -> int:
-    """An elastic job's last word: its resizes, how each process ended; 0 when the mesh
-    finished (whatever it lost on the way), else the coordinator's error's failure."""
+def _elastic_report(coord: ElasticCoordinator | None, procs: list[subprocess.Popen], stderr: IO[str]) -> int:
+    """An elastic job's last word: its resizes (when the launcher ran its coordinator), how
+    each process ended; 0 when the mesh finished (whatever it lost on the way), else 1."""
     ended = ", ".join(f"process {k} {_status(p.returncode)}" for k, p in enumerate(procs))
-    resizes = "; ".join(coord.resizes) or "none"
-    if coord.error is not None:
+    resizes = "; ".join(coord.resizes) if coord is not None and coord.resizes else "none"
+    if coord is not None and coord.error is not None:
         stderr.write(f"dtm launch: the elastic job failed: {coord.error}; resizes: {resizes}; {ended}\n")
         return 1
-    if coord.resizes:
+    if coord is not None and coord.resizes:
         stderr.write(f"dtm launch: the elastic job finished after {len(coord.resizes)} resize(s): {resizes}; "
                      f"{ended}\n")
+    elif coord is None and any(p.returncode for p in procs):
+        stderr.write(f"dtm launch: the elastic job ended: {ended}\n")
     # a process ended by a signal was lost and the job went on without it; one that exited
     # non-zero failed on its own
     return 1 if any(p.returncode is not None and p.returncode > 0 for p in procs) else 0

@@ -107,6 +107,40 @@ class _Reader:
         return self.queue.pop(0)
 
 
+def _control(token: bytes, rank: int, who: str) -> Control:
+    # Every control message fits in MIN_MAX_PAYLOAD: a frame past it is refused from its header,
+    # before the coordinator has proven the token, rather than buffered as it arrives.
+    return Control("connect", token, rank=rank, name=f"{socket.gethostname()}:{os.getpid()}",
+                   max_payload=MIN_MAX_PAYLOAD, peer=who)
+
+
+def _handshake(sock: socket.socket, control: Control, reader: "_Reader", deadline: float, start: float,
+               during: str) -> None:
+    """Prove the token to the coordinator and hear it prove its own."""
+    sock.sendall(control.start())
+    while not control.ready:
+        msg = reader.next(deadline, start, f"{during} (handshake)")
+        if msg is not None:
+            raise DTMError(E.UNEXPECTED_MESSAGE, f"a {msg.TYPE.name} message during the handshake")
+
+
+def _ask_view(sock: socket.socket, control: Control, reader: "_Reader", ask: JoinMesh, deadline: float, start: float,
+              during: str) -> MeshView:
+    """Send `ask` (a join or a rejoin) and wait for the MeshView that lists its address; the
+    coordinator's Error (a refusal, its own formation timeout naming the missing ranks,
+    which should arrive first) is raised."""
+    sock.sendall(control.encode(ask))
+    msg = reader.next(deadline + VIEW_GRACE_S, start, f"{during} as {ask.host}:{ask.port}, waiting for the view")
+    if isinstance(msg, Error):
+        raise remote_error(msg, reader.who)
+    if not isinstance(msg, MeshView):
+        raise DTMError(E.UNEXPECTED_MESSAGE, f"{reader.who} sent {msg.TYPE.name}; expected the MeshView")
+    if (ask.host, ask.port) not in [(m.host, m.port) for m in msg.members]:
+        raise DTMError(E.BAD_PAYLOAD, f"the MeshView from {reader.who} does not list this rank's address "
+                                      f"{ask.host}:{ask.port}")
+    return msg
+
+
 def join(coordinator: tuple[str, int], token: bytes, *, rank: int = -1, world_size: int = 0, timeout: float,
          host: str | None = None) -> tuple["Membership", socket.socket]:
     """Join the mesh (see the module doc): the Membership, not yet started, and this rank's
@@ -116,31 +150,16 @@ def join(coordinator: tuple[str, int], token: bytes, *, rank: int = -1, world_si
     who = f"the coordinator at {coordinator[0]}:{coordinator[1]}"
     sock = _dial(coordinator, deadline, start)
     listener = None
-    # Every control message fits in MIN_MAX_PAYLOAD: a frame past it is refused from its header,
-    # before the coordinator has proven the token, rather than buffered as it arrives.
-    control = Control("connect", token, rank=rank, name=f"{socket.gethostname()}:{os.getpid()}",
-                      max_payload=MIN_MAX_PAYLOAD, peer=who)
+    control = _control(token, rank, who)
     reader = _Reader(sock, control, who)
     try:
-        sock.sendall(control.start())
-        while not control.ready:
-            msg = reader.next(deadline, start, "joining the mesh (handshake)")
-            if msg is not None:
-                raise DTMError(E.UNEXPECTED_MESSAGE, f"a {msg.TYPE.name} message during the handshake")
+        _handshake(sock, control, reader, deadline, start, "joining the mesh")
         host = host or sock.getsockname()[0]
         listener = listen(host, 0)
         port = listener.getsockname()[1]
-        sock.sendall(control.encode(JoinMesh(rank, world_size, host, port, node_id(), os.getpid())))
-        # The coordinator's own formation timeout (naming the missing ranks) should arrive first.
-        msg = reader.next(deadline + VIEW_GRACE_S, start, f"joining the mesh as {host}:{port}, waiting for the view")
-        if isinstance(msg, Error):
-            raise remote_error(msg, who)
-        if not isinstance(msg, MeshView):
-            raise DTMError(E.UNEXPECTED_MESSAGE, f"{who} sent {msg.TYPE.name}; expected the MeshView")
-        addresses = [(m.host, m.port) for m in msg.members]
-        if (host, port) not in addresses:
-            raise DTMError(E.BAD_PAYLOAD, f"the MeshView from {who} does not list this rank's address {host}:{port}")
-        me = addresses.index((host, port))
+        msg = _ask_view(sock, control, reader, JoinMesh(rank, world_size, host, port, node_id(), os.getpid()),
+                        deadline, start, "joining the mesh")
+        me = [(m.host, m.port) for m in msg.members].index((host, port))
         if rank >= 0 and me != rank:
             raise DTMError(E.BAD_PAYLOAD, f"asked for rank {rank}, the MeshView from {who} lists this rank as {me}")
     except DTMError as err:
@@ -173,10 +192,7 @@ def cancel_job(coordinator: tuple[str, int], token: bytes | str, reason: str,
     sock = _dial(coordinator, deadline, start, "cancelling the job")
     try:
         reader = _Reader(sock, control, who)
-        sock.sendall(control.start())
-        while not control.ready:
-            if reader.next(deadline, start, "cancelling the job (handshake)") is not None:
-                raise DTMError(E.UNEXPECTED_MESSAGE, f"{who} sent a message during the handshake")
+        _handshake(sock, control, reader, deadline, start, "cancelling the job")
         if not control.hs.peer.caps & Cap.CANCEL:
             raise DTMError(E.MISSING_CAPABILITY, f"{who} did not announce CAP_CANCEL: it cannot cancel its job")
         sock.sendall(control.encode(notice(COMMAND_LINE, reason)))
@@ -343,6 +359,54 @@ class Membership:
             raise DTMError(E.TIMEOUT, f"rejoining the mesh of epoch {epoch}: no view from {self.coordinator} in "
                            f"{timeout:g} s")
 
+    def take_over(self, coordinator: tuple[str, int], token: bytes, host: str, port: int, timeout: float) -> MeshView:
+        """Rejoin through the successor coordinator at `coordinator`, the job's own being
+        lost (spec 9.6.7, "Succession"): stop hearing the old one, connect and prove the
+        token, send JoinMesh (this rank, world size 0, the new data address `host`:`port`)
+        stamped with the current epoch, and accept the next epoch's view that answers it;
+        heartbeats go to the successor from then on. Within `timeout` s (else E0802); the
+        successor's E1004 or E1010 is raised as `rejoin` raises them."""
+        start = time.monotonic()
+        deadline = start + timeout
+        epoch = self.view.epoch
+        self._stop_thread()
+        self._sock.close()
+        who = f"the successor coordinator at {coordinator[0]}:{coordinator[1]}"
+        during = f"rejoining the mesh of epoch {epoch}"
+        sock = _dial(coordinator, deadline, start, during)
+        control = _control(token, self.rank, who)
+        reader = _Reader(sock, control, who)
+        try:
+            _handshake(sock, control, reader, deadline, start, during)
+            control.epoch = epoch  # a rejoin is stamped with the epoch it leaves
+            view = _ask_view(sock, control, reader, JoinMesh(self.rank, 0, host, port, node_id(), os.getpid()),
+                             deadline, start, during)
+        except DTMError as err:
+            sock.close()
+            raise (err.at(who, during) if isinstance(err, ProtocolError) else err) from None
+        self._sock, self._control, self.coordinator = sock, control, who
+        self.coordinator_gone, self._early = None, reader.queue
+        self._rejoin = (host, port)
+        self._accept(view)
+        host_rank = control.hs.peer.rank
+        self.coordinator_rank = host_rank if 0 <= host_rank < self.world_size else -1
+        self._stopping = False
+        self.start(self._figures)
+        return view
+
+    def _stop_thread(self) -> None:
+        """End the heartbeat thread (it says nothing more to the coordinator)."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 1.0)
+        self._wake_r.close()
+        self._wake_w.close()
+        self._wake_r, self._wake_w = socket.socketpair()  # (no wake byte left for a thread started again)
+
     def _record_lost(self, rank: int, message: str) -> None:
         if rank == self.rank:
             log.error("rank %d: the coordinator declared this rank lost: %s", self.rank, message)
@@ -369,14 +433,15 @@ class Membership:
 
     def _host_lost(self, why: str) -> None:
         r = self.coordinator_rank
-        if r >= 0 and r != self.rank and r not in self.left:
+        # (a coordinator that refused this rank's rejoin closes the connection for it: no loss)
+        if r >= 0 and r != self.rank and r not in self.left and self._rejoin_error is None:
             self._record_lost(r, f"rank {r} is lost: {why}; its last operation was {self.last_op(r)}")
 
     def _gone(self, why: str) -> None:
         with self._cond:
             self.coordinator_gone = why
             self._cond.notify_all()
-        if not self._stopping:
+        if not self._stopping and self._rejoin_error is None:
             log.warning("rank %d: lost %s: %s; failure detection by heartbeats has ended on this rank", self.rank,
                         self.coordinator, why)
 
@@ -449,13 +514,7 @@ class Membership:
 
     def leave(self, reason: str = "shutdown") -> None:
         """Stop the heartbeat thread, say Leave, close."""
-        self._stopping = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not None:
-            self._thread.join(self.timeout_s + 1.0)
+        self._stop_thread()
         if self.coordinator_gone is None:
             try:  # Leave, then read until the coordinator closes: unread bytes would make close() a reset
                 self._sock.settimeout(1.0)

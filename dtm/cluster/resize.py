@@ -19,6 +19,11 @@ The walk of one resize (the ranks' side is dtm/elastic):
 4. The coordinator sends the chosen ranks the MeshView of epoch E+1; from then on it
    refuses their frames of epoch E (stale, 9.1.7). The ranks connect anew and move the
    training state between them (dtm/elastic).
+
+When the coordinator itself is lost, the members agree on it at a step boundary and rank 0
+starts a successor (`ElasticCoordinator.successor`) from the view of epoch E and the job's
+policy (DTM_ELASTIC*, cluster/env.py); every member reconnects to it and rejoins, and the
+successor publishes epoch E+1 as after any resize (spec 9.6.7, "Succession").
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 from ..errors import DTMError, ErrorCode as E
 from ..protocol.messages import Error, Heartbeat, JoinMesh, Member, MeshView, Message
 from .coordinator import JOINED, LOST, MEMBER, Coordinator, _Conn
+from .env import ElasticPolicy
 
 log = logging.getLogger("dtm.cluster")
 
@@ -93,6 +99,25 @@ class ElasticCoordinator(Coordinator):
         self._waiting: list[_Conn] = []     # processes that joined the formed mesh, in order
         self._rejoined: dict[_Conn, JoinMesh] = {}
         self._resize_deadline = math.inf   # set while a resize is in progress
+        self._absent: set[int] | None = None  # a successor: the ranks of epoch E yet to reconnect
+
+    @classmethod
+    def successor(cls, view: MeshView, token: bytes | str, policy: ElasticPolicy, *, host: str, host_rank: int,
+                  resize_timeout: float = RESIZE_TIMEOUT_S) -> "ElasticCoordinator":
+        """The coordinator that a member starts when the job's own is lost (spec 9.6.7,
+        "Succession"), not yet serving: it takes the mesh of `view` (epoch E) as formed,
+        waits at most `resize_timeout` s for each member to reconnect and rejoin (one that
+        does not is lost), then publishes epoch E+1 as after any resize, by `policy`."""
+        c = cls(len(view.members), token, host=host, axes=view.axes, heartbeat_ms=view.heartbeat_ms,
+                timeout_ms=view.timeout_ms, host_rank=host_rank, elastic=(policy.least, policy.most),
+                resize_timeout=resize_timeout)
+        c.base_axes = policy.axes or c.axes  # the shapes come from the job's first view, as the lost one's did
+        c.order = give_way_order(c.base_axes, policy.give_way)
+        c.view, c.epoch, c.views = view, view.epoch, [view]
+        c.formed.set()
+        c._absent = set(range(len(view.members)))
+        c._resize_deadline = time.monotonic() + resize_timeout
+        return c
 
     def _publish(self) -> None:
         super()._publish()
@@ -104,6 +129,8 @@ class ElasticCoordinator(Coordinator):
     def _join(self, c: _Conn, j: JoinMesh) -> None:
         if self.view is None:
             return super()._join(c, j)
+        if self._absent is not None and j.rank >= 0:
+            return self._reconnect(c, j)
         if j.world_size != 0 or j.rank >= 0:
             err = DTMError(E.JOIN_REFUSED, f"{c.addr} (pid {j.pid}) asked to join the running elastic mesh as rank "
                            f"{j.rank} of {j.world_size}: a rank that joins a running mesh asks for none (-1, 0)")
@@ -163,9 +190,31 @@ class ElasticCoordinator(Coordinator):
         else:
             self._check_rejoined()
 
+    def _reconnect(self, c: _Conn, j: JoinMesh) -> None:
+        """A successor: member `j.rank` of epoch E reconnects and rejoins in one JoinMesh.
+        It holds its rank (state JOINED: no heartbeats are due) until the view."""
+        if j.world_size != 0 or j.rank not in self._absent:
+            err = DTMError(E.JOIN_REFUSED, f"{c.addr} (pid {j.pid}) asked to rejoin as rank {j.rank} of the mesh of "
+                           f"epoch {self.epoch}, whose successor coordinator waits for rank(s) "
+                           f"{sorted(self._absent)} (each rejoining with world size 0)")
+            return self._say_and_close(c, err)
+        self._rejoin(c, j)  # (E1004 for an address another rank rejoined with)
+        self._absent.discard(j.rank)
+        c.join, c.rank, c.state = j, j.rank, JOINED
+        self._pending.pop(c, None)
+        self._slots[j.rank] = c
+        log.info("coordinator: rank %d of epoch %d reconnected to the successor (%d still to come)", j.rank,
+                 self.epoch, len(self._absent))
+        self._check_rejoined()
+
     # --- the new view -----------------------------------------------------------------------
 
     def _check_rejoined(self) -> None:
+        if self._absent is not None:  # a successor publishes once every member of epoch E is back or late
+            if not self._absent:
+                self._absent = None
+                self._publish_resized(sorted((c for c in self._rejoined if not c.closed), key=lambda c: c.rank))
+            return
         live = self._members()
         if self._resizing and live and all(c in self._rejoined for c in live):
             self._publish_resized(live)
@@ -223,6 +272,13 @@ class ElasticCoordinator(Coordinator):
 
     def _check_deadlines(self, now: float) -> None:
         super()._check_deadlines(now)
+        if self._absent is not None and now >= self._resize_deadline:
+            for r in sorted(self._absent):
+                self.lost[r] = f"rank {r} of epoch {self.epoch} did not reconnect to the successor coordinator " \
+                               f"within {self.resize_timeout:g} s"
+                log.warning("coordinator: %s", self.lost[r])
+            self._absent.clear()
+            return self._check_rejoined()
         if self._resizing and now >= self._resize_deadline:
             late = [c for c in self._members() if c not in self._rejoined]
             self._resize_deadline = now + self.resize_timeout  # (each loss restarts the wait of the others)
@@ -241,6 +297,9 @@ class ElasticCoordinator(Coordinator):
     def _drop(self, c: _Conn, reason: str) -> None:
         if c in self._waiting:
             self._waiting.remove(c)
+        if self._rejoined.pop(c, None) is not None:  # a successor's member that went before the view
+            self._slots.pop(c.rank, None)
+            self.lost[c.rank] = f"{c.name} went before the successor's view: {reason}"
         super()._drop(c, reason)
 
 

@@ -24,6 +24,10 @@ the loop then resizes and yields the same step again. A resize:
 4. loads `state` from it, laid out on the new mesh (dtm.checkpoint.load "mem://"); with no
    such snapshot, from the checkpoint directory given as `checkpoint`, the last resort.
 
+When the coordinator itself is lost, the boundary's agreement says so, rank 0 runs its
+successor (the job's policy from DTM_ELASTIC*, which `dtm launch --elastic` sets) and
+every rank reconnects to it in step 2; the mesh keeps its shape unless a rank is gone too.
+
 The log says which source each resize used and how long it took. A rank the new shape has
 no place for ends (exit status 0); a resize that cannot complete ends every rank with E1010
 naming the ranks and the step.
@@ -44,6 +48,8 @@ import numpy as np
 from .. import ckpt
 from ..ckpt import manifest as mf
 from ..ckpt.snapshot import URL as MEMORY, adopt, carry, publish, snapshot, snapshots
+from ..cluster.env import elastic_env
+from ..cluster.resize import ElasticCoordinator
 from ..errors import DTMError, ErrorCode as E
 from ..runtime import process_group
 
@@ -88,15 +94,18 @@ def steps(state: dict, total: int, snapshot_every: int = 1, *, start: int = 0, c
     if pg.joined_running:  # a rank admitted into a running mesh: the state comes from the peers
         step = _take_state(state, pg, [], step, "joined the running mesh", time.perf_counter())
     while step < total:
-        if pg.membership.coordinator_gone is not None:
-            raise _coordinator_lost(pg, step)
+        successor = None
         try:
             if step % snapshot_every == 0 and step not in snapshots():
                 snapshot(state, replicas=replicas, step=step).wait()
             kind = _agree(pg)
-            if kind == JOIN and step not in snapshots():  # a grow: the live state, as of now
+            if kind in (JOIN, GONE) and step not in snapshots():  # the live state, as of now
                 snapshot(state, replicas=replicas, step=step).wait()
+            if kind == GONE:
+                successor = _succession(pg, step)
             why = "a rank was lost" if kind == LOSS else \
+                f"the coordinator was lost ({pg.membership.coordinator_gone or 'heard by a peer'}); its " \
+                f"successor runs at {successor[0]}:{successor[1]}" if kind == GONE else \
                 f"ranks wait to join ({pg.membership.resize_pending or 'heard by a peer'})"
         except DTMError as e:
             if e.code not in (E.PEER_LOST, E.COLLECTIVE_ABORTED, E.SNAPSHOT_FAILED):
@@ -112,30 +121,56 @@ def steps(state: dict, total: int, snapshot_every: int = 1, *, start: int = 0, c
                 step += 1
                 continue
             kind, why = LOSS, f"step {step} lost a peer: {pg.broken}"
-        step = _resize(state, pg, step, kind == LOSS, why, checkpoint, resize_timeout)
+        step = _resize(state, pg, step, kind == LOSS, why, checkpoint, resize_timeout, successor)
 
 
-JOIN, LOSS = 1, 2  # what a boundary's flag says; the larger wins (a loss's resize takes the joiners too)
+# What a boundary's flag says; the largest wins: a loss's resize takes the joiners too, and
+# with the coordinator gone no resize happens before its successor runs.
+JOIN, LOSS, GONE = 1, 2, 3
 
 
 def _agree(pg: process_group.ProcessGroup) -> int | None:
-    """Whether any rank heard of a resize: one all_reduce(max) of this rank's flag (LOSS,
-    JOIN or 0), so that every rank resizes at the same boundary. None when none did."""
+    """Whether any rank heard of a resize: one all_reduce(max) of this rank's flag (GONE,
+    LOSS, JOIN or 0), so that every rank resizes at the same boundary. None when none did."""
     m = pg.membership
-    mine = LOSS if m.lost else JOIN if m.resize_pending else 0
+    mine = GONE if m.coordinator_gone is not None else LOSS if m.lost else JOIN if m.resize_pending else 0
     flag = int(pg.all_reduce(np.array([mine], np.int32), "max")[0])
     return flag or None
 
 
+def _succession(pg: process_group.ProcessGroup, step: int) -> tuple[str, int]:
+    """The coordinator is lost (every rank agreed at this boundary): rank 0 starts its
+    successor from the view of this epoch and the job's policy (DTM_ELASTIC*), and every
+    rank learns where it listens: one broadcast from rank 0 of an i64, the port (0: rank 0
+    knows no policy, and the job ends). Spec 9.6.7, "Succession"."""
+    view = pg.membership.view
+    port = 0
+    if pg.rank == 0:
+        policy = elastic_env()
+        if policy is not None:
+            coordinator = ElasticCoordinator.successor(view, pg.token, policy, host=view.members[0].host,
+                                                       host_rank=0).start()
+            if pg.coordinator is not None:  # (one this rank ran for a mesh that never resized)
+                pg.coordinator.stop()
+            pg.coordinator, port = coordinator, coordinator.address[1]
+            log.warning("rank 0: the coordinator of epoch %d is lost; this rank runs its successor at %s:%d",
+                        view.epoch, *coordinator.address)
+    port = int(pg.broadcast(np.array([port], np.int64), src=0)[0])
+    if port == 0:
+        raise _coordinator_lost(pg, step)
+    return view.members[0].host, port
+
+
 def _resize(state: dict, pg: process_group.ProcessGroup, step: int, loss: bool, why: str, checkpoint: str | None,
-            timeout: float) -> int:
-    """One resize (the module doc's four points); the step the loop goes on from."""
+            timeout: float, successor: tuple[str, int] | None = None) -> int:
+    """One resize (the module doc's four points), through the coordinator at `successor`
+    when the job's own is lost; the step the loop goes on from."""
     t0 = time.perf_counter()
     was = (pg.epoch, pg.rank, dict(pg.axes))
     log.warning("rank %d: resizing the mesh of epoch %d at step %d: %s", pg.rank, pg.epoch, step, why)
     try:
         carried = _carry(pg, loss)
-        pg.reform(timeout)
+        pg.reform(timeout, successor)
     except DTMError as e:
         if e.code is E.JOIN_REFUSED:  # the new shape has no place for this rank: it is not needed
             log.warning("rank %d of epoch %d: %s; this rank ends", was[1], was[0], e.message)
@@ -206,12 +241,14 @@ def _checkpoint_step(path: str) -> int:
 
 
 def _coordinator_lost(pg: process_group.ProcessGroup, step: int) -> DTMError:
-    """E1010 for a job whose coordinator is gone: no resize can happen any more (this
-    version elects no successor, spec 9.6.7), so every rank ends at its next boundary."""
+    """E1010 for a job whose coordinator is gone and whose rank 0 cannot run a successor:
+    it was not told the job's policy (DTM_ELASTIC, which `dtm launch --elastic` sets)."""
     m = pg.membership
-    return DTMError(E.RESIZE_FAILED, f"at step {step}: {m.coordinator} is gone ({m.coordinator_gone}); an elastic "
-                    f"job cannot resize without it and this version elects no successor, so rank {pg.rank} of "
-                    f"{pg.world_size} (epoch {pg.epoch}) ends here; resume from the last checkpoint")
+    gone = m.coordinator_gone or "a peer heard it"
+    return DTMError(E.RESIZE_FAILED, f"at step {step}: {m.coordinator} is gone ({gone}) and rank 0 cannot run its "
+                    "successor: it was not told the job's elastic policy (DTM_ELASTIC=MIN:MAX, which `dtm launch "
+                    f"--elastic` sets); rank {pg.rank} of {pg.world_size} (epoch {pg.epoch}) ends here; resume "
+                    "from the last checkpoint")
 
 
 def _failed(e: DTMError, pg: process_group.ProcessGroup, step: int, during: str) -> DTMError:

@@ -94,12 +94,13 @@ class ProcessGroup:
             self.membership.watch_lost(self._on_lost)
             self.membership.watch_cancel(self._on_cancel)
 
-    def reform(self, timeout: float) -> None:
+    def reform(self, timeout: float, successor: tuple[str, int] | None = None) -> None:
         """Move this rank into the next epoch of its elastic mesh (spec 9.6.7): rejoin through
-        the coordinator with a new data address, then end this epoch's services and data
-        connections, and connect to the members of the view the coordinator published, each
-        collective bounded as before; `rank`, `world_size`, `axes` and `epoch` are then the
-        new view's. The caller (dtm/elastic) moves the state.
+        the coordinator with a new data address (through the one at `successor` when the
+        job's own is lost), then end this epoch's services and data connections, and connect
+        to the members of the view the coordinator published, each collective bounded as
+        before; `rank`, `world_size`, `axes` and `epoch` are then the new view's. The caller
+        (dtm/elastic) moves the state.
         E1004 when the new mesh has no place for this rank; E1010 when the resize fails."""
         m = self.membership
         if m is None:
@@ -111,7 +112,9 @@ class ProcessGroup:
             # The old epoch's services stay open until the new view comes: the coordinator
             # publishes it once every member rejoined, so until then a peer may still read
             # this rank's part of the old store (dtm/elastic carries snapshots that way).
-            view = m.rejoin(*listener.getsockname()[:2], timeout=timeout)
+            address = listener.getsockname()[:2]
+            view = m.rejoin(*address, timeout=timeout) if successor is None else \
+                m.take_over(successor, self.token, *address, timeout=timeout)
             self._end_epoch()
             self.rank, self.world_size, self.axes = m.rank, m.world_size, tuple(view.axes)
             self.broken = None

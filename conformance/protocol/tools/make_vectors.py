@@ -233,6 +233,11 @@ VALID = {
                      "(the view of epoch 4 has no place for it), after which the coordinator closes the connection",
                      [frame(RESIZE_LOST, epoch=3, seq=20), frame(RESIZE_NOTICE, epoch=3, seq=21),
                       frame(RESIZE_SPARE, epoch=3, seq=22)], {"expected_epoch": 3, "next_seq": {"0": 20}}),
+    "succession_rejoin": ("succession (9.6.7): the coordinator of epoch 3 is lost; rank 2 connects to the "
+                          "successor, and after the handshake (its Hello, seq 0) sends JoinMesh on the new "
+                          "connection in a frame of epoch 3 (the epoch it leaves; JoinMesh is exempt from the "
+                          "epoch check) and seq 1: its new data address, its rank of epoch 3, world size 0",
+                          [frame(HELLO_C), frame(RESIZE_REJOIN, epoch=3, seq=1)], {}),
     "empty_stream": ("no bytes: no frames, and no error", [], {}),
     "large_u64": ("u64 fields past 2^53 (seq, epoch, offset), written in the JSON as decimal strings",
                   [frame(Cancel(2 ** 64 - 1, "x"), epoch=2 ** 53 + 1, stream=7, seq=2 ** 60),
