@@ -9,11 +9,12 @@ resize), on this machine:
 3. kill one rank (SIGKILL): the job shrinks to DP=1 x TP=2 and goes on; start two ranks
    (`dtm launch --join`): it grows back to DP=2 x TP=2;
 4. train the same steps on one process and check that every step's loss is the same
-   across both resizes;
-5. load the final checkpoint on one process and sample text, printing the loss beside the
+   through both resizes;
+5. load the distributed job's last checkpoint on one process (resharded from DP x TP), train
+   on to step 1000, and sample text from the final checkpoint, printing the loss beside the
    corpus's unigram entropy.
 
-    python examples/demo.py [--steps 150] [--workdir DIR]
+    python examples/demo.py [--steps 120] [--total 1000] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -27,20 +28,28 @@ import tempfile
 import threading
 import time
 
+import numpy as np
+
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import dtm  # noqa: E402
-from demo_corpus import ingest_corpus, model_config, sample_from_checkpoint, unigram_entropy  # noqa: E402
+from demo_corpus import DEMO, ingest_corpus, model_config, sample_from_checkpoint, unigram_entropy  # noqa: E402
 
 DTM = str(pathlib.Path(sys.executable).parent / "dtm")
 TRAIN = str(HERE / "demo_train.py")
-# The distributed losses against the single-process ones. A mesh sums in another order, and at
-# this model's size and learning rate those rounding differences grow over the steps (0.2% by
-# step 15 here, before any resize); tests/test_elastic.py checks every step across a shrink and
-# a grow at 2e-4 on the smaller char model.
-RTOL = 5e-2
-MARGIN = 0.4  # nats/byte the final loss must be under the unigram entropy: it learned context
+# The distributed losses against the single-process ones. A mesh sums in another order, and
+# from about step 11 on training amplifies those rounding differences about 7x a step (AdamW
+# turns the rounding noise of gradients that nearly cancel, such as those of the ~160 byte
+# values the corpus never uses, into full-size updates) until they are as large as the
+# batches' own noise (1e-6 at step 10, 1e-3 by step 15, a few % by step 150; the same without
+# any resize). So every step is checked exactly up to a little after the shrink (step 8, before
+# that growth), and the loss curve (means of 10 steps) after it, through the grow;
+# tests/test_elastic.py checks every step across a shrink and a grow at 2e-4 on the char model,
+# whose vocabulary has no unused tokens.
+EXACT_RTOL, EXACT_AFTER = 1e-4, 2   # the steps up to 2 after the shrink
+CURVE_RTOL, WINDOW = 3e-2, 10
+MARGIN = 1.0  # nats/byte the final loss must be under the unigram entropy: it learned context
 
 
 def say(text: str) -> None:
@@ -49,7 +58,12 @@ def say(text: str) -> None:
 
 def launch(args: list[str], on_line) -> subprocess.Popen:
     """`dtm launch ARGS`, its lines printed (and given to `on_line`) as they come."""
-    p = subprocess.Popen([DTM, "launch", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return shown([DTM, "launch", *args], on_line)
+
+
+def shown(command: list[str], on_line=lambda _line: None) -> subprocess.Popen:
+    """`command` started, its lines printed (and given to `on_line`) as they come."""
+    p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def read() -> None:
         for line in p.stdout:
@@ -63,8 +77,9 @@ def launch(args: list[str], on_line) -> subprocess.Popen:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--kill-at", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=120, help="steps of the distributed job")
+    ap.add_argument("--kill-at", type=int, default=8)
+    ap.add_argument("--total", type=int, default=DEMO.steps, help="steps in all, the rest on one process")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="dtm-demo-"))
@@ -109,14 +124,29 @@ def main() -> int:
     subprocess.run([sys.executable, TRAIN, "--store", str(store), "--steps", str(args.steps), "--out",
                     str(want_file)], check=True, capture_output=True, timeout=600)
     want = json.loads(want_file.read_text())["losses"]
-    diff = max(abs(got["losses"][k] - want[k]) / abs(want[k]) for k in want)
-    say(f"   largest relative difference over {len(want)} steps: {diff:.1e} (tolerance {RTOL:g})")
-    if not diff <= RTOL:
+    exact = min(args.kill_at + EXACT_AFTER + 1, args.steps)
+    diff = [abs(got["losses"][str(i)] - want[str(i)]) / abs(want[str(i)]) for i in range(args.steps)]
+    g, w = (np.array([d[str(i)] for i in range(args.steps)]) for d in (got["losses"], want))
+    windows = [slice(a, min(a + WINDOW, args.steps)) for a in range(0, args.steps, WINDOW)]
+    curve = max(abs(g[s].mean() - w[s].mean()) / w[s].mean() for s in windows)
+    say(f"   every step 0-{exact - 1}, through the shrink: largest relative difference {max(diff[:exact]):.1e} "
+        f"(tolerance {EXACT_RTOL:g}); the loss curve (means of {WINDOW} steps) through the grow at step "
+        f"{got['resized_at'][-1]} to step {args.steps - 1}: {curve:.1e} (tolerance {CURVE_RTOL:g}; single steps "
+        f"there differ by up to {max(diff[exact:], default=0):.1e}, rounding grown by training)")
+    if not (max(diff[:exact]) <= EXACT_RTOL and curve <= CURVE_RTOL):
         say("MISMATCH: the elastic run's losses differ from the single-process run")
         return 1
 
-    say(f"== 5. load the final checkpoint ({ckpt}) on one process and sample")
-    final = got["losses"][str(args.steps - 1)]
+    say(f"== 5. load the last checkpoint of the DP=2 x TP=2 job on one process and train on to step {args.total}")
+    final_file = work / "final.json"
+    code = shown([sys.executable, TRAIN, "--store", str(store), "--ckpt", str(ckpt), "--resume", "--steps",
+                  str(args.total), "--save-every", str(args.total), "--print-every", "100", "--out",
+                  str(final_file)]).wait(timeout=600)
+    if code != 0:
+        say(f"FAILED: training on from the checkpoint ended with status {code}")
+        return 1
+    final = json.loads(final_file.read_text())["losses"][str(args.total - 1)]
+    say(f"   final loss {final:.3f} nats/byte; sampling from the checkpoint of step {args.total} ({ckpt}):")
     for prompt in ("def ", "import ", "class "):
         text = sample_from_checkpoint(ckpt, model_config(), prompt, 120)
         say("   " + repr(text))
