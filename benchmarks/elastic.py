@@ -1,8 +1,9 @@
 """Live resize against torchelastic's restart, in the same run on the same machine.
 
-    python benchmarks/elastic.py [--steps 24] [--skip-torch]
+    python benchmarks/elastic.py [--model char|gpt2] [--steps N] [--skip-torch]
 
-DTM: the char GPT (tests/elastic_train.py) with DP=2 x TP=2 over 4 processes under
+DTM: the char GPT (tests/elastic_train.py; `--model gpt2`: GPT-2 124M on random tokens, 4
+rows of 64 a step, as the peer's) with DP=2 x TP=2 over 4 processes under
 `dtm launch --elastic 2:8`; the process of rank 3 SIGKILLs itself at the start of step 4
 (the others are then in that step's collectives), the survivors shrink to DP=1 x TP=2 and
 redo the step; two ranks join with `dtm launch --join` and the mesh grows back to
@@ -50,12 +51,14 @@ def _follow(cmd: list[str], lines: queue.Queue) -> subprocess.Popen:
     return p
 
 
-def measure_dtm(steps: int, timeout: float = 300) -> dict:
+def measure_dtm(steps: int, model: str = "char", timeout: float = 900) -> dict:
     """One elastic run (module doc): the shrink's and the grow's seconds, steps lost."""
     lines: queue.Queue = queue.Queue()
     out = pathlib.Path(tempfile.mkdtemp(prefix="dtm-elastic-bench-")) / "losses.json"
-    job = _follow([DTM, "launch", "-n", "4", "--axes", "dp=2,tp=2", "--elastic", "2:8", SCRIPT, "--steps",
-                   str(steps), "--kill", "3:4", "--sleep", "0.3", "--out", str(out)], lines)
+    # the char model's steps take milliseconds: each waits 0.3 s, so that joiners come in mid-run
+    train = [SCRIPT, "--steps", str(steps), "--model", model, "--sleep", "0.3" if model == "char" else "0"]
+    job = _follow([DTM, "launch", "-n", "4", "--axes", "dp=2,tp=2", "--elastic", "2:8", *train, "--kill", "3:4",
+                   "--out", str(out)], lines)
     deadline = time.monotonic() + timeout
     killed = joined = admitted = address = None
     shrink = grow = None
@@ -76,8 +79,7 @@ def measure_dtm(steps: int, timeout: float = 300) -> dict:
             killed = float(line.rsplit("t=", 1)[1])
         if "mesh resized to epoch 2" in line and joiners is None:
             joined = time.time()
-            joiners = _follow([DTM, "launch", "--join", address, "-n", "2", SCRIPT, "--steps", str(steps),
-                               "--sleep", "0.3"], lines)
+            joiners = _follow([DTM, "launch", "--join", address, "-n", "2", *train], lines)
         if "mesh resized to epoch 3" in line:
             admitted = seen
         m = STEP.search(line)
@@ -104,11 +106,14 @@ def measure_dtm(steps: int, timeout: float = 300) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--model", choices=("char", "gpt2"), default="char")
+    ap.add_argument("--steps", type=int, default=None, help="steps of the DTM job (default: 24 char, 12 gpt2)")
     ap.add_argument("--skip-torch", action="store_true", help="DTM alone (torchrun and torch not needed)")
     args = ap.parse_args()
-    print("DTM: dtm launch -n 4 --axes dp=2,tp=2 --elastic 2:8, rank 3 killed at step 4, 2 ranks join", flush=True)
-    d = measure_dtm(args.steps)
+    steps = args.steps or (24 if args.model == "char" else 12)
+    print(f"DTM ({args.model}): dtm launch -n 4 --axes dp=2,tp=2 --elastic 2:8, rank 3 killed at step 4, 2 ranks "
+          "join", flush=True)
+    d = measure_dtm(steps, args.model)
     print(f"DTM  shrink (SIGKILL -> next step done) {d['shrink_s']:.2f} s; grow (joiners started -> first step of "
           f"the grown mesh) {d['grow_s']:.2f} s, of which after admission {d['grow_after_admission_s']:.2f} s; "
           f"redone from step {d['redone_from']} (steps of work lost: {d['steps_lost']})", flush=True)
@@ -118,8 +123,8 @@ def main() -> None:
     import elastic_torch
 
     print("torchelastic: torchrun --nproc-per-node 4 --max-restarts 1, DDP/gloo, DCP every step", flush=True)
-    r = elastic_torch.measure_restart("char")
-    g = elastic_torch.measure_grow("char")
+    r = elastic_torch.measure_restart(args.model)
+    g = elastic_torch.measure_grow(args.model)
     shrink_t, grow_t = r["kill_to_first_step_all"], g["join_to_first_step"]
     print(f"torchelastic: restart after SIGKILL {shrink_t:.2f} s (steps lost {r['steps_lost']}); grow (second "
           f"agent started -> first step of the grown job) {grow_t:.2f} s", flush=True)

@@ -48,7 +48,7 @@ TRAIN = str(HERE / "demo_train.py")
 # tests/test_elastic.py checks every step across a shrink and a grow at 2e-4 on the char model,
 # whose vocabulary has no unused tokens.
 EXACT_RTOL, EXACT_AFTER = 1e-4, 2   # the steps up to 2 after the shrink
-CURVE_RTOL, WINDOW = 3e-2, 10
+CURVE_RTOL, WINDOW = 5e-2, 10
 MARGIN = 1.0  # nats/byte the final loss must be under the unigram entropy: it learned context
 
 

@@ -26,20 +26,24 @@ import numpy as np
 
 import dtm
 from dtm.models.char_gpt import TEXT, CharTokenizer, TrainConfig, model_config
-from dtm.models.gpt2 import GPT2
+from dtm.models.gpt2 import GPT2, GPT2Config
 from dtm.nn import functional as NF
 from dtm.parallel import DDP, GPT2_PLAN, tensor_parallel
 
 
 class Batches:
-    """Global batch i: `batch` windows of the corpus at offsets drawn from (seed, i)."""
+    """Global batch i: `batch` windows of the corpus at offsets drawn from (seed, i); with no
+    corpus (`data` None), `batch` rows of random tokens below `vocab` drawn from (seed, i)."""
 
-    def __init__(self, cfg: TrainConfig, tok: CharTokenizer):
-        self.cfg, self.data, self.i = cfg, tok.encode(TEXT), 0
+    def __init__(self, cfg: TrainConfig, data: np.ndarray | None, vocab: int):
+        self.cfg, self.data, self.vocab, self.i = cfg, data, vocab, 0
 
     def __next__(self) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng((self.cfg.seed, self.i))
         self.i += 1
+        if self.data is None:
+            rows = rng.integers(0, self.vocab, (self.cfg.batch_size, self.cfg.block_size + 1))
+            return rows[:, :-1], rows[:, 1:]
         at = rng.integers(0, len(self.data) - self.cfg.block_size - 1, self.cfg.batch_size)
         x = np.stack([self.data[a:a + self.cfg.block_size] for a in at])
         y = np.stack([self.data[a + 1:a + 1 + self.cfg.block_size] for a in at])
@@ -58,11 +62,17 @@ def main() -> int:
     ap.add_argument("--kill", default=None, metavar="RANK:STEP[:EPOCH]")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds each step waits (time to join)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", choices=("char", "gpt2"), default="char",
+                    help="gpt2: GPT-2 124M on random tokens, 4 rows of 64 a step (benchmarks/elastic.py)")
     args = ap.parse_args()
-    cfg = TrainConfig(steps=args.steps, batch_size=8)
-    tok = CharTokenizer()
+    if args.model == "gpt2":
+        cfg = TrainConfig(steps=args.steps, batch_size=4, block_size=64, lr=3e-4)
+        config, data = GPT2Config(), None
+    else:
+        cfg, tok = TrainConfig(steps=args.steps, batch_size=8), CharTokenizer()
+        config, data = model_config(cfg, tok), tok.encode(TEXT)
     dtm.manual_seed(cfg.seed)
-    model = GPT2(model_config(cfg, tok))
+    model = GPT2(config)
     model.train()
     pg = dtm.init()
     net = model
@@ -70,14 +80,14 @@ def main() -> int:
         mesh = dtm.Mesh(pg.axes or {"dp": pg.world_size})
         net = DDP(tensor_parallel(model, mesh, GPT2_PLAN) if "tp" in mesh.shape else model, mesh)
     opt = dtm.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    batches = Batches(cfg, tok)
+    batches = Batches(cfg, data, config.vocab_size)
     if pg.rank == 0 and not pg.joined_running:
         print(f"coordinator {os.environ.get('DTM_COORDINATOR', '')}", flush=True)
     kill = (*map(int, args.kill.split(":")), 1)[:3] if args.kill else None
 
     @dtm.jit
     def train_step(x, y):
-        loss = NF.cross_entropy(net(x).reshape(-1, tok.vocab_size), y.reshape(-1))
+        loss = NF.cross_entropy(net(x).reshape(-1, config.vocab_size), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
