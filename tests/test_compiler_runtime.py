@@ -5,6 +5,7 @@ what they promise. Also the passes' own pieces: the pass list, loop-IR printing.
 from __future__ import annotations
 
 import gc
+import importlib
 import weakref
 
 import numpy as np
@@ -71,6 +72,41 @@ def test_replayed_plan_reads_the_arrays_of_each_call_and_keeps_no_result_alive()
     del y
     gc.collect()
     assert result() is None
+
+
+def test_released_plans_hold_no_input_and_run_again():
+    """After release_plans (a process mesh resized), a cached plan keeps none of its last
+    call's arrays alive (a step's weights of the old shape) and runs again correctly."""
+    from dtm.runtime.backend import release_plans
+
+    f = dtm.jit(lambda x, w: x @ w + 1.0, backend="cpu")
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    f(dtm.from_numpy(x), dtm.from_numpy(w.copy()))
+    held = dtm.from_numpy(w.copy())
+    f(dtm.from_numpy(x), held)
+    last = weakref.ref(held._buffer)
+    del held
+    gc.collect()
+    assert last() is not None  # the plan remembers its last call's arrays
+    release_plans()
+    gc.collect()
+    assert last() is None
+    np.testing.assert_allclose(f(dtm.from_numpy(x), dtm.from_numpy(w)).numpy(), x @ w + 1.0, rtol=1e-5, atol=1e-5)
+
+
+def test_jit_forgets_the_traces_of_an_old_mesh_generation(monkeypatch):
+    """Traces key on the process meshes' generation, which only grows: once a mesh resized,
+    the traces of the old generation can never be called again, and go."""
+    jit_mod = importlib.import_module("dtm.tensor.jit")  # (the package's `jit` is the class)
+    f = dtm.jit(lambda x: x * 2.0, backend="cpu")
+    x = dtm.from_numpy(np.ones(4, np.float32))
+    f(x)
+    f(dtm.from_numpy(np.ones(5, np.float32)))
+    assert len(f.cache) == 2
+    monkeypatch.setattr(jit_mod, "mesh_generation", lambda: 10**6)
+    np.testing.assert_array_equal(f(x).numpy(), np.full(4, 2.0, np.float32))
+    assert len(f.cache) == 1
 
 
 def test_repeat_feeds_a_result_back_as_an_argument():

@@ -84,6 +84,32 @@ def test_successor_waits_for_each_member_then_publishes():
         coord.stop()
 
 
+def test_every_member_lost_while_resizing_ends_the_job():
+    """Both members of a dp=2 mesh (elastic 1:4) die one after the other: the first loss
+    starts a resize, the second leaves nobody who holds the state, so the coordinator
+    ends the job with E1010 at once instead of waiting for rejoins that cannot come."""
+    coord = ElasticCoordinator(2, b"tok", axes=(("dp", 2),), elastic=(1, 4), heartbeat_ms=50,
+                               timeout_ms=5000).start()
+    got: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(
+        r, join(coord.address, b"tok", rank=r, world_size=2, timeout=10))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    try:
+        for r in (0, 1):  # a crash: the connection closes without Leave
+            got[r][0]._sock.close()
+            time.sleep(0.2)
+        assert coord.finished.wait(5)
+        assert coord.error is not None and coord.error.code is E.RESIZE_FAILED
+        assert "every member was lost" in coord.error.message
+    finally:
+        for _m, listener in got.values():
+            listener.close()
+        coord.stop()
+
+
 def test_elastic_policy_round_trips_through_the_environment():
     policy = ElasticPolicy(2, 8, (("dp", 2), ("tp", 2)), ("tp",))
     assert elastic_env(policy.env()) == policy

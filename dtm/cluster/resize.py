@@ -216,7 +216,9 @@ class ElasticCoordinator(Coordinator):
                 self._publish_resized(sorted((c for c in self._rejoined if not c.closed), key=lambda c: c.rank))
             return
         live = self._members()
-        if self._resizing and live and all(c in self._rejoined for c in live):
+        if self._resizing and not live:  # nobody holds the state any more: joiners alone cannot go on
+            self._cannot_resize(list(self._waiting), "every member was lost while it resized")
+        elif self._resizing and all(c in self._rejoined for c in live):
             self._publish_resized(live)
 
     def _publish_resized(self, live: list[_Conn]) -> None:
@@ -287,7 +289,9 @@ class ElasticCoordinator(Coordinator):
             self._check_rejoined()
 
     def _check_finished(self) -> None:
-        if self.view is not None and not self._members() and not self._resizing:
+        if self._resizing:  # the resize ends in a view or in E1010 (_check_rejoined)
+            return
+        if self.view is not None and not self._members():
             for c in self._waiting:
                 self._say_and_close(c, DTMError(E.RESIZE_FAILED, f"the mesh finished (every member left) while "
                                                 f"{c.name} waited to join"))

@@ -44,6 +44,13 @@ def get_backend(name: str | None = None) -> Backend:
     return backend
 
 
+def release_plans() -> None:
+    """Let the `cpu` backend's cached plans drop the memory they keep between runs (their
+    frames, and the last inputs, which hold a step's weights alive): after a process mesh
+    resized, the plans of its old shape would otherwise keep the old shards' memory."""
+    BACKENDS["cpu"].plans.release()
+
+
 def compiled_plan(module: Module, func: str) -> Plan:
     """The `cpu` backend's compiled plan of @func, from its cache: what L0's devices and
     L1's rank run, with their device group in the context."""

@@ -269,6 +269,12 @@ class Plan:
         self.debug = _debug_level()  # DTM_DEBUG as it was when the plan was built
         self._tls = threading.local()
 
+    def release(self) -> None:
+        """Drop what runs keep between calls, on every thread: the frames' memory and the
+        last inputs checked (a step's weights and optimizer state). The next run allocates
+        them anew; the compiled kernels stay."""
+        self._tls = threading.local()
+
     @property
     def kernel_count(self) -> int:
         """Kernels a run launches: compiled ones and fallbacks."""
@@ -663,6 +669,13 @@ class PlanCache:
         self._key = ModuleHashes()
         self._plans: OrderedDict[tuple[str, str], Plan] = OrderedDict()
         self._building: dict[tuple[str, str], threading.Lock] = {}
+
+    def release(self) -> None:
+        """Every cached plan's memory between runs (Plan.release); the plans stay."""
+        with self._lock:
+            plans = list(self._plans.values())
+        for plan in plans:
+            plan.release()
 
     def get(self, module: Module, func: str) -> Plan:
         """The compiled plan of `func` (compiled on first use, then cached)."""

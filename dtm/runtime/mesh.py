@@ -29,6 +29,7 @@ from ..errors import DTMError, ErrorCode as E, user_error
 from ..ir.module import Module
 from ..ir.types import Mesh as IRMesh, Placement, Replicate, Shard, Sharding, TensorType
 from . import l0, l1
+from .backend import release_plans
 from .cpu import ModuleHashes
 from .process_group import ProcessGroup
 
@@ -82,6 +83,7 @@ class DeviceMesh:
         self._ir = IRMesh(IR_NAME, self.axes)
         _BY_IR[id(self._ir)] = self
         _generation += 1
+        release_plans()  # the plans of the old shape held its shards
 
     @staticmethod
     def of(ir_mesh: IRMesh) -> "DeviceMesh | None":

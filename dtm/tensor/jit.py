@@ -112,6 +112,8 @@ class jit:  # noqa: N801 - reads as a decorator, like torch.jit / jax.jit
         traced = self.cache.get(key)
         if traced is not None:
             return traced, False
+        # a process mesh resized since: the traces of its old shapes can never be called again
+        self.cache = {k: t for k, t in self.cache.items() if k[-1] == key[-1]}
         placeholders = [Tensor(a._type) if isinstance(a, Tensor) else a for a in args]
         tensor_args = [p for p in placeholders if isinstance(p, Tensor)]
         for p, a in zip(placeholders, args):
