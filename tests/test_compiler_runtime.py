@@ -109,6 +109,27 @@ def test_jit_forgets_the_traces_of_an_old_mesh_generation(monkeypatch):
     assert len(f.cache) == 1
 
 
+def test_normal_draws_are_the_references_bits():
+    """The cpu backend's normal draws take their Philox words from C (c_random.WORDS): the
+    reference's bits, across the chunks the draw is made in and a counter's 2^32 carry."""
+    from dtm.ref import philox
+
+    m = parse("""dtm 1.0
+
+func @f(%k: u32[2]) -> (f32[1048579]) {
+  %a = random %k {distribution = "normal"} : f32[1048579]
+  return %a
+}
+""")
+    key = np.array([0xDEADBEEF, 7], np.uint32)
+    got = get_backend("cpu").run(m, "f", [key])[0]
+    want = ref_run(m, "f", [key])[0]
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    big = np.array([0xFFFFFFFF, 0x80000005], np.uint32)
+    for a, b in zip(cpu_mod._philox_words(big, 2**32 - 3, 7), philox._words(big, 2**32 - 3, 7)):
+        assert a.tolist() == b.tolist()
+
+
 def test_repeat_feeds_a_result_back_as_an_argument():
     """jit._repeat: n calls as one loop in C, result feed[0] becoming tensor argument feed[1]
     and scalar argument advance[0] growing by advance[1] after each call, against the same

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
-from . import c_bf16, c_move, c_narrow, kernel_cache
+from . import c_bf16, c_move, c_narrow, c_random, kernel_cache
 from .c_runtime import SOURCES as _GEMM_SOURCES
 from .render_c import render_unit, vector_math_decls
 
@@ -44,7 +44,8 @@ log = logging.getLogger("dtm.compiler")
 # the runtime libraries by the name a kernel's CFunction.gemm_dtype gives: f32, f64, the
 # products with narrow weights (c_narrow.py), bf16 x bf16 products (c_bf16.py); "move": the movement steps and the plan's
 # launch loop (c_move.py), which the executor calls
-RUNTIME_SOURCES = {**_GEMM_SOURCES, "narrow": c_narrow.SOURCE, "move": c_move.SOURCE, "bf16": c_bf16.SOURCE}
+RUNTIME_SOURCES = {**_GEMM_SOURCES, "narrow": c_narrow.SOURCE, "move": c_move.SOURCE + c_random.WORDS,
+                   "bf16": c_bf16.SOURCE}
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")

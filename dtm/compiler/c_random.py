@@ -9,7 +9,9 @@ first two words x0, x1 make the value:
     f64: (((x0 << 21) ^ (x1 >> 11)) & (2^53 - 1)) * 2^-53
 
 Normal draws (Box-Muller: log and cos) stay reference steps: libm's last bits are not
-numpy's everywhere.
+numpy's everywhere. Their Philox words come from C all the same (`WORDS`, in the runtime
+library of movement steps, which the executor calls for them): integer arithmetic, the
+reference's bits, 20x numpy's ten rounds of array passes; numpy then does the Box-Muller.
 """
 
 from __future__ import annotations
@@ -48,3 +50,19 @@ def uniform(fn: str, dtype: str) -> str:
             "  uint32_t x0, x1;\n  dtm_philox(k0, k1, i, &x0, &x1);\n"
             "  uint64_t m = (((uint64_t)x0 << 21) ^ ((uint64_t)x1 >> 11)) & ((UINT64_C(1) << 53) - 1);\n"
             "  return (double)m * 0x1p-53;\n}")
+
+
+# dtm_rt_philox_words: the words x0, x1 of elements start .. start + n - 1, as u64 (what
+# dtm.ref.philox's words give), for a draw computed outside the kernels (a normal one).
+WORDS = PHILOX + r"""
+
+void dtm_rt_philox_words(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, uint64_t *x0, uint64_t *x1) {
+  #pragma omp parallel for simd schedule(static) if (n > 65536)
+  for (int64_t j = 0; j < n; j++) {
+    uint32_t a, b;
+    dtm_philox(k0, k1, start + (uint64_t)j, &a, &b);
+    x0[j] = a;
+    x1[j] = b;
+  }
+}
+"""

@@ -54,14 +54,15 @@ def _words(key: np.ndarray, start: int, n: int) -> tuple[np.ndarray, np.ndarray]
     return x0.astype(np.uint64), x1.astype(np.uint64)
 
 
-def _draw(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, values) -> np.ndarray:
+def _draw(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, values, words=_words) -> np.ndarray:
     """An array of `shape` whose element i is values(x0, x1) of Philox's words for index i,
-    computed a chunk at a time."""
+    computed a chunk at a time. `words(key, start, n)`: where the words come from (this
+    module's numpy, or a faster implementation of the same bits)."""
     n = int(np.prod(shape, dtype=np.int64))
     out = np.empty(n, dtype)
     for lo in range(0, n, _CHUNK):
         hi = min(n, lo + _CHUNK)
-        out[lo:hi] = values(*_words(key, lo, hi - lo)).astype(dtype)
+        out[lo:hi] = values(*words(key, lo, hi - lo)).astype(dtype)
     return out.reshape(shape)
 
 
@@ -89,5 +90,5 @@ def _box_muller(x0: np.ndarray, x1: np.ndarray) -> np.ndarray:
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
-def normal(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    return _draw(key, shape, dtype, _box_muller)
+def normal(key: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, words=_words) -> np.ndarray:
+    return _draw(key, shape, dtype, _box_muller, words)

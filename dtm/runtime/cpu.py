@@ -46,7 +46,7 @@ from ..errors import DTMError, ErrorCode as E
 from ..ir.module import Module
 from ..ir.symbolic import SymDim
 from ..ir.types import TensorType
-from ..ref import quant
+from ..ref import philox, quant
 from ..ref.context import RefContext
 from ..ref.interpreter import bind_symbols, check_array, evaluate, out_of_memory, resolve_attrs, resolve_type
 from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
@@ -571,9 +571,10 @@ class Plan:
         attrs = resolve_attrs(op.attrs, bindings) if bindings else op.attrs
         kw = {"in_types": tuple(resolve_type(v.type, bindings) for v in op.operands)} \
             if op.name in TAKES_IN_TYPES else {}
+        impl = _normal_draws if op.name == "random" and attrs["distribution"] == "normal" else IMPLS[op.name]
         try:
             with np.errstate(all="ignore"):
-                outs = IMPLS[op.name](ctx, attrs, *args, out_types=out_types, **kw)
+                outs = impl(ctx, attrs, *args, out_types=out_types, **kw)
         except DTMError as e:
             raise e.in_context(f"@{self.func.name} op {op.name} ({step.name})") from e
         except MemoryError:
@@ -626,6 +627,22 @@ def _move_args(step: MoveStep, bindings: dict) -> list[int]:
 
 def _np_dtype(t: TensorType) -> np.dtype:
     return quant.storage_dtype(t.dtype)
+
+
+def _normal_draws(ctx, attrs, key, *, out_types):
+    """The `random` op's normal draws as the reference makes them (dtm.ref.philox.normal),
+    its Philox words computed in C (c_random.WORDS): the same bits, 4x sooner (GPT-2 124M's
+    initial weights in 4 s instead of 17)."""
+    t = out_types[0]
+    return (philox.normal(key, tuple(t.shape), _np_dtype(t), words=_philox_words),)
+
+
+def _philox_words(key, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    x0, x1 = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    B.runtime_library("move").dtm_rt_philox_words(
+        ctypes.c_uint32(int(key[0]) & 0xFFFFFFFF), ctypes.c_uint32(int(key[1]) & 0xFFFFFFFF), ctypes.c_uint64(start),
+        ctypes.c_int64(n), ctypes.c_void_p(_ptr(x0)), ctypes.c_void_p(_ptr(x1)))
+    return x0, x1
 
 
 def _check_slice(op, bindings: dict) -> None:
