@@ -104,7 +104,8 @@ def main() -> int:
         losses[step] = loss
         print(f"epoch {pg.epoch} rank {pg.rank}/{pg.world_size} {dict(pg.axes)} step {step} loss {loss:.6f} "
               f"t={time.time():.3f}", flush=True)
-        time.sleep(args.sleep)
+        if loss == loss:  # (a step that lost a peer ends at once, its loss NaN: no time to stand for)
+            time.sleep(args.sleep)
     if pg.rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"losses": {str(k): v for k, v in sorted(losses.items())},
