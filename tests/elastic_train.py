@@ -78,7 +78,8 @@ def main() -> int:
     net = model
     if pg.world_size > 1 or pg.joined_running:
         mesh = dtm.Mesh(pg.axes or {"dp": pg.world_size})
-        net = DDP(tensor_parallel(model, mesh, GPT2_PLAN) if "tp" in mesh.shape else model, mesh)
+        net = tensor_parallel(model, mesh, GPT2_PLAN) if "tp" in mesh.shape else model
+        net = DDP(net, mesh) if "dp" in mesh.shape else net
     opt = dtm.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     batches = Batches(cfg, data, config.vocab_size)
     if pg.rank == 0 and not pg.joined_running:

@@ -200,6 +200,27 @@ def test_shrink_dp_x_tp_then_grow(tmp_path):
     assert any("epoch 3 rank 3/4" in line for line in joiners.lines)  # a joiner trained
 
 
+def test_tp_shrinks_to_one_process_and_grows_back(tmp_path):
+    """TP=2 alone (`--elastic 1:4`): the process of rank 1 dies at step 3, and rank 0 goes
+    on alone (TP=1: every piece of the lost rank's half from the snapshot); one rank joins
+    and the mesh is TP=2 again. Same losses as one process."""
+    steps = 14
+    want = _reference(tmp_path, steps)
+    out = tmp_path / "got.json"
+    job = Job(["-n", "2", "--axes", "tp=2", "--elastic", "1:4", SCRIPT, "--steps", str(steps), "--kill", "1:3",
+               "--sleep", "0.3", "--out", str(out)], _env())
+    address = job.wait_for("coordinator ", 120).split()[-1]
+    job.wait_for("mesh resized to epoch 2", 120)
+    joiner = Job(["--join", address, "-n", "1", SCRIPT, "--steps", str(steps), "--sleep", "0.3"], _env())
+    assert joiner.finish() == 0, "".join(joiner.lines[-40:])
+    assert job.finish() == 0, "".join(job.lines[-60:])
+    text = "".join(job.lines)
+    assert "epoch 2: {'tp': 1} (0->0)" in text and "epoch 3: {'tp': 2} (0->0, new->1)" in text, text[-3000:]
+    got = json.loads(out.read_text())
+    _close(got["losses"], want, steps)
+    assert got["axes"] == {"tp": 2} and got["epoch"] == 3
+
+
 def test_shrink_dp_uneven(tmp_path):
     """DP=4 loses a rank: DP=3, the global batch of 8 rows split 3/3/2; same losses."""
     steps = 8

@@ -600,8 +600,10 @@ def carry(everything: bool = False) -> list[Carried]:
     ranks that hold the only copies (the new shape's spares end)."""
     pg = _group()
     ses = _sessions.pop(_session(pg), None)
-    if pg is None or ses is None:
+    if ses is None:
         return []
+    if pg is None:  # a mesh resized down to this one process: its snapshots are in its own memory
+        return [Carried(h.step, h.doc, dict(h.blobs)) for h in ses.held]
     _finish_quietly(ses, pg)
     out = []
     gone = _gone(pg)
@@ -621,6 +623,27 @@ def carry(everything: bool = False) -> list[Carried]:
     return out
 
 
+def _writers(doc: dict) -> list[int]:
+    """The ranks whose blobs a snapshot's manifest reads pieces from."""
+    return sorted({p["owner"] for t in doc["tensors"] for p in t.get("pieces", [])})
+
+
+def _adopt_alone(carried: list[Carried]) -> int:
+    """`adopt` on a mesh resized down to one process: the newest snapshot it carried with
+    every writer's blob (no peer can hold the rest) becomes its one snapshot, read from its
+    own memory as one process's snapshots are."""
+    for c in sorted(carried, key=lambda c: -c.step):
+        writers = _writers(c.doc)
+        if all(o in c.blobs for o in writers):
+            ses = _sessions.get(None) or _new_session(None)
+            ses.held = [_Held(c.step, 0, c.doc, {o: [0] for o in writers}, dict(c.blobs))]
+            return c.step
+    lacking = {c.step: [o for o in _writers(c.doc) if o not in c.blobs] for c in carried}
+    raise NoSnapshot("the mesh is one process now, which holds no complete snapshot: "
+                     + ("; ".join(f"snapshot {s} lacks the pieces of ranks {r}" for s, r in lacking.items())
+                        or "it carried none"))
+
+
 def _finish_quietly(ses: _Session, pg: Any) -> None:
     """Complete the snapshot in flight if the mesh still can; one that cannot is not kept."""
     try:
@@ -634,11 +657,11 @@ def adopt(carried: list[Carried]) -> int:
     none): agree on the newest step that every carrier holds, learn its manifest from new
     rank 0, put the blobs each carries into its own part of the new store, and learn who
     holds which (one all_gather), so that `load(state, "mem://")` reads it laid out on the
-    new mesh. Returns its step. E1405 when no step is held by every carrier
-    or a writer's blob is held by no rank."""
+    new mesh (on a mesh resized down to one process: `_adopt_alone`). Returns its step.
+    E1405 when no step is held by every carrier or a writer's blob is held by no rank."""
     pg = _group()
     if pg is None:
-        raise NoSnapshot("a mesh of one process holds no snapshot from its peers")
+        return _adopt_alone(carried)
     steps = np.full((1, KEEP), -1, np.int64)
     mine = sorted(c.step for c in carried)[-KEEP:]
     steps[0, :len(mine)] = mine
@@ -654,7 +677,7 @@ def adopt(carried: list[Carried]) -> int:
     size = int(pg.broadcast(np.array([len(text)], np.int64), src=0)[0])
     doc_bytes = pg.broadcast(np.frombuffer(text, np.uint8) if pg.rank == 0 else np.empty(size, np.uint8), src=0)
     doc = json.loads(doc_bytes.tobytes())
-    writers = sorted({p["owner"] for t in doc["tensors"] for p in t.get("pieces", [])})
+    writers = _writers(doc)
     width = max(writers, default=-1) + 1
     blobs = chosen.blobs if chosen is not None else {}
     slot = 0
