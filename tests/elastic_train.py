@@ -7,7 +7,8 @@ trained with DDP x tensor parallel over the launch's mesh axes inside `dtm.elast
 
 `--kill RANK:STEP[:EPOCH]` makes the process that is rank RANK of epoch EPOCH (default 1)
 SIGKILL itself at the start of step STEP: a real death, which the others survive (they are
-in the step's collectives when it dies). Batch i is a function of the seed and i alone (`Batches`, whose state
+in the step's collectives when it dies). `--die-resizing RANK`: that rank's process dies as
+its first resize starts (a second failure while the mesh re-forms). Batch i is a function of the seed and i alone (`Batches`, whose state
 travels in the snapshot), so every run sees the same global batches whatever its mesh.
 Rank 0 of the last epoch writes {"losses": {step: loss}, "resizes": [...]} to `--out`;
 every rank prints one line per step.
@@ -56,11 +57,26 @@ class Batches:
         self.i = int(d["i"])
 
 
+def _die_resizing() -> None:
+    """SIGKILL this process as its first resize starts (before it publishes or carries
+    anything): a rank lost while the mesh re-forms."""
+    resize = dtm.elastic._resize
+
+    def die(*a, **k):
+        print(f"dying inside the resize at t={time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return resize(*a, **k)
+
+    dtm.elastic._resize = die
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill", default=None, metavar="RANK:STEP[:EPOCH]")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds each step waits (time to join)")
+    ap.add_argument("--die-resizing", type=int, default=None, metavar="RANK",
+                    help="the process of rank RANK of the first epoch SIGKILLs itself as its first resize starts")
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", choices=("char", "gpt2"), default="char",
                     help="gpt2: GPT-2 124M on random tokens, 4 rows of 64 a step (benchmarks/elastic.py)")
@@ -85,6 +101,8 @@ def main() -> int:
     if pg.rank == 0 and not pg.joined_running:
         print(f"coordinator {os.environ.get('DTM_COORDINATOR', '')}", flush=True)
     kill = (*map(int, args.kill.split(":")), 1)[:3] if args.kill else None
+    if args.die_resizing == pg.rank:  # a second failure, inside the resize of the first
+        _die_resizing()
 
     @dtm.jit
     def train_step(x, y):

@@ -244,6 +244,20 @@ def test_below_the_minimum_ends_every_rank(tmp_path):
     assert "E1010" in text and "at step 2" in text and "needs at least 2" in text, text[-3000:]
 
 
+def test_a_second_failure_during_the_resize_ends_every_rank(tmp_path):
+    """DP=2 x TP=2: rank 3 dies at step 4, and rank 2 dies as the resize starts, before it
+    published its snapshot pieces (their one replica was on rank 3): the state cannot be
+    moved, so the two survivors end with E1010 naming the step and the ranks, never a hang."""
+    job = Job(["-n", "4", "--axes", "dp=2,tp=2", "--elastic", "2:8", SCRIPT, "--steps", "12", "--kill", "3:4",
+               "--die-resizing", "2"], _env())
+    code = job.finish()
+    text = "".join(job.lines)
+    assert code != 0, text[-3000:]
+    ended = [line for line in job.lines if "E1010" in line and "the resize at step 4 failed" in line]
+    assert {line.split("]")[0] for line in ended} >= {"[rank 0", "[rank 1"}, text[-3000:]
+    assert all("this process was rank" in line for line in ended)
+
+
 def _coordinator(env: dict[str, str], *args: str) -> tuple[subprocess.Popen, str]:
     """`dtm coordinator` in its own process, and the address it listens at."""
     coord = subprocess.Popen([DTM, "coordinator", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -214,20 +214,24 @@ def _job_token(address: str) -> str:
 
 def _elastic_report(coord: ElasticCoordinator | None, procs: list[subprocess.Popen], stderr: IO[str]) -> int:
     """An elastic job's last word: its resizes (when the launcher ran its coordinator), how
-    each process ended; 0 when the mesh finished (whatever it lost on the way), else 1."""
+    each process ended; 0 when the mesh finished (whatever it lost on the way), else 1. A
+    process ended by a signal was lost and the job went on without it; one that exited
+    non-zero failed on its own (a resize that could not complete: E1010)."""
     ended = ", ".join(f"process {k} {_status(p.returncode)}" for k, p in enumerate(procs))
     resizes = "; ".join(coord.resizes) if coord is not None and coord.resizes else "none"
+    failed = [k for k, p in enumerate(procs) if p.returncode is not None and p.returncode > 0]
     if coord is not None and coord.error is not None:
         stderr.write(f"dtm launch: the elastic job failed: {coord.error}; resizes: {resizes}; {ended}\n")
         return 1
-    if coord is not None and coord.resizes:
+    if failed:
+        stderr.write(f"dtm launch: the elastic job failed: process(es) {failed} exited non-zero (their errors are "
+                     f"above); resizes: {resizes}; {ended}\n")
+    elif coord is not None and coord.resizes:
         stderr.write(f"dtm launch: the elastic job finished after {len(coord.resizes)} resize(s): {resizes}; "
                      f"{ended}\n")
     elif coord is None and any(p.returncode for p in procs):
-        stderr.write(f"dtm launch: the elastic job ended: {ended}\n")
-    # a process ended by a signal was lost and the job went on without it; one that exited
-    # non-zero failed on its own
-    return 1 if any(p.returncode is not None and p.returncode > 0 for p in procs) else 0
+        stderr.write(f"dtm launch: the elastic job finished: {ended}\n")
+    return 1 if failed else 0
 
 
 def _goes_on(on_failure: str | None, run: str) -> bool:
