@@ -7,7 +7,8 @@ trained with DDP x tensor parallel over the launch's mesh axes inside `dtm.elast
 
 `--kill RANK:STEP[:EPOCH]` makes the process that is rank RANK of epoch EPOCH (default 1)
 SIGKILL itself at the start of step STEP: a real death, which the others survive (they are
-in the step's collectives when it dies). `--die-resizing RANK`: that rank's process dies as
+in the step's collectives when it dies); with `--hang` it stops instead (SIGSTOP), a hang
+that only the heartbeat bound reveals. `--die-resizing RANK`: that rank's process dies as
 its first resize starts (a second failure while the mesh re-forms). Batch i is a function of the seed and i alone (`Batches`, whose state
 travels in the snapshot), so every run sees the same global batches whatever its mesh.
 Rank 0 of the last epoch writes {"losses": {step: loss}, "resizes": [...]} to `--out`;
@@ -75,6 +76,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill", default=None, metavar="RANK:STEP[:EPOCH]")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds each step waits (time to join)")
+    ap.add_argument("--hang", action="store_true", help="--kill stops the process (SIGSTOP) instead: a hang")
     ap.add_argument("--die-resizing", type=int, default=None, metavar="RANK",
                     help="the process of rank RANK of the first epoch SIGKILLs itself as its first resize starts")
     ap.add_argument("--out", default=None)
@@ -116,8 +118,9 @@ def main() -> int:
     state = {"model": model, "optim": opt, "batches": batches}
     for step in dtm.elastic.steps(state, total=cfg.steps, snapshot_every=1):
         if kill is not None and (pg.rank, step, pg.epoch) == kill:
-            print(f"killing myself at t={time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)  # the others are inside the step's collectives by now
+            how = signal.SIGSTOP if args.hang else signal.SIGKILL
+            print(f"{'stopping' if args.hang else 'killing'} myself at t={time.time():.3f}", flush=True)
+            os.kill(os.getpid(), how)  # the others are inside the step's collectives by now
         x, y = next(batches)
         loss = train_step(dtm.tensor(x), dtm.tensor(y)).item()
         losses[step] = loss

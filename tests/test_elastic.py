@@ -234,6 +234,23 @@ def test_shrink_dp_uneven(tmp_path):
     assert got["axes"] == {"dp": 3}
 
 
+def test_a_hung_rank_is_lost_at_the_heartbeat_bound(tmp_path):
+    """DP=2: the process of rank 1 stops (SIGSTOP) at step 3, its sockets open: the
+    coordinator declares it lost once its heartbeats are 3 s late, and rank 0 goes on alone
+    from the snapshot (the stopped process's store part cannot answer; the replica of its
+    pieces on rank 0 is read instead). Same losses; the launcher ends the stopped process."""
+    steps = 8
+    want = _reference(tmp_path, steps)
+    out = tmp_path / "got.json"
+    job = Job(["-n", "2", "--axes", "dp=2", "--elastic", "1:4", SCRIPT, "--steps", str(steps), "--kill", "1:3",
+               "--hang", "--out", str(out)], _env())
+    assert job.finish() == 0, "".join(job.lines[-60:])
+    text = "".join(job.lines)
+    assert "no Heartbeat for" in text and "epoch 2: {'dp': 1} (0->0)" in text, text[-3000:]
+    got = json.loads(out.read_text())
+    _close(got["losses"], want, steps)
+
+
 def test_below_the_minimum_ends_every_rank(tmp_path):
     """Two ranks, at least two: losing one leaves too few; the survivor ends with E1010
     naming the ranks and the step, never a hang."""

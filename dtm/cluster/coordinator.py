@@ -129,6 +129,7 @@ class Coordinator:
         self._unranked: list[_Conn] = []        # joined ranks that let the coordinator choose
         self.view: MeshView | None = None
         self.lost: dict[int, str] = {}
+        self.lost_pids: dict[int, str] = {}     # the same notices by the process id each member joined with
         self.left: set[int] = set()
         self.cancelled: tuple[int, str] | None = None  # (who: a rank or COMMAND_LINE, reason) of the job's cancel
         self.error: DTMError | None = None
@@ -453,6 +454,8 @@ class Coordinator:
         last = c.last_beat.last_op if c.last_beat is not None and c.last_beat.last_op else "none reported"
         notice = DTMError(E.PEER_LOST, f"the coordinator lost {c.name}: {why}; its last operation was {last}")
         self.lost[c.rank] = notice.message
+        if c.join is not None:
+            self.lost_pids[c.join.pid] = notice.message
         log.warning("coordinator: %s", notice.message)
         for o in self._members():
             self._send(o, o.control.encode(Error.from_exception(notice, c.rank)))

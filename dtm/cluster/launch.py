@@ -170,8 +170,8 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         cancelled = (lambda: coord.cancelled is not None) if coord is not None else (lambda: False)
         goes_on = (lambda: True) if elastic is not None or join is not None else \
             (lambda: cancelled() or _goes_on(on_failure, run))
-        # an elastic mesh renumbers its ranks at each resize: its coordinator's ranks are not ours
-        lost = coord.lost if coord is not None and elastic is None else {}
+        # an elastic mesh renumbers its ranks at each resize: its lost members are found by pid
+        lost = {} if coord is None else coord.lost if elastic is None else _LostByPid(coord, procs)
         failed, went_on = _watch(procs, interrupted, lost, goes_on)
     finally:
         _end(procs, grace)
@@ -232,6 +232,28 @@ def _elastic_report(coord: ElasticCoordinator | None, procs: list[subprocess.Pop
     elif coord is None and any(p.returncode for p in procs):
         stderr.write(f"dtm launch: the elastic job finished: {ended}\n")
     return 1 if failed else 0
+
+
+class _LostByPid(Mapping):
+    """The processes (by index in `procs`) that the coordinator declared lost, found by the
+    pid each joined with: an elastic mesh renumbers its ranks at each resize. Read live (the
+    coordinator's thread adds to it)."""
+
+    def __init__(self, coord: Coordinator, procs: list[subprocess.Popen]):
+        self.coord, self.procs = coord, procs
+
+    def _found(self) -> dict[int, str]:
+        pids = dict(self.coord.lost_pids)
+        return {k: pids[p.pid] for k, p in enumerate(self.procs) if p.pid in pids}
+
+    def __getitem__(self, k: int) -> str:
+        return self._found()[k]
+
+    def __iter__(self):
+        return iter(self._found())
+
+    def __len__(self) -> int:
+        return len(self._found())
 
 
 def _goes_on(on_failure: str | None, run: str) -> bool:
