@@ -136,7 +136,8 @@ class RankEnv:
 
 
 def rank_env(environ: Mapping[str, str] = os.environ) -> RankEnv:
-    """The DTM_* variables of `environ`, checked (E1005 naming the variable on a bad one)."""
+    """The DTM_* variables of `environ`, checked (E1005 naming the variable on a bad one).
+    (`dtm.init()` adds those another launcher's variables give: launchers.py.)"""
     text = environ.get("DTM_COORDINATOR", "").strip()
     coordinator = parse_address(text, "DTM_COORDINATOR") if text else None
     world_size = _int(environ, "DTM_WORLD_SIZE", 0, 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import socket
 import threading
 import time
@@ -38,6 +39,7 @@ from ..cluster.activity import activity
 from ..cluster.cancel import Cancelled
 from ..cluster.coordinator import Coordinator
 from ..cluster.env import Axes, metrics_env, rank_env
+from ..cluster.launchers import with_launcher
 from ..cluster.heartbeat import Figures
 from ..cluster.launch import declare_elastic
 from ..cluster.membership import Membership, join
@@ -395,7 +397,7 @@ def init(timeout: float | None = None, *, op_timeout: float = DEFAULT_TIMEOUT_S,
     with _lock:
         if _current is not None:
             return _current
-        env = rank_env()
+        env = rank_env(with_launcher(os.environ))  # (torchrun's, Slurm's or Open MPI's variables too)
         timeout = DEFAULT_INIT_TIMEOUT_S if timeout is None else float(timeout)
         if env.single:
             pg = ProcessGroup(0, 1)

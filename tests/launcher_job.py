@@ -1,0 +1,16 @@
+"""A job for tests/test_launchers.py, started by another launcher (torchrun, or Slurm's
+variables set by hand): `dtm.init()` takes its rank, world size and coordinator from them;
+each rank all_reduces a rank-dependent array and prints one JSON line."""
+
+import json
+import sys
+
+import numpy as np
+
+import dtm
+
+pg = dtm.init(timeout=60)
+x = np.arange(4, dtype=np.float32) * (pg.rank + 1)
+line = json.dumps({"rank": pg.rank, "world": pg.world_size, "sum": pg.all_reduce(x).tolist()}) + "\n"
+sys.stdout.write(line)  # one write: the ranks of a launcher may share one pipe
+sys.stdout.flush()
