@@ -16,7 +16,8 @@ printable-ASCII vocabulary (~100 ids) would save only the embedding rows and log
 and the output projection is a small part of the step at this model size.
 
 Run alone (`python examples/demo_corpus.py`), it does stages 1 and 5 on one process, with a
-plain single-process training between them: ingest, train `DEMO` from the Loader, save a
+plain single-process training between them (`--ingest DIR`: stage 1 alone, the first step
+of the cluster jobs in examples/cluster/): ingest, train `DEMO` from the Loader, save a
 checkpoint, load it into a fresh model and sample. `DEMO` is the configuration the
 distributed demo trains too.
 """
@@ -268,7 +269,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=DEMO.steps)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default=None, help="directory for the store and the checkpoint (default: a temporary one)")
+    ap.add_argument("--ingest", default=None, metavar="DIR",
+                    help="only ingest the corpus into DIR/store and exit (a cluster job's first step)")
     args = ap.parse_args()
+    if args.ingest:
+        st = dtm.store.open(os.path.join(args.ingest, "store"))
+        m = ingest_corpus(st, "corpus", workers=args.workers)
+        print(f"ingested {len(m.shards)} files into {args.ingest}/store; unigram entropy "
+              f"{unigram_entropy(st, 'corpus'):.3f} nats/token", flush=True)
+        st.close()
+        return 0
     cfg = TrainConfig(**{**DEMO.__dict__, "steps": args.steps})
     say = lambda s: print(s, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="dtm-demo-") as tmp:
