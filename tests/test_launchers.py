@@ -121,3 +121,25 @@ def test_a_job_under_torchrun():
                        text=True, timeout=TIMEOUT_S, env=_clean_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _check(r.stdout.splitlines(), 3)
+
+
+def test_two_ranks_with_the_same_rank():
+    """torchrun's variables set by hand, with RANK 1 given to two processes: the coordinator
+    admits one and refuses the other with E1004 before it joins (no data moves to or from
+    it); the mesh of ranks 0 and 1 runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # DTM's coordinator takes MASTER_PORT + 1
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "TORCHELASTIC_RUN_ID": "t",
+           "LINGER": "5"}  # (the mesh stays while the second RANK 1 comes: its refusal, not a coordinator gone)
+    procs = [subprocess.Popen([sys.executable, JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_clean_env(RANK=r, **env)) for r in ("0", "1", "1")]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
+        finally:
+            p.kill()
+    refused = [o for p, o in zip(procs, outs) if p.returncode != 0]
+    assert len(refused) == 1 and "E1004" in refused[0] and "rank 1" in refused[0], outs
+    _check("".join(o for p, o in zip(procs, outs) if p.returncode == 0).splitlines(), 2)
