@@ -48,7 +48,7 @@ from ..runtime import process_group
 from ..runtime.mesh import Shards
 from ..store import sharded
 from ..store.crc import checksum as crc32c
-from ..store.errors import KeyLost, KeyMissing
+from ..store.errors import KeyLost, KeyMissing, StoreCorrupt
 from ..store.store import as_distributed, as_store_dtype
 from . import manifest as mf
 from .errors import CheckpointInvalid, NoSnapshot, SnapshotFailed
@@ -617,8 +617,8 @@ def carry(everything: bool = False) -> list[Carried]:
                 continue
             try:  # (from this rank's own part, its put may not have landed: another holder may have it)
                 blobs[owner] = _get_blob(snap.slot, owner, fetch, lambda: not everything)
-            except (KeyMissing, KeyLost):
-                continue
+            except (KeyMissing, KeyLost, StoreCorrupt):  # (a dead writer's version collected as it was read)
+                continue  # this snapshot lacks the blob here: adopt() takes one that has all, or says none does
         out.append(Carried(snap.step, snap.doc, blobs))
     return out
 

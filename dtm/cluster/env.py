@@ -33,7 +33,8 @@ from .heartbeat import HEARTBEAT_MS, TIMEOUT_MS
 Axes = tuple[tuple[str, int], ...]
 
 
-def _bad(name: str, value: str, want: str) -> DTMError:
+def bad_variable(name: str, value: str, want: str) -> DTMError:
+    """E1005 for environment variable `name`, whose `value` is not the `want`ed kind."""
     return DTMError(E.NOT_INITIALIZED, f"{name}={value!r}: expected {want}")
 
 
@@ -42,7 +43,7 @@ def parse_address(text: str, name: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _bad(name, text, "HOST:PORT with a port from 1 to 65535")
+        raise bad_variable(name, text, "HOST:PORT with a port from 1 to 65535")
     return host, int(port)
 
 
@@ -52,7 +53,7 @@ def parse_axes(text: str, name: str = "axes") -> Axes:
     for item in filter(None, (s.strip() for s in text.split(","))):
         axis, sep, size = item.partition("=")
         if not sep or not axis.isidentifier() or not size.isdigit() or int(size) < 1:
-            raise _bad(name, text, "NAME=SIZE pairs separated by commas, e.g. dp=2,tp=2")
+            raise bad_variable(name, text, "NAME=SIZE pairs separated by commas, e.g. dp=2,tp=2")
         axes.append((axis, int(size)))
     return tuple(axes)
 
@@ -62,7 +63,7 @@ def _int(environ: Mapping[str, str], name: str, default: int, least: int) -> int
     if not value:
         return default
     if not value.lstrip("-").isdigit() or int(value) < least:
-        raise _bad(name, value, f"an integer of at least {least}")
+        raise bad_variable(name, value, f"an integer of at least {least}")
     return int(value)
 
 
@@ -78,7 +79,7 @@ def metrics_env(environ: Mapping[str, str] = os.environ) -> tuple[str, int] | No
         return None
     port = _int(environ, "DTM_METRICS_PORT", 0, 0)
     if port > 65535:
-        raise _bad("DTM_METRICS_PORT", str(port), "a port from 0 to 65535")
+        raise bad_variable("DTM_METRICS_PORT", str(port), "a port from 0 to 65535")
     return environ.get("DTM_METRICS_HOST", "").strip() or "127.0.0.1", port
 
 
@@ -107,7 +108,7 @@ def elastic_env(environ: Mapping[str, str] = os.environ) -> ElasticPolicy | None
         return None
     least, sep, most = text.partition(":")
     if not sep or not least.isdigit() or not most.isdigit() or not 1 <= int(least) <= int(most):
-        raise _bad("DTM_ELASTIC", text, "MIN:MAX with 1 <= MIN <= MAX")
+        raise bad_variable("DTM_ELASTIC", text, "MIN:MAX with 1 <= MIN <= MAX")
     give_way = tuple(filter(None, (s.strip() for s in environ.get("DTM_GIVE_WAY", "").split(","))))
     return ElasticPolicy(int(least), int(most), parse_axes(environ.get("DTM_ELASTIC_AXES", ""), "DTM_ELASTIC_AXES"),
                          give_way)
@@ -143,7 +144,7 @@ def rank_env(environ: Mapping[str, str] = os.environ) -> RankEnv:
     world_size = _int(environ, "DTM_WORLD_SIZE", 0, 1)
     rank = _int(environ, "DTM_RANK", -1, 0)
     if world_size and rank >= world_size:
-        raise _bad("DTM_RANK", str(rank), f"a rank below DTM_WORLD_SIZE={world_size}")
+        raise bad_variable("DTM_RANK", str(rank), f"a rank below DTM_WORLD_SIZE={world_size}")
     if coordinator is None and world_size > 1:
         raise DTMError(E.NOT_INITIALIZED, f"DTM_WORLD_SIZE={world_size} but DTM_COORDINATOR is not set: ranks find "
                                           "each other through the coordinator (or start them with `dtm launch`)")

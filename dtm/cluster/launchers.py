@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 
 from ..errors import DTMError, ErrorCode as E
-from .env import _bad
+from .env import bad_variable
 
 SLURM_PORT_BASE = 20000  # Slurm jobs without MASTER_PORT: 20000 + SLURM_JOB_ID mod 10000
 
@@ -55,9 +55,9 @@ def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
 def _translate(environ: Mapping[str, str], launcher: str, rank_var: str, size_var: str, job_var: str) -> dict:
     rank, size = (_count(environ, v) for v in (rank_var, size_var))
     if size < 1:
-        raise _bad(size_var, environ[size_var], f"a world size of at least 1 ({launcher})")
+        raise bad_variable(size_var, environ[size_var], f"a world size of at least 1 ({launcher})")
     if rank >= size:
-        raise _bad(rank_var, environ[rank_var], f"a rank below {size_var}={size} ({launcher})")
+        raise bad_variable(rank_var, environ[rank_var], f"a rank below {size_var}={size} ({launcher})")
     if size == 1:
         return {}
     host = environ.get("MASTER_ADDR", "").strip()
@@ -81,7 +81,7 @@ def _translate(environ: Mapping[str, str], launcher: str, rank_var: str, size_va
 def _count(environ: Mapping[str, str], name: str) -> int:
     text = environ[name].strip()
     if not text.isdigit():
-        raise _bad(name, text, "a non-negative integer")
+        raise bad_variable(name, text, "a non-negative integer")
     return int(text)
 
 
@@ -90,7 +90,7 @@ def _port(environ: Mapping[str, str], launcher: str) -> int:
         text = environ.get(name, "").strip()
         if text:
             if not text.isdigit() or not 0 < int(text) + offset < 65536:
-                raise _bad(name, text, "a port from 1 to 65534")
+                raise bad_variable(name, text, "a port from 1 to 65534")
             return int(text) + offset
     job = environ.get("SLURM_JOB_ID", "").strip()
     if launcher == "Slurm" and job.isdigit():

@@ -213,7 +213,10 @@ class ElasticCoordinator(Coordinator):
         if self._absent is not None:  # a successor publishes once every member of epoch E is back or late
             if not self._absent:
                 self._absent = None
-                self._publish_resized(sorted((c for c in self._rejoined if not c.closed), key=lambda c: c.rank))
+                back = sorted((c for c in self._rejoined if not c.closed), key=lambda c: c.rank)
+                if not back:
+                    return self._cannot_resize(list(self._waiting), "no member reconnected to the successor")
+                self._publish_resized(back)
             return
         live = self._members()
         if self._resizing and not live:  # nobody holds the state any more: joiners alone cannot go on
