@@ -306,3 +306,32 @@ def test_zero_dim_operands_keep_their_shape():
         assert out[r][0].shape == () and float(out[r][0]) == 6.0
         assert out[r][1].shape == () and float(out[r][1]) == 2.0
     assert out[0][2].shape == () and float(out[0][2]) == 6.0
+
+
+def test_a_collective_that_starts_before_a_peer_is_ready():
+    """A rank whose transport has no handler yet (it is still setting up, as a rank of
+    another host attaching shared memory is) keeps the control frames of a collective a
+    faster peer started, and its Communicator handles them once it exists: the collective
+    completes. Past MAX_HELD_CONTROLS such frames, E0911."""
+    from dtm.comm.transport import MAX_HELD_CONTROLS
+    from dtm.protocol.frame import MsgType
+
+    t0, t1 = InprocHub(2).transports(timeout=10)
+    out: dict[int, np.ndarray] = {}
+    fast = threading.Thread(target=lambda: out.__setitem__(0, Communicator(t0).all_reduce(np.ones(4, np.float32))))
+    fast.start()
+    deadline = 100
+    while not t1.hub.inbox[1] and deadline:  # rank 0's descriptor (and data) reach rank 1 first
+        threading.Event().wait(0.01)
+        deadline -= 1
+    t1.poll("setting up")  # rank 1 reads them before it has a Communicator: held, not refused
+    out[1] = Communicator(t1).all_reduce(np.full(4, 2, np.float32))
+    fast.join(10)
+    np.testing.assert_array_equal(out[0], np.full(4, 3, np.float32))
+    np.testing.assert_array_equal(out[1], np.full(4, 3, np.float32))
+    t2, t3 = InprocHub(2).transports(timeout=10)
+    for _ in range(MAX_HELD_CONTROLS + 1):
+        t2.send(1, 5, MsgType.COLLECTIVE_START, [b"x"])
+    with pytest.raises(DTMError) as e:
+        t3.poll("setting up")
+    assert e.value.code is ErrorCode.UNEXPECTED_MESSAGE and "before anything on this rank" in e.value.message

@@ -51,6 +51,7 @@ P2P_STREAM = 1  # the stream of point-to-point transfers (collectives use others
 DEFAULT_MAX_UNEXPECTED = 1 << 30
 DATA_HEADER = struct.Struct("<QIIQQ")  # seq, chunk, step, offset, nbytes: the layout of messages.Data
 assert DATA_HEADER.size == DATA_HEADER_SIZE
+MAX_HELD_CONTROLS = 64  # control frames (each at most one control payload) kept until a handler is set
 
 
 class PeerLost(DTMError):
@@ -119,6 +120,7 @@ class Transport(ABC):
         self._unexpected_bytes = 0
         self._completed: collections.deque[Handle] = collections.deque()
         self._control: ControlHandler | None = None
+        self._held_controls: list[tuple[int, MsgType, int, bytes]] = []  # frames that came before the handler
         self.failed: DTMError | None = None  # set once; every later wait raises CollectiveAborted
         self.max_data = 1 << 30  # the most tensor bytes one Data frame may carry to any peer
         self.bytes_sent = 0
@@ -225,12 +227,23 @@ class Transport(ABC):
 
     def _deliver_control(self, peer: int, msg_type: MsgType, stream: int, payload: bytes) -> None:
         if self._control is None:
-            raise DTMError(E.UNEXPECTED_MESSAGE, f"{self.peer_name(peer)} sent a {msg_type.name} frame and "
-                           "nothing on this rank handles it")
+            # A peer that finished connecting first may start a collective while this rank still
+            # sets its transport up (attaching shared memory, say): its frames wait for the
+            # handler, a bounded number of them.
+            if len(self._held_controls) >= MAX_HELD_CONTROLS:
+                raise DTMError(E.UNEXPECTED_MESSAGE, f"{self.peer_name(peer)} sent a {msg_type.name} frame, one of "
+                               f"more than {MAX_HELD_CONTROLS} before anything on this rank could handle them")
+            self._held_controls.append((peer, msg_type, stream, bytes(payload)))
+            return
         self._control(peer, msg_type, stream, payload)
 
     def on_control(self, handler: ControlHandler | None) -> None:
+        """Hand every control frame to `handler` from now on, first those that came before."""
         self._control = handler
+        held, self._held_controls = self._held_controls, []
+        if handler is not None:
+            for frame in held:
+                handler(*frame)
 
     # --- waiting ------------------------------------------------------------------------
 
