@@ -108,6 +108,7 @@ class _P2PWait:
     expect: tuple
     out: np.ndarray | None
     kind: str = "recv"
+    stream: int = P2P_STREAM  # (the announcement comes on the point-to-point stream: by channel from this host)
     done: bool = False
     result: np.ndarray | None = None
     meta: P2PSend | None = None  # the announcement it took (its `crc` is checked once the bytes landed)

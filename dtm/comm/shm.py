@@ -52,6 +52,7 @@ CHANNEL_BYTES = 1 << 20     # the ring of each point-to-point channel (one per o
 SMALL_BYTES = 32 << 10      # rounds below this are reduced by every member in full
 SPILL_BYTES = 64            # a broadcast's bytes past whole slots that ride in its last round's result slot
 SLICE_S = 0.05              # longest futex sleep between looks at the sockets
+MIXED_WAIT_S = 0.0005       # waiting for frames of both kinds: the sockets' wait between looks at the channels
 DESC_BYTES = 68 << 10       # room for one member's descriptor, but for its group list (4 bytes a member)
 _MAGIC = 0x44544D53484D3031  # "DTMSHM01"
 POSTED, REDUCED, CONSUMED = 0, 1, 2
@@ -387,9 +388,12 @@ class ShmTransport(TcpTransport):
             self.shared_bytes_sent += nbytes
 
     def _progress(self, deadline: float, waiting: Iterable[Handle], op: str) -> None:
-        """Move the channels' frames, then the sockets'. While it waits for a peer whose
-        frames come through a channel, the rank sleeps on its futex word in slices of
-        SLICE_S and looks at the sockets between them (PeerLost, Error)."""
+        """Move the channels' frames, then the sockets'. While it waits only for frames that
+        come through a channel (point-to-point frames of a peer on this host), the rank
+        sleeps on its futex word in slices of SLICE_S and looks at the sockets between them
+        (PeerLost, Error); while it waits only for frames that come by socket (a peer on
+        another host, or a collective's frames when its group spans hosts), on the sockets;
+        for both, on the sockets in slices of MIXED_WAIT_S, looking at the channels between."""
         if self._channels is None:
             return super()._progress(deadline, waiting, op)
         waiting = list(waiting)
@@ -399,9 +403,12 @@ class ShmTransport(TcpTransport):
         now = time.monotonic()
         if moved:
             return super()._progress(now, waiting, op)  # the sockets too, without sleeping
-        if not any(h.peer in self._channel_conns for h in waiting):
+        by_channel = [h.stream == P2P_STREAM and h.peer in self._channel_conns for h in waiting if not h.done]
+        if not any(by_channel):
             writing = any(c.out for c in self._channel_conns.values())  # come back soon to push them
             return super()._progress(min(deadline, now + SLICE_S) if writing else deadline, waiting, op)
+        if not all(by_channel):
+            return super()._progress(min(deadline, now + MIXED_WAIT_S), waiting, op)
         super()._progress(now, waiting, op)
         if not any(h.done for h in waiting):
             self._channels.bell.wait(seen, max(0.0, min(SLICE_S, deadline - time.monotonic())))
