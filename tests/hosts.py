@@ -10,6 +10,8 @@ kernels lack (`netem_missing()` says so, and a link that needs it raises Unshape
         p = hosts.run(0, [sys.executable, "job.py"], env)     # a process on host 0
         hosts.address(1)                                      # "10.77.0.2"
 
+`LOOPBACK_ONLY` runs one command in a namespace with only loopback (`loopback_only_missing()`
+says why it cannot), for peers that probe the machine's interfaces (gloo, Ray, torchrun).
 `why_not()` says why namespaces cannot be made here (not root, no `ip`/`tc`/`unshare`), for
 a test to skip with. It needs root (as CI and a developer's machine have).
 """
@@ -79,6 +81,22 @@ def why_not() -> str | None:
         return f"ip netns add is not permitted here: {r.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
+
+
+# A command run alone in a network namespace with only loopback (gloo, Ray and torchrun's
+# agent probe or bind the machine's other interfaces otherwise): LOOPBACK_ONLY + [cmd, ...]
+LOOPBACK_ONLY = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+
+
+def loopback_only_missing() -> str | None:
+    """None when a loopback-only namespace (LOOPBACK_ONLY) can be made here, else why not."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare or ip is not installed"
+    try:
+        r = subprocess.run([*LOOPBACK_ONLY, "true"], capture_output=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "unshare -n did not answer within 20 s"
+    return None if r.returncode == 0 else f"unshare -n is not permitted here: {r.stderr.decode().strip()}"
 
 
 def _ip(*args: str, ns: str | None = None) -> None:
@@ -157,4 +175,5 @@ class Hosts:
         return p
 
 
-__all__ = ["Hosts", "Link", "Unshapeable", "why_not", "netem_missing", "SUBNET"]
+__all__ = ["Hosts", "Link", "Unshapeable", "why_not", "netem_missing", "loopback_only_missing", "LOOPBACK_ONLY",
+           "SUBNET"]

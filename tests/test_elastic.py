@@ -175,49 +175,46 @@ def _close(got: dict[str, float], want: dict[str, float], steps: int) -> None:
     assert not bad, f"losses differ from the single-process run: {bad}"
 
 
+def _shrink_then_grow(tmp_path: pathlib.Path, steps: int, launch: list[str], kill: str, joiners: int) -> \
+        tuple[str, dict, list[str]]:
+    """A `dtm launch` of `launch` whose rank `kill` (RANK:STEP) dies, then `joiners` ranks started
+    with --join once the mesh resized; both must succeed, and every step's loss must equal
+    the single-process run's. The job's output, its rank 0's result file, the joiners' lines."""
+    want = _reference(tmp_path, steps)
+    out = tmp_path / "got.json"
+    job = Job([*launch, SCRIPT, "--steps", str(steps), "--kill", kill, "--sleep", "0.3", "--out", str(out)], _env())
+    address = job.wait_for("coordinator ", 120).split()[-1]
+    job.wait_for("mesh resized to epoch 2", 120)
+    joined = Job(["--join", address, "-n", str(joiners), SCRIPT, "--steps", str(steps), "--sleep", "0.3"], _env())
+    assert joined.finish() == 0, "".join(joined.lines[-40:])
+    assert job.finish() == 0, "".join(job.lines[-60:])
+    got = json.loads(out.read_text())
+    _close(got["losses"], want, steps)
+    return "".join(job.lines), got, joined.lines
+
+
 def test_shrink_dp_x_tp_then_grow(tmp_path):
     """DP=2 x TP=2; the process of rank 3 dies at step 4: the TP group it was in re-forms
     from the survivors' pieces and the snapshot's, as DP=1 x TP=2 (a spare ends); two ranks
     join: DP=2 x TP=2 again, the joiners' pieces from their peers. Every step's loss equals
     the single-process run's."""
     steps = 20
-    want = _reference(tmp_path, steps)
-    out = tmp_path / "got.json"
-    job = Job(["-n", "4", "--axes", "dp=2,tp=2", "--elastic", "2:8", SCRIPT, "--steps", str(steps), "--kill", "3:4",
-               "--sleep", "0.3", "--out", str(out)], _env())
-    address = job.wait_for("coordinator ", 120).split()[-1]
-    job.wait_for("mesh resized to epoch 2", 120)
-    joiners = Job(["--join", address, "-n", "2", SCRIPT, "--steps", str(steps), "--sleep", "0.3"], _env())
-    assert joiners.finish() == 0, "".join(joiners.lines[-40:])
-    assert job.finish() == 0, "".join(job.lines[-60:])
-    text = "".join(job.lines)
+    text, got, joined = _shrink_then_grow(tmp_path, steps, ["-n", "4", "--axes", "dp=2,tp=2", "--elastic", "2:8"],
+                                          kill="3:4", joiners=2)
     assert "epoch 2: {'dp': 1, 'tp': 2} (0->0, 1->1); 1 spare ended" in text, text[-3000:]
     assert "epoch 3: {'dp': 2, 'tp': 2} (0->0, 1->1, new->2, new->3)" in text, text[-3000:]
-    got = json.loads(out.read_text())
-    _close(got["losses"], want, steps)
     assert got["axes"] == {"dp": 2, "tp": 2} and got["epoch"] == 3
     assert "the in-memory snapshot of step 4" in got["resizes"][0]   # the interrupted step, redone
-    assert any("epoch 3 rank 3/4" in line for line in joiners.lines)  # a joiner trained
+    assert any("epoch 3 rank 3/4" in line for line in joined)  # a joiner trained
 
 
 def test_tp_shrinks_to_one_process_and_grows_back(tmp_path):
     """TP=2 alone (`--elastic 1:4`): the process of rank 1 dies at step 3, and rank 0 goes
     on alone (TP=1: every piece of the lost rank's half from the snapshot); one rank joins
     and the mesh is TP=2 again. Same losses as one process."""
-    steps = 14
-    want = _reference(tmp_path, steps)
-    out = tmp_path / "got.json"
-    job = Job(["-n", "2", "--axes", "tp=2", "--elastic", "1:4", SCRIPT, "--steps", str(steps), "--kill", "1:3",
-               "--sleep", "0.3", "--out", str(out)], _env())
-    address = job.wait_for("coordinator ", 120).split()[-1]
-    job.wait_for("mesh resized to epoch 2", 120)
-    joiner = Job(["--join", address, "-n", "1", SCRIPT, "--steps", str(steps), "--sleep", "0.3"], _env())
-    assert joiner.finish() == 0, "".join(joiner.lines[-40:])
-    assert job.finish() == 0, "".join(job.lines[-60:])
-    text = "".join(job.lines)
+    text, got, _ = _shrink_then_grow(tmp_path, 14, ["-n", "2", "--axes", "tp=2", "--elastic", "1:4"], kill="1:3",
+                                     joiners=1)
     assert "epoch 2: {'tp': 1} (0->0)" in text and "epoch 3: {'tp': 2} (0->0, new->1)" in text, text[-3000:]
-    got = json.loads(out.read_text())
-    _close(got["losses"], want, steps)
     assert got["axes"] == {"tp": 2} and got["epoch"] == 3
 
 

@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,9 +16,10 @@ import sys
 import numpy as np
 import pytest
 
-from dtm.cluster.launchers import SLURM_PORT_BASE, first_host, launcher_env, with_launcher
 from dtm.cluster.env import rank_env
+from dtm.cluster.launchers import SLURM_PORT_BASE, first_host, launcher_env, with_launcher
 from dtm.errors import DTMError, ErrorCode as E
+from hosts import LOOPBACK_ONLY, loopback_only_missing
 
 HERE = pathlib.Path(__file__).resolve().parent
 JOB = str(HERE / "launcher_job.py")
@@ -86,38 +86,35 @@ def _free_slurm_job_id() -> int:
     pytest.skip("no free port for the Slurm job found")
 
 
-def test_a_job_with_slurms_variables():
-    job = str(_free_slurm_job_id())
+def _run_all(envs: list[dict[str, str]]) -> tuple[list[int], list[str]]:
+    """The job, one process per environment, all at once: their exit codes and outputs."""
     procs = [subprocess.Popen([sys.executable, JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_clean_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_JOB_ID=job,
-                                             SLURM_JOB_NODELIST="localhost"))
-             for r in range(2)]
+                              env=env) for env in envs]
     outs = []
     for p in procs:
         try:
             outs.append(p.communicate(timeout=TIMEOUT_S)[0])
         finally:
             p.kill()
-    assert all(p.returncode == 0 for p in procs), outs
+    return [p.returncode for p in procs], outs
+
+
+def test_a_job_with_slurms_variables():
+    job = str(_free_slurm_job_id())
+    codes, outs = _run_all([_clean_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_JOB_ID=job,
+                                       SLURM_JOB_NODELIST="localhost") for r in range(2)])
+    assert codes == [0, 0], outs
     _check("".join(outs).splitlines(), 2)
-
-
-def _netns_ok() -> str | None:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare or ip is not installed"
-    r = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up && true"], capture_output=True, timeout=20)
-    return None if r.returncode == 0 else f"unshare -n is not permitted here: {r.stderr.decode().strip()}"
 
 
 def test_a_job_under_torchrun():
     torchrun = pathlib.Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun is not installed (pip install -e '.[test]')")
-    why = _netns_ok()
+    why = loopback_only_missing()
     if why:
         pytest.skip(f"torchrun runs only in a loopback-only namespace here: {why}")
-    r = subprocess.run(["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", str(torchrun),
-                        "--standalone", "--nnodes", "1", "--nproc-per-node", "3", JOB], capture_output=True,
+    r = subprocess.run([*LOOPBACK_ONLY, str(torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", "3", JOB], capture_output=True,
                        text=True, timeout=TIMEOUT_S, env=_clean_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _check(r.stdout.splitlines(), 3)
@@ -132,14 +129,7 @@ def test_two_ranks_with_the_same_rank():
         port = s.getsockname()[1]  # DTM's coordinator takes MASTER_PORT + 1
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "TORCHELASTIC_RUN_ID": "t",
            "LINGER": "5"}  # (the mesh stays while the second RANK 1 comes: its refusal, not a coordinator gone)
-    procs = [subprocess.Popen([sys.executable, JOB], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_clean_env(RANK=r, **env)) for r in ("0", "1", "1")]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
-        finally:
-            p.kill()
-    refused = [o for p, o in zip(procs, outs) if p.returncode != 0]
+    codes, outs = _run_all([_clean_env(RANK=r, **env) for r in ("0", "1", "1")])
+    refused = [o for code, o in zip(codes, outs) if code != 0]
     assert len(refused) == 1 and "E1004" in refused[0] and "rank 1" in refused[0], outs
-    _check("".join(o for p, o in zip(procs, outs) if p.returncode == 0).splitlines(), 2)
+    _check("".join(o for code, o in zip(codes, outs) if code == 0).splitlines(), 2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -23,33 +22,23 @@ import dtm
 import task_functions as tf
 from dtm.errors import ErrorCode
 from dtm.tasks import Graph, GraphError
+from hosts import LOOPBACK_ONLY, loopback_only_missing
 
 HERE = Path(__file__).resolve().parent
 pytest.importorskip("ray", reason="the Ray backend needs ray: pip install 'dtm[ray]'")
 
 
-def _netns_ok() -> str | None:
-    """None when `unshare -n` works here, else why not."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare or ip is not installed"
-    try:
-        r = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up && true"], capture_output=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return "unshare -n did not answer within 20 s"
-    return None if r.returncode == 0 else f"unshare -n is not permitted here: {r.stderr.decode().strip()}"
-
-
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory):
     """Run the script once (about 15 s); every test below reads what it left."""
-    why = _netns_ok()
+    why = loopback_only_missing()
     if why:
         pytest.skip(f"Ray runs only in a loopback-only namespace: {why}")
     out = tmp_path_factory.mktemp("ray")
     root = str(HERE.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(HERE), os.environ.get("PYTHONPATH", "")]),
                DTM_TEST_MARKER=str(out / "died"), RAY_USAGE_STATS_ENABLED="0")
-    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable,
+    cmd = [*LOOPBACK_ONLY, sys.executable,
            str(HERE / "ray_tasks_script.py"), str(out)]
     try:
         r = subprocess.run(cmd, env=env, cwd=str(out), capture_output=True, timeout=150)

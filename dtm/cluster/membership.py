@@ -371,6 +371,9 @@ class Membership:
         epoch = self.view.epoch
         self._stop_thread()
         self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self._wake_r, self._wake_w = socket.socketpair()  # (no wake byte left for the thread started again)
         who = f"the successor coordinator at {coordinator[0]}:{coordinator[1]}"
         during = f"rejoining the mesh of epoch {epoch}"
         sock = _dial(coordinator, deadline, start, during)
@@ -403,9 +406,6 @@ class Membership:
             pass
         if self._thread is not None:
             self._thread.join(self.timeout_s + 1.0)
-        self._wake_r.close()
-        self._wake_w.close()
-        self._wake_r, self._wake_w = socket.socketpair()  # (no wake byte left for a thread started again)
 
     def _record_lost(self, rank: int, message: str) -> None:
         if rank == self.rank:

@@ -180,11 +180,15 @@ class ElasticCoordinator(Coordinator):
                 self._send(o, o.control.encode(notice))
         self._check_rejoined()
 
-    def _rejoin(self, c: _Conn, j: JoinMesh) -> None:
+    def _record_rejoin(self, c: _Conn, j: JoinMesh) -> None:
+        """`c` rejoins at `j`'s address: E1004 when another rank rejoined at that address."""
         taken = [o for o, k in self._rejoined.items() if (k.host, k.port) == (j.host, j.port) and o is not c]
         if taken:
             raise DTMError(E.JOIN_REFUSED, f"rejoin at {j.host}:{j.port}, the address of {taken[0].name}")
         self._rejoined[c] = j
+
+    def _rejoin(self, c: _Conn, j: JoinMesh) -> None:
+        self._record_rejoin(c, j)
         if not self._resizing:
             self._begin(f"rank {c.rank} asked to")
         else:
@@ -198,7 +202,7 @@ class ElasticCoordinator(Coordinator):
                            f"epoch {self.epoch}, whose successor coordinator waits for rank(s) "
                            f"{sorted(self._absent)} (each rejoining with world size 0)")
             return self._say_and_close(c, err)
-        self._rejoin(c, j)  # (E1004 for an address another rank rejoined with)
+        self._record_rejoin(c, j)
         self._absent.discard(j.rank)
         c.join, c.rank, c.state = j, j.rank, JOINED
         self._pending.pop(c, None)

@@ -103,10 +103,7 @@ def steps(state: dict, total: int, snapshot_every: int = 1, *, start: int = 0, c
                 snapshot(state, replicas=replicas, step=step).wait()
             if kind == GONE:
                 successor = _succession(pg, step)
-            why = "a rank was lost" if kind == LOSS else \
-                f"the coordinator was lost ({pg.membership.coordinator_gone or 'heard by a peer'}); its " \
-                f"successor runs at {successor[0]}:{successor[1]}" if kind == GONE else \
-                f"ranks wait to join ({pg.membership.resize_pending or 'heard by a peer'})"
+            why = _why(pg, kind, successor)
         except DTMError as e:
             if e.code not in (E.PEER_LOST, E.COLLECTIVE_ABORTED, E.SNAPSHOT_FAILED):
                 raise
@@ -127,6 +124,17 @@ def steps(state: dict, total: int, snapshot_every: int = 1, *, start: int = 0, c
 # What a boundary's flag says; the largest wins: a loss's resize takes the joiners too, and
 # with the coordinator gone no resize happens before its successor runs.
 JOIN, LOSS, GONE = 1, 2, 3
+
+
+def _why(pg: process_group.ProcessGroup, kind: int | None, successor: tuple[str, int] | None) -> str:
+    """What the log says a boundary's resize is for (nothing when there is none)."""
+    m = pg.membership
+    if kind == LOSS:
+        return "a rank was lost"
+    if kind == GONE:
+        return (f"the coordinator was lost ({m.coordinator_gone or 'heard by a peer'}); its successor runs at "
+                f"{successor[0]}:{successor[1]}")
+    return f"ranks wait to join ({m.resize_pending or 'heard by a peer'})" if kind == JOIN else ""
 
 
 def _agree(pg: process_group.ProcessGroup) -> int | None:
