@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[test,ray]'  # ray: tests/test_tasks_ray.py (the Ray task backend)
+	$(BIN)/python -m pip install -q -e '.[test,ray]'  # ray: tests/test_tasks_ray.py, tests/test_ray_launch.py
 	touch $(STAMP)
 
 # The demo needs the core install alone (not torch, transformers or Ray: a minute less set-up).

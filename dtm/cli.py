@@ -240,11 +240,18 @@ def _elastic_option(text: str | None) -> tuple[int, int] | None:
 @click.option("--join", default=None, metavar="HOST:PORT",
               help="start the ranks into the running elastic job whose coordinator is at HOST:PORT (its token: "
                    "DTM_TOKEN, or the job's file on this machine)")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="", metavar="[ADDRESS]",
+              help="run each rank on a Ray actor of the Ray cluster at ADDRESS (HOST:PORT, ray://HOST:PORT, auto; "
+                   "none: RAY_ADDRESS, else a local Ray), one placement-group bundle per rank; with --elastic a rank "
+                   "whose actor died is replaced by a new one that joins")
+@click.option("--spread", is_flag=True, help="with --ray: every rank on a distinct node (STRICT_SPREAD)")
+@click.option("--ray-cpus", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
+              help="with --ray: the CPUs of each rank's bundle (and its kernel threads)")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: float, join_timeout: float,
                metrics_port: int | None, metrics_host: str, on_failure: str | None, memory_quota: str | None,
                store_quota: str | None, elastic: str | None, give_way: str | None, join: str | None,
-               command: tuple[str, ...]) -> None:
+               ray_address: str | None, spread: bool, ray_cpus: float, command: tuple[str, ...]) -> None:
     """Run COMMAND (script.py [args...], -m module [args...], or a program) as NPROCS local
     ranks; their output is forwarded with a `[rank k]` prefix. When one rank fails, the
     others are ended (--on-failure stop) or finish (continue), and dtm launch exits non-zero
@@ -265,11 +272,19 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
                 os.environ[env] = str(parse_bytes(size, option))  # the ranks inherit it
             except DTMError as e:
                 raise click.BadParameter(e.message) from None
+    if ray_address is not None and ray_address and ":" not in ray_address and ray_address not in ("auto", "local"):
+        raise click.BadParameter(f"{ray_address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT, auto, local); "
+                                 "--ray without an address goes before another option, e.g. --ray -n 4 job.py",
+                                 param_hint="--ray")
+    if not command:
+        raise click.UsageError("dtm launch needs a script (or -m module, or a command) to run")
+    if ray_address is None and (spread or ray_cpus != 1.0):
+        raise click.BadParameter("only with --ray", param_hint="--spread/--ray-cpus")
     try:
         status = launch(command, nprocs, coordinator=coordinator, axes=_axes_option(axes), grace=grace,
                         join_timeout=join_timeout, metrics=(metrics_host, metrics_port or 0),
                         on_failure=on_failure, elastic=_elastic_option(elastic),
-                        give_way=_names(give_way), join=join)
+                        give_way=_names(give_way), join=join, ray=ray_address, spread=spread, ray_cpus=ray_cpus)
     except DTMError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(status)

@@ -5,10 +5,14 @@ memory), each joined by a veth pair to a bridge in a switch namespace of their o
 of the machine's own network is touched. Each host's link is shaped on its way out: a rate
 alone with `tc tbf`; a one-way delay or a loss (with a rate) with `tc netem`, which some
 kernels lack (`netem_missing()` says so, and a link that needs it raises Unshapeable).
+`cut(i)` drops every packet to and from host i for as long as it is held (a link that fails
+and returns, for fault tests).
 
     with Hosts(2, link=Link(rate="10gbit", delay="50us")) as hosts:
         p = hosts.run(0, [sys.executable, "job.py"], env)     # a process on host 0
         hosts.address(1)                                      # "10.77.0.2"
+        with hosts.cut(1):                                    # host 1 is unreachable ...
+            time.sleep(3)                                     # ... for 3 s, then returns
 
 `LOOPBACK_ONLY` runs one command in a namespace with only loopback (`loopback_only_missing()`
 says why it cannot), for peers that probe the machine's interfaces (gloo, Ray, torchrun).
@@ -22,7 +26,8 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 SUBNET = "10.77.0"  # host i is SUBNET.(i + 1)/24
@@ -106,6 +111,16 @@ def _ip(*args: str, ns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
 
+def _bridge_port_state(ns: str, port: str, state: str) -> None:
+    # "disabled" (0): the bridge drops what arrives on the port and sends nothing out of it;
+    # "forwarding" (3): the normal state. Allowed by hand while the bridge runs no STP.
+    number = {"disabled": "0", "forwarding": "3"}[state]
+    cmd = ["bridge", "-n", ns, "link", "set", "dev", port, "state", number]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
 class Hosts:
     """N hosts joined by a bridge (see the module doc); a context manager that removes every
     namespace (and with them their links) and ends the processes it started."""
@@ -161,6 +176,24 @@ class Hosts:
     def address(self, i: int) -> str:
         """Host i's address on the bridge."""
         return f"{SUBNET}.{i + 1}"
+
+    @contextmanager
+    def cut(self, i: int) -> Iterator[None]:
+        """Drop every packet to and from host i while the block runs, then restore its link.
+
+        What `tc netem loss 100%` does, without netem (which some kernels lack): host i's
+        port on the bridge (`s{i}` in the switch) is set to the disabled state, in which the
+        bridge silently drops every frame arriving on it and forwards none to it. Both ends
+        stay up and no qdisc returns an error, so each side's TCP sees only silence (its
+        sends seem to leave; it retransmits with backoff) as on a cable that fails, not a
+        link that goes down or a local queue that refuses. Leaving the block sets the port
+        forwarding again; the sockets' own retransmissions then find the path."""
+        port = f"s{i}"
+        _bridge_port_state(self.switch, port, "disabled")
+        try:
+            yield
+        finally:
+            _bridge_port_state(self.switch, port, "forwarding")
 
     def hostname(self, i: int) -> str:
         return f"host{i}-{self.tag}"

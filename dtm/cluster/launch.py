@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO
+from typing import IO, Union
 
 from ..comm.shm import remove_segments
 from ..errors import DTMError, ErrorCode as E
@@ -52,16 +52,17 @@ from .cancel import canceller
 from . import jobfile
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
 from .resize import ElasticCoordinator
-from .env import Axes, ElasticPolicy, heartbeat_env, metrics_env, parse_address
-from .leftovers import RUN_ENV, note, remove_noted, remove_orphans, scratch_base
+from .env import Axes, ElasticPolicy, heartbeat_env, metrics_env, parse_address, rank_command
+from .leftovers import ELASTIC, RUN_ENV, note, remove_noted, remove_orphans, scratch_base
+from .ray_ranks import OUTPUT_WAIT_S, RayCluster, RayRank
 from .metrics import DEFAULT_HOST
 
 log = logging.getLogger("dtm.cluster")
+Rank = Union["_LocalRank", RayRank]  # a rank's process as the launcher handles it
 
 GRACE_S = 5.0
 POLL_S = 0.05
 STOP, CONTINUE = "stop", "continue"  # what the launcher does with the other ranks when one fails
-ELASTIC = "elastic"  # in a run's directory: a rank declared its job elastic
 
 
 def declare_elastic() -> None:
@@ -71,18 +72,21 @@ def declare_elastic() -> None:
     note(ELASTIC, "")
 
 
-def rank_command(argv: Sequence[str]) -> list[str]:
-    """`script.py args` runs under this Python; `-m module args` too; anything else as is."""
-    argv = list(argv)
-    if not argv:
-        raise DTMError(E.NOT_INITIALIZED, "dtm launch needs a script (or -m module, or a command) to run")
-    if argv[0].endswith(".py") or argv[0] == "-m":
-        return [sys.executable, *argv]
-    return argv
+class _LocalRank(subprocess.Popen):
+    """A rank's process on this host, in its own session: `killpg` and `status`, as a rank
+    on a Ray actor (ray_ranks.RayRank) has them."""
 
+    def killpg(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+            if sig == signal.SIGTERM:  # a stopped rank handles it now, not at SIGKILL after the grace
+                os.killpg(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
-def _status(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    def status(self) -> str:
+        code = self.returncode
+        return f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
 
 
 class _Forward(threading.Thread):
@@ -105,7 +109,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
            grace: float = GRACE_S, join_timeout: float = JOIN_TIMEOUT_S, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, metrics: tuple[str, int] | None = None,
            on_failure: str | None = None, elastic: tuple[int, int] | None = None, give_way: Sequence[str] = (),
-           join: str | None = None) -> int:
+           join: str | None = None, ray: str | None = None, spread: bool = False, ray_cpus: float = 1.0) -> int:
     """Run `argv` as `nprocs` ranks (see the module doc); returns the exit status. The
     coordinator's heartbeat settings come from DTM_HEARTBEAT_MS and DTM_HEARTBEAT_TIMEOUT_MS;
     its Prometheus metrics are served at `metrics` (host, port), else as DTM_METRICS_PORT and
@@ -118,77 +122,118 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
     ranks into the running elastic job whose coordinator is at HOST:PORT (its token from
     DTM_TOKEN or the job's file on this machine); they ask for no rank. With `elastic`,
     the ranks are told the policy (DTM_ELASTIC*: `elastic`, `axes` as the job's first axes,
-    `give_way`), so that when the coordinator is lost their rank 0 runs its successor."""
+    `give_way`), so that when the coordinator is lost their rank 0 runs its successor.
+
+    `ray`: the ranks are Ray actors of the Ray cluster at that address ("": RAY_ADDRESS or
+    a local Ray), one bundle of `ray_cpus` CPUs each, on distinct nodes with `spread`
+    (ray_ranks.py); with `elastic`, a rank whose actor died is replaced by a joiner."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     command = rank_command(argv)
     if on_failure not in (None, STOP, CONTINUE):
         raise DTMError(E.ATTRIBUTE_VALUE, f"on_failure is {STOP!r} or {CONTINUE!r}, not {on_failure!r}")
+    cluster = None if ray is None else RayCluster(ray or None, nprocs, cpus=ray_cpus, spread=spread)
     coord = None
-    if coordinator is None and join is None:
-        token = os.environ.get("DTM_TOKEN") or secrets.token_hex(16)
-        heartbeat_ms, timeout_ms = heartbeat_env()
-        kind, extra = (Coordinator, {}) if elastic is None else \
-            (ElasticCoordinator, {"elastic": elastic, "give_way": tuple(give_way)})
-        coord = kind(nprocs, token, axes=axes, join_timeout=join_timeout, heartbeat_ms=heartbeat_ms,
-                     timeout_ms=timeout_ms, metrics=metrics or metrics_env() or (DEFAULT_HOST, 0), **extra).start()
-        host, port = coord.address
-    else:
-        host, port = parse_address(join or coordinator, "--join" if join else "--coordinator")
-        token = _job_token(join) if join else os.environ.get("DTM_TOKEN", "")
-        if not token:
-            raise DTMError(E.NOT_INITIALIZED, "dtm launch --coordinator needs DTM_TOKEN: the token the coordinator "
-                                              "was started with")
+    try:
+        if coordinator is None and join is None:
+            token = os.environ.get("DTM_TOKEN") or secrets.token_hex(16)
+            heartbeat_ms, timeout_ms = heartbeat_env()
+            kind, extra = (Coordinator, {}) if elastic is None else \
+                (ElasticCoordinator, {"elastic": elastic, "give_way": tuple(give_way)})
+            # Ray ranks reach it at the driver node's address; local ranks at loopback
+            where = {} if cluster is None else {"host": cluster.host()}
+            coord = kind(nprocs, token, axes=axes, join_timeout=join_timeout, heartbeat_ms=heartbeat_ms,
+                         timeout_ms=timeout_ms, metrics=metrics or metrics_env() or (DEFAULT_HOST, 0), **where,
+                         **extra).start()
+            host, port = coord.address
+        else:
+            host, port = parse_address(join or coordinator, "--join" if join else "--coordinator")
+            token = _job_token(join) if join else os.environ.get("DTM_TOKEN", "")
+            if not token:
+                raise DTMError(E.NOT_INITIALIZED, "dtm launch --coordinator needs DTM_TOKEN: the token the "
+                                                  "coordinator was started with")
+    except BaseException:
+        if cluster is not None:
+            cluster.close()
+        raise
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     # the ranks know the policy, so that one can run a successor when the coordinator is lost
     policy = {} if elastic is None else ElasticPolicy(*elastic, tuple(axes), tuple(give_way)).env()
     run = tempfile.mkdtemp(prefix="dtm-launch-")  # what the ranks tell the launcher (leftovers.note)
     lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
+    procs: list[Rank] = []
     forwards: list[_Forward] = []
     interrupted: list[int] = []
     old_handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             old_handlers[sig] = signal.signal(sig, lambda s, _f: interrupted.append(s))
+    # The ranks share this host's cores: kernel threads per rank so that together they fill
+    # the cores once (OpenMP threads spinning on a busy core stall every kernel). A Ray rank
+    # has its bundle's CPUs.
+    threads = os.environ.get("OMP_NUM_THREADS") or \
+        str(max(1, int(ray_cpus) if cluster else (os.cpu_count() or 1) // nprocs))
+    ours = dict(DTM_COORDINATOR=address, DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
+                OMP_NUM_THREADS=threads, **{RUN_ENV: run}, **policy)
+
+    def start(k: int, label: str, joins: bool, bundle: int) -> None:
+        """Start a rank (a joiner, which asks for no rank and no world size: spec 9.6.7)."""
+        env = dict(ours) if joins else dict(ours, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs))
+        if cluster is not None:
+            procs.append(cluster.start(bundle, f"[{label}] ", argv, env, run, (stdout, stderr), lock,
+                                       lambda: _declared_elastic(run)))
+            return
+        env = {n: v for n, v in os.environ.items() if not (joins and n in ("DTM_RANK", "DTM_WORLD_SIZE"))} | env
+        p = _LocalRank(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, start_new_session=True)
+        procs.append(p)
+        for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
+            forwards.append(_Forward(pipe, out, f"[{label}] ", lock))
+            forwards[-1].start()
+
+    replaced: set[int] = set()
+
+    def replace_lost() -> None:
+        """An elastic job on Ray: a joiner in the bundle of each rank whose actor died, while
+        ranks still run, at most `nprocs` in all."""
+        for k, p in enumerate(list(procs)):
+            if getattr(p, "died", None) and k not in replaced and len(replaced) < nprocs and \
+                    any(q.poll() is None for q in procs):
+                replaced.add(k)
+                log.warning("dtm launch: %s %s; a new rank joins in its place", f"process {k}", p.status())
+                start(len(procs), f"replacement {len(replaced)}", True, p.bundle)
+
     try:
-        # The ranks share this host's cores: kernel threads per rank so that together they
-        # fill the cores once (OpenMP threads spinning on a busy core stall every kernel).
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
         for k in range(nprocs):
-            env = dict(os.environ, DTM_COORDINATOR=address, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs),
-                       DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=threads, **{RUN_ENV: run}, **policy)
-            if join is not None:  # a joiner asks for no rank and no world size (spec 9.6.7)
-                del env["DTM_RANK"], env["DTM_WORLD_SIZE"]
-            p = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True)
-            procs.append(p)
-            label = f"joiner {k}" if join is not None else f"rank {k}"
-            for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
-                forwards.append(_Forward(pipe, out, f"[{label}] ", lock))
-                forwards[-1].start()
+            start(k, f"joiner {k}" if join is not None else f"rank {k}", join is not None, k)
         cancelled = (lambda: coord.cancelled is not None) if coord is not None else (lambda: False)
         goes_on = (lambda: True) if elastic is not None or join is not None else \
             (lambda: cancelled() or _goes_on(on_failure, run))
         # an elastic mesh renumbers its ranks at each resize: its lost members are found by pid
         lost = {} if coord is None else coord.lost if elastic is None else _LostByPid(coord, procs)
-        failed, went_on = _watch(procs, interrupted, lost, goes_on)
+        tend = replace_lost if cluster is not None and elastic is not None else None
+        failed, went_on = _watch(procs, interrupted, lost, goes_on, tend)
     finally:
         _end(procs, grace)
         for f in forwards:
             f.join(timeout=2.0)
+        for p in procs:
+            if isinstance(p, RayRank):
+                p.wait(timeout=2.0 + OUTPUT_WAIT_S)  # its last lines
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         if coord is not None:
             coord.stop()
             _remove_segments(coord, token)
+        if cluster is not None:
+            for path in cluster.close():
+                log.info("dtm launch: removed %s, left behind by the ranks", path)
         _remove_parts(run)
     if interrupted:
         stderr.write(f"dtm launch: interrupted by {signal.Signals(interrupted[0]).name}; ended all {nprocs} ranks\n")
         return 128 + interrupted[0]
     if coord is not None and coord.cancelled is not None:
         by, reason = coord.cancelled
-        ended = ", ".join(f"rank {k} {_status(p.returncode)}" for k, p in enumerate(procs))
+        ended = ", ".join(f"rank {k} {p.status()}" for k, p in enumerate(procs))
         stderr.write(f"dtm launch: the job was cancelled by {canceller(by)}: {reason}; {ended}\n")
     elif elastic is not None:
         return _elastic_report(coord, procs, stderr)
@@ -212,12 +257,12 @@ def _job_token(address: str) -> str:
                                       "there; set DTM_TOKEN to the job's token")
 
 
-def _elastic_report(coord: ElasticCoordinator | None, procs: list[subprocess.Popen], stderr: IO[str]) -> int:
+def _elastic_report(coord: ElasticCoordinator | None, procs: list[Rank], stderr: IO[str]) -> int:
     """An elastic job's last word: its resizes (when the launcher ran its coordinator), how
     each process ended; 0 when the mesh finished (whatever it lost on the way), else 1. A
     process ended by a signal was lost and the job went on without it; one that exited
     non-zero failed on its own (a resize that could not complete: E1010)."""
-    ended = ", ".join(f"process {k} {_status(p.returncode)}" for k, p in enumerate(procs))
+    ended = ", ".join(f"process {k} {p.status()}" for k, p in enumerate(procs))
     resizes = "; ".join(coord.resizes) if coord is not None and coord.resizes else "none"
     failed = [k for k, p in enumerate(procs) if p.returncode is not None and p.returncode > 0]
     if coord is not None and coord.error is not None:
@@ -239,7 +284,7 @@ class _LostByPid(Mapping):
     pid each joined with: an elastic mesh renumbers its ranks at each resize. Read live (the
     coordinator's thread adds to it)."""
 
-    def __init__(self, coord: Coordinator, procs: list[subprocess.Popen]):
+    def __init__(self, coord: Coordinator, procs: list[Rank]):
         self.coord, self.procs = coord, procs
 
     def _found(self) -> dict[int, str]:
@@ -254,6 +299,13 @@ class _LostByPid(Mapping):
 
     def __len__(self) -> int:
         return len(self._found())
+
+
+def _declared_elastic(run: str) -> None:
+    """A Ray rank on another node declared the job elastic (its actor says so): as
+    `declare_elastic` would have noted in run directory `run`."""
+    with open(os.path.join(run, ELASTIC), "w"):
+        pass
 
 
 def _goes_on(on_failure: str | None, run: str) -> bool:
@@ -272,11 +324,11 @@ def _remove_parts(run: str) -> None:
     shutil.rmtree(run, ignore_errors=True)
 
 
-def _report(procs: list[subprocess.Popen], failed: list[int], went_on: bool, lost: Mapping[int, str]) -> str:
+def _report(procs: list[Rank], failed: list[int], went_on: bool, lost: Mapping[int, str]) -> str:
     """The launcher's last word on a run in which ranks `failed` (the one to name first,
     first): that it ended the others, or that they went on (`went_on`) and finished."""
     def why(k: int) -> str:
-        return _status(procs[k].returncode) + (f"; {lost[k]}" if k in lost else "")
+        return procs[k].status() + (f"; {lost[k]}" if k in lost else "")
 
     if not went_on:
         first = failed[0]
@@ -300,15 +352,18 @@ def _remove_segments(coord: Coordinator, token: str) -> None:
             log.info("dtm launch: removed shared memory %s that the ranks left behind", name)
 
 
-def _watch(procs: list[subprocess.Popen], interrupted: list[int], lost: Mapping[int, str],
-           goes_on: Callable[[], bool]) -> tuple[list[int], bool]:
+def _watch(procs: list[Rank], interrupted: list[int], lost: Mapping[int, str],
+           goes_on: Callable[[], bool], tend: Callable[[], None] | None = None) -> tuple[list[int], bool]:
     """Wait until every rank has ended, or one failed and `goes_on()` says that the others
     stop, or a signal came: the ranks that failed ([] when none did, or on a signal) and
     whether the others went on after a failure. A rank failed when it exited non-zero, or
     when it was declared lost (`lost`: the coordinator's, updated by its thread) and every
     rank not lost has ended; the ranks declared lost come first, in the order declared (but
-    one that exited 0 without Leave), then the others that exited non-zero."""
+    one that exited 0 without Leave), then the others that exited non-zero. `tend()`, when
+    given, runs first in each look (it may start ranks: an elastic job's replacements)."""
     while not interrupted:
+        if tend is not None:
+            tend()
         codes = [p.poll() for p in procs]
         declared = [k for k in list(lost) if codes[k] != 0]  # list(): the coordinator's thread adds to it
         running = [k for k, code in enumerate(codes) if code is None]
@@ -323,17 +378,12 @@ def _watch(procs: list[subprocess.Popen], interrupted: list[int], lost: Mapping[
     return [], False
 
 
-def _end(procs: list[subprocess.Popen], grace: float) -> None:
+def _end(procs: list[Rank], grace: float) -> None:
     """SIGTERM to every live rank's process group, SIGKILL after `grace` s to what is left."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         live = [p for p in procs if p.poll() is None]
         for p in live:
-            try:
-                os.killpg(p.pid, sig)
-                if sig == signal.SIGTERM:  # a stopped rank handles it now, not at SIGKILL after `grace`
-                    os.killpg(p.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            p.killpg(sig)
         deadline = time.monotonic() + wait
         for p in live:
             try:

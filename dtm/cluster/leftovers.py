@@ -23,6 +23,7 @@ import tempfile
 OWNER = "owner"     # in a claimed directory: "PID PID-NAMESPACE" of the process that claimed it
 PREFIX = "dtm"      # claimed directories lie one level inside base/dtm*/
 RUN_ENV = "DTM_LAUNCH_RUN"  # in a rank's environment: the directory of its `dtm launch` run
+ELASTIC = "elastic"  # in a run's directory: a rank declared its job elastic (launch.declare_elastic)
 PART = "part-"      # in a run's directory: a file naming a directory a rank of the run claimed
 
 
