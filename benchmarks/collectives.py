@@ -35,12 +35,25 @@ trip and algbw = 2 * bytes / time.
     python benchmarks/collectives.py --sizes 8 1M 16M --ranks 2 --iters 5   # a quick run
     python benchmarks/collectives.py --op sendrecv --ranks 2
     python benchmarks/collectives.py --sizes 16M 64M --ranks 4 --backends gloo tcp floor floor-crc
+
+`--hosts H --ranks-per-host R --link RATE[,DELAY][,LOSS%]` measures across hosts instead:
+tests/hosts.py makes H network namespaces joined by a bridge, each link shaped (tc tbf for
+a rate; netem for a delay or a loss, where the kernel has it: where not, the benchmark says
+so and shapes the rate alone), and each backend's H*R ranks run R per host: gloo, DTM
+(`dtm`: shared memory inside a host, TCP between hosts, all_reduce hierarchical, spec
+9.5.2) and DTM with one flat ring over all ranks (`dtm-flat`). Besides busbw it prints
+`link%`: the bytes that must cross each host's link (2(H-1)/H of the tensor, whatever the
+algorithm) per second, as a share of the link's rate. Needs root.
+
+    python benchmarks/collectives.py --hosts 2 --ranks-per-host 2 --link 10gbit,50us
+    python benchmarks/collectives.py --hosts 2 --ranks-per-host 2 --link 1gbit --sizes 8 1M 64M
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -230,13 +243,16 @@ class Group:
 
 # --- report ------------------------------------------------------------------------------------------
 
-def report(op: str, n: int, sizes: list[int], times: dict[str, dict[int, float]]) -> None:
+def report(op: str, n: int, sizes: list[int], times: dict[str, dict[int, float]],
+           link: tuple[int, float] | None = None) -> None:
+    """One row per size; `link` (hosts, bytes per second of each host's link) adds link%."""
     factor = 2 * (n - 1) / n if op == "all_reduce" else 1.0
     moved = 1 if op == "all_reduce" else 2  # a ping-pong moves the tensor there and back
-    backends = [b for b in BACKENDS if b in times]
+    backends = [b for b in (*BACKENDS, *HOST_BACKENDS) if b in times]
     head = f"{'size':>6}"
     for b in backends:
         head += f" | {b + ' time':>14} {'algbw':>7} {'busbw':>7}" + ("" if b == "gloo" else f" {'x gloo':>6}")
+        head += f" {'link%':>5}" if link else ""
     what = "all_reduce" if op == "all_reduce" else "send/recv ping-pong (time: a round trip)"
     print(f"\n{what} f32, {n} ranks (time: median of the slowest rank; bandwidth in GB/s)")
     print(head)
@@ -248,6 +264,9 @@ def report(op: str, n: int, sizes: list[int], times: dict[str, dict[int, float]]
             row += f" | {t * 1e6:>12.0f}us {alg:>7.3f} {alg * factor:>7.3f}"
             if b != "gloo":
                 row += f" {times['gloo'][s] / t:>6.2f}" if "gloo" in times else f" {'-':>6}"
+            if link:
+                hosts, rate = link
+                row += f" {100 * s * 2 * (hosts - 1) / hosts / t / rate:>5.0f}"
         print(row, flush=True)
 
 
@@ -265,17 +284,129 @@ def in_own_netns() -> bool:
     sys.exit(subprocess.run(cmd, env=env).returncode)
 
 
+# --- across hosts (--hosts): each rank a process in a network namespace of tests/hosts.py --------
+
+HOST_BACKENDS = ("dtm", "dtm-flat")  # with gloo; "tcp"/"shm" do not apply: a host's ranks share memory, hosts talk TCP
+GLOO_PORT, DTM_PORT = 29500, 29611   # on host 0's address, in namespaces of their own: free
+
+
+def hosts_worker(backend: str, sizes: list[int], iters_cap: int) -> None:
+    """One rank of `backend` (its rank, world and host 0's address in DTM_* variables): check
+    one all_reduce, then time each size; rank 0 prints {size: median of the slowest rank}."""
+    rank, n = int(os.environ["DTM_RANK"]), int(os.environ["DTM_WORLD_SIZE"])
+    if backend == "gloo":
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        master = os.environ["DTM_COORDINATOR"].rsplit(":", 1)[0]
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{GLOO_PORT}", rank=rank, world_size=n)
+        op, barrier, zeros = dist.all_reduce, dist.barrier, lambda k: torch.zeros(k)
+
+        def slowest(t: list[float]) -> list[float]:
+            x = torch.tensor(t, dtype=torch.float64)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            return x.tolist()
+    else:
+        import dtm
+        comm = dtm.init(timeout=600).comm
+        comm.hierarchical = backend == "dtm"
+        op, barrier, zeros = (lambda x: comm.all_reduce(x, out=x)), comm.barrier, (lambda k: np.zeros(k, np.float32))
+
+        def slowest(t: list[float]) -> list[float]:
+            return comm.all_reduce(np.array(t), op="max").tolist()
+    check = zeros(1000) + (rank + 1)
+    op(check)
+    assert float(check[0]) == float(check[-1]) == n * (n + 1) / 2, f"{backend}: all_reduce gave a wrong sum"
+    medians = {}
+    for size in sizes:
+        x = zeros(max(1, size // 4))
+        op(x)
+        times = []
+        for _ in range(iterations(size, iters_cap)):
+            barrier()
+            t = time.perf_counter()
+            op(x)
+            times.append(time.perf_counter() - t)
+        medians[size] = statistics.median(slowest(times))
+    if rank == 0:
+        print("RESULT " + json.dumps(medians), flush=True)
+
+
+def parse_link(text: str) -> dict[str, str]:
+    """"10gbit,50us,1%" -> {"rate": "10gbit", "delay": "50us", "loss": "1%"}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key = "loss" if part.endswith("%") else "rate" if part.endswith(("bit", "bps")) else "delay"
+        out[key] = part
+    return out
+
+
+def rate_bytes(rate: str) -> float:
+    """tc's rate ("10gbit", "500mbit") in bytes per second."""
+    scale = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    unit = next(u for u in scale if rate.endswith(u))
+    return float(rate[: -len(unit)]) * scale[unit] / 8
+
+
+def hosts_main(args) -> None:
+    """--hosts: each backend's ranks in turn on the same hosts and links (see the module doc)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from hosts import Hosts, Link, netem_missing, why_not
+    why = why_not()
+    if why:
+        sys.exit(f"--hosts needs network namespaces: {why}")
+    shape = parse_link(args.link)
+    if set(shape) - {"rate"} and netem_missing():
+        print(f"this kernel has no netem qdisc: the links are shaped by rate alone, without "
+              f"{', '.join(f'{k} {v}' for k, v in shape.items() if k != 'rate')}")
+        shape = {k: v for k, v in shape.items() if k == "rate"}
+    sizes = [parse_size(s) for s in args.sizes]
+    n = args.hosts * args.ranks_per_host
+    backends = args.backends or ["gloo", *HOST_BACKENDS]
+    print(f"host: {os.cpu_count()} cores; {args.hosts} hosts x {args.ranks_per_host} ranks, each host's link: "
+          f"{', '.join(shape.values()) or 'unshaped'}")
+    times: dict[str, dict[int, float]] = {}
+    with Hosts(args.hosts, Link(**shape)) as hosts:
+        for b in backends:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("DTM_")}
+            procs = []
+            for rank in range(n):
+                host = rank // args.ranks_per_host
+                env.update(DTM_COORDINATOR=f"{hosts.address(0)}:{DTM_PORT}", DTM_RANK=str(rank),
+                           DTM_WORLD_SIZE=str(n), DTM_TOKEN="bench", DTM_HOST=hosts.address(host),
+                           GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                procs.append(hosts.run(host, [sys.executable, __file__, "--worker", b, "--iters", str(args.iters),
+                                              "--sizes", *args.sizes], dict(env), stdout=subprocess.PIPE, text=True))
+            outs = [p.communicate(timeout=3600)[0] for p in procs]
+            if any(p.returncode for p in procs):
+                sys.exit(f"{b}: a rank failed (exit codes {[p.returncode for p in procs]})")
+            line = next(x for x in outs[0].splitlines() if x.startswith("RESULT "))
+            times[b] = {int(k): v for k, v in json.loads(line[7:]).items()}
+    link = (args.hosts, rate_bytes(shape["rate"])) if "rate" in shape else None
+    report("all_reduce", n, sizes, times, link)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, with K/M/G suffixes")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--backends", nargs="+", default=None, choices=BACKENDS,
+    ap.add_argument("--backends", nargs="+", default=None, choices=(*BACKENDS, *HOST_BACKENDS),
                     help="default: all (floor only measures all_reduce)")
     ap.add_argument("--iters", type=int, default=100, help="iterations at small sizes (fewer for large ones)")
     ap.add_argument("--chunk", type=parse_size, default=1 << 20, help="DTM's largest Data frame over TCP")
     ap.add_argument("--slot", type=parse_size, default=1 << 20, help="DTM's shared-memory slot per rank")
     ap.add_argument("--op", default="all_reduce", choices=["all_reduce", "sendrecv"])
+    ap.add_argument("--hosts", type=int, default=None, help="measure across this many hosts (network namespaces)")
+    ap.add_argument("--ranks-per-host", type=int, default=2)
+    ap.add_argument("--link", default="10gbit", help="each host's link: RATE[,DELAY][,LOSS%%], e.g. 10gbit,50us")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank of --hosts (run by it)
     args = ap.parse_args()
+    if args.worker is not None:
+        return hosts_worker(args.worker, [parse_size(s) for s in args.sizes], args.iters)
+    if args.hosts is not None:
+        if args.op != "all_reduce" or (args.backends and set(args.backends) - {"gloo", *HOST_BACKENDS}):
+            ap.error("--hosts measures all_reduce of gloo, dtm and dtm-flat")
+        return hosts_main(args)
     if args.op == "sendrecv" and any(n % 2 for n in args.ranks):
         ap.error("--op sendrecv pairs ranks 2k and 2k+1: give even rank counts")
     if args.backends is None:

@@ -20,10 +20,13 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 CONFIGS = {"latency": dict(small_bytes=1 << 30, chunk_bytes=1 << 20), "bandwidth": dict(small_bytes=0, chunk_bytes=16)}
 
 
-def spmd(n: int, fn, config: str = "bandwidth", timeout: float = 10.0, fails: bool = False):
+def spmd(n: int, fn, config: str = "bandwidth", timeout: float = 10.0, fails: bool = False, nodes=None):
     """Run fn(comm, rank) on n threads; returns the per-rank results, or with `fails` the
-    per-rank exceptions (None for ranks that raised none)."""
+    per-rank exceptions (None for ranks that raised none). `nodes`: each rank's host, as a
+    mesh's transports know them (hierarchical collectives group by it)."""
     transports = InprocHub(n).transports(timeout=timeout)
+    for t in transports:
+        t.nodes = None if nodes is None else tuple(nodes)
     results, errors = [None] * n, [None] * n
 
     def main(r: int) -> None:
@@ -335,3 +338,107 @@ def test_a_collective_that_starts_before_a_peer_is_ready():
     with pytest.raises(DTMError) as e:
         t3.poll("setting up")
     assert e.value.code is ErrorCode.UNEXPECTED_MESSAGE and "before anything on this rank" in e.value.message
+
+
+# --- groups that span hosts (spec 9.5.2) ----------------------------------------------------------
+
+HOSTS = {"2x2": "aabb", "interleaved 2+3": "ababb", "3+1": "aaab"}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("layout", list(HOSTS))
+@pytest.mark.parametrize("op,dtype", [("sum", np.float32), ("avg", np.float32), ("max", np.float32),
+                                      ("prod", np.float64), ("avg", np.int32), ("sum", BF16), ("min", np.int8)])
+def test_all_reduce_across_hosts(layout, op, dtype, config):
+    """Inside each host, between hosts, inside again: the reference's result on every rank,
+    bitwise the same on all."""
+    nodes = HOSTS[layout]
+    xs = [data(r, (5, 7), dtype, op) for r in range(len(nodes))]
+    got = spmd(len(nodes), lambda c, r: c.all_reduce(xs[r], op=op), config, nodes=nodes)
+    want = reference(xs, op)
+    for g in got:
+        assert g.dtype == xs[0].dtype and g.tobytes() == got[0].tobytes()
+        np.testing.assert_allclose(g.astype(np.float64), want.astype(np.float64), rtol=1e-2 if dtype == BF16 else 1e-6)
+
+
+def _peers_sent_to(nodes: str, fn, **kw) -> tuple[list, list[set[int]]]:
+    """Run fn on ranks placed on `nodes`; the results and the ranks each rank sent data to."""
+    peers: list[set[int]] = [set() for _ in nodes]
+
+    def traced(c: Communicator, r: int):
+        send = c.transport.send
+
+        def recording(peer, stream, msg_type, parts, flags=0):
+            if msg_type.name == "DATA":
+                peers[r].add(peer)
+            return send(peer, stream, msg_type, parts, flags)
+        c.transport.send = recording
+        return fn(c, r)
+    return spmd(len(nodes), traced, nodes=nodes, **kw), peers
+
+
+def test_who_crosses_the_network():
+    """Hosts a (ranks 0, 1) and b (2, 3), two each: each rank exchanges with its host's other
+    rank and with the rank of its index on the other host, never with the other (0 with 3,
+    1 with 2). Hosts a (0, 1, 2) and b (3): only host a's first rank and rank 3 cross. Both
+    in place (out=x)."""
+    for nodes, want in (("aabb", 10), ("aaab", 10)):
+        xs = [np.full(64, r + 1, np.float32) for r in range(4)]
+        _, peers = _peers_sent_to(nodes, lambda c, r: c.all_reduce(xs[r], out=xs[r]))
+        assert all((x == want).all() for x in xs)
+        if nodes == "aabb":
+            assert peers == [{1, 2}, {0, 3}, {0, 3}, {1, 2}], peers
+        else:
+            assert peers[3] == {0} and 3 in peers[0] and (peers[1] | peers[2]) <= {0, 1, 2}, peers
+
+
+def test_a_subgroup_across_hosts_and_flat_when_told():
+    """Group [1, 2, 3] of hosts (0, 1) and (2, 3): host a holds one member, host b two; with
+    `hierarchical` off the same group runs one flat ring (rank 3 then sends to rank 1)."""
+    xs = [np.full(64, r + 1, np.float32) for r in range(4)]
+
+    def call(c: Communicator, r: int, flat: bool):
+        c.hierarchical = not flat
+        return c.all_reduce(xs[r], group=[1, 2, 3]) if r else None
+    for flat, to_rank_1 in ((False, False), (True, True)):
+        got, peers = _peers_sent_to("aabb", lambda c, r: call(c, r, flat), config="bandwidth")
+        assert all((g == 9).all() for g in got[1:])
+        assert (1 in peers[3]) == to_rank_1, peers
+
+
+def test_a_failure_in_one_subgroup_fails_every_member_at_once():
+    """Hosts a (0, 1) and b (2, 3); rank 3 calls all_reduce with another shape, which ranks
+    2 and 3 find in their host's reduce_scatter (E0803). They stay alive afterwards without
+    closing (as an elastic job's ranks do), so no closed connection tells ranks 0 and 1,
+    which wait on them in the exchange between hosts: they fail too, at once (told by the
+    failing ranks), not at the 10 s timeout."""
+    import time
+
+    def fn(c: Communicator, r: int):
+        t0 = time.monotonic()
+        try:
+            c.all_reduce(np.ones(32 if r == 3 else 64, np.float32))
+        except DTMError as e:
+            took = time.monotonic() - t0
+            time.sleep(1.0)  # alive, connections open
+            return e, took
+        return None, time.monotonic() - t0
+    got = spmd(4, fn, nodes="aabb", timeout=10.0)
+    for r in range(4):
+        err, took = got[r]
+        assert isinstance(err, CollectiveMismatch) and took < 5.0, (r, took, err)
+
+
+def test_all_gather_into_out():
+    """all_gather(out=) writes the members' blocks one after another into `out` (dim 0),
+    as the result without it; another dim is refused."""
+    xs = [data(r, (3, 2), np.float32) for r in range(3)]
+
+    def fn(c: Communicator, r: int):
+        out = np.full((9, 2), np.nan, np.float32)
+        got = c.all_gather(xs[r], 0, out=out)
+        with pytest.raises(DTMError, match="dim 0"):
+            c.all_gather(xs[r], 1, out=out)
+        return got, out
+    for got, out in spmd(3, fn):
+        assert got is out and np.array_equal(out, np.concatenate(xs))

@@ -85,6 +85,9 @@ def test_two_hosts_on_a_rate_limited_link():
     # a 4 MiB all_reduce between two hosts moves all of it across the 1 Gbit/s link (125 MB/s)
     # at least once: the shaped link, not shared memory, carries it (unshaped here: 10-22 ms)
     assert max(g["big_all_reduce_s"] for g in got) >= 4 * 2**20 / 125e6, [g["big_all_reduce_s"] for g in got]
+    # hierarchical (spec 9.5.2): each rank sends its half of its host's data across, S/2 (a
+    # flat ring over the four ranks would send 1.5 S from each, all by socket)
+    assert all(2 * 2**20 <= g["big_tcp_bytes"] < 2.2 * 2**20 for g in got), [g["big_tcp_bytes"] for g in got]
 
 
 def _need_netem() -> None:

@@ -139,6 +139,8 @@ class Communicator:
         self._to_self: collections.deque[tuple[P2PSend, np.ndarray]] = collections.deque()
         self._buffers: dict[tuple[int, np.dtype], np.ndarray] = {}
         self.ops_done = 0
+        # all_reduce of a group that spans hosts, several ranks on one: inside each host first
+        self.hierarchical = True
         transport.on_control(self._on_control)
 
     # --- groups -------------------------------------------------------------------------------
@@ -284,6 +286,11 @@ class Communicator:
         compress = self._compression(g, compress, x.dtype, op, "all_reduce")
         if compress is not None:
             return self._compressed_all_reduce(g, x, op, out, compress)
+        # small ones run flat: one round between hosts either way, and fewer calls
+        big = x.size * reduction.work_dtype(x.dtype).itemsize > self.small_bytes
+        hosts = self._hosts(g) if big else None
+        if hosts is not None:
+            return self._hierarchical_all_reduce(g, hosts, x, op, out)
         flat, n = out.reshape(-1), len(g.ranks)
         work = self._work(x, flat)
 
@@ -300,6 +307,70 @@ class Communicator:
         self._run(g, "all_reduce", x, body, reduce_op=op)
         if n == 1:
             reduction.finish(op, work, 1, flat)
+        return out
+
+    # --- hierarchical: inside each host, then between hosts (spec 9.5.2) -------------------------
+
+    def _hosts(self, g: _Group) -> list[tuple[int, ...]] | None:
+        """The group's ranks by host (the transport's `nodes`), each host's in group order,
+        hosts in the order of their first member; None where a flat algorithm is the one to
+        run: every member on one host, or each on its own, or hosts unknown, or
+        `hierarchical` off."""
+        nodes = getattr(self.transport, "nodes", None)
+        if not self.hierarchical or nodes is None:
+            return None
+        by_host: dict[str, list[int]] = {}
+        for r in g.ranks:
+            by_host.setdefault(nodes[r], []).append(r)
+        if len(by_host) < 2 or len(by_host) == len(g.ranks):
+            return None
+        return [tuple(h) for h in by_host.values()]
+
+    def _hierarchical_all_reduce(self, g: _Group, hosts: list[tuple[int, ...]], x: np.ndarray, op: str,
+                                 out: np.ndarray) -> np.ndarray:
+        """all_reduce as collectives of subgroups (spec 9.5.2), so that each host's data
+        crosses the network once each way, where a flat ring over all n members carries
+        2(n-1)/n of it over the link of every host. When every host holds R members (and
+        the tensor at least R elements): reduce_scatter inside each host (shared memory),
+        each member's block all-reduced with the members of its index on the other hosts
+        (R exchanges between hosts at once, each of 1/R of the data), all_gather inside.
+        Otherwise: reduce to each host's first member, all_reduce among those, broadcast
+        inside. The partials stay in the work dtype (f32 for narrow floats; avg as sum) and
+        `finish` rounds once, the same way on every rank, so every member's result is
+        bitwise the same."""
+        try:
+            return self._in_subgroups(hosts, x, op, out)
+        except DTMError as e:
+            # A member that failed a subgroup's collective told that subgroup; the others of
+            # the whole group may wait for it in another subgroup's: tell them too.
+            if not isinstance(e.__cause__, _FromPeer) and not isinstance(e, CollectiveAborted):
+                self._report(g, e)
+            raise
+
+    def _in_subgroups(self, hosts: list[tuple[int, ...]], x: np.ndarray, op: str, out: np.ndarray) -> np.ndarray:
+        local = next(h for h in hosts if self.rank in h)
+        inner, wd, n = "sum" if op == "avg" else op, reduction.work_dtype(x.dtype), sum(map(len, hosts))
+        part = x.reshape(-1).astype(wd, copy=False)  # may view `x`: never written
+        per = len(local)
+        if all(len(h) == per for h in hosts) and x.size >= per:
+            size = -(-x.size // per) * per
+            if size != x.size:  # zeros past the end, dropped at the end
+                part = np.concatenate([part, np.zeros(size - x.size, wd)])
+            mine = self.reduce_scatter(part, inner, 0, group=local)
+            i = local.index(self.rank)
+            self.all_reduce(mine, inner, group=[h[i] for h in hosts], out=mine)
+            if size == x.size and wd == x.dtype and op != "avg":  # nothing left to do but gather: into `out`
+                self.all_gather(mine, 0, group=local, out=out.reshape(-1))
+            else:
+                reduction.finish(op, self.all_gather(mine, 0, group=local)[:x.size], n, out.reshape(-1))
+            return out
+        if per > 1:
+            part = self.reduce(part, 0, inner, group=local)
+        if self.rank == local[0]:  # in place in reduce's result, not in `x`
+            part = self.all_reduce(part, inner, group=[h[0] for h in hosts], out=part if per > 1 else None)
+        if per > 1:
+            part = self.broadcast(part if self.rank == local[0] else np.empty(x.size, wd), 0, group=local)
+        reduction.finish(op, part, n, out.reshape(-1))
         return out
 
     # --- compressed collectives (spec 9.5.1) -----------------------------------------------------
@@ -447,14 +518,21 @@ class Communicator:
         alg.ring(link, bounds, step, work=work, op=op, out=out, own=own, mode=mode, tmp=tmp)
 
     def all_gather(self, x: np.ndarray, dim: int = 0, group: Sequence[int] | None = None, *,
-                   compress: str | None = None) -> np.ndarray:
+                   compress: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Every member gets all members' `x` joined along `dim`, in group order;
-        `compress`: each member's block travels encoded once (spec 9.5.1)."""
+        `compress`: each member's block travels encoded once (spec 9.5.1). `out`: the
+        result goes there (along dim 0 only, uncompressed: the members' blocks one after
+        another)."""
         x = np.asarray(x, order="C")
         dim = self._dim(dim, x.ndim, "all_gather")
         g = self._group(group, "all_gather")
         n = len(g.ranks)
         count = x.size
+        if out is not None:
+            if dim != 0 or compress is not None:
+                raise DTMError(E.ATTRIBUTE_VALUE, "all_gather: out is for dim 0 without compress")
+            out = self._out(out, np.empty((n * x.shape[0],) + x.shape[1:], x.dtype) if x.ndim else
+                            np.empty(n, x.dtype), "all_gather")
         compress = self._compression(g, compress, x.dtype, None, "all_gather")
         if compress is not None and n > 1:
             work = self._scratch(1, np.dtype(np.float32), n * count)
@@ -464,7 +542,7 @@ class Communicator:
                       lambda link: self._compressed_ring(link, bounds, work, 0, "all_gather", compress),
                       args=f"dim={dim}, compress={compress}")
             return _join(work.astype(x.dtype).reshape((n,) + x.shape), dim)
-        gathered = np.empty((n,) + x.shape, x.dtype)
+        gathered = np.empty((n,) + x.shape, x.dtype) if out is None else out.reshape((n,) + x.shape)
         flat = gathered.reshape(-1)
         flat[g.me * count:(g.me + 1) * count] = x.reshape(-1)
 
@@ -479,7 +557,7 @@ class Communicator:
                            mode="all_gather")
 
         self._run(g, "all_gather", x, body, args=f"dim={dim}")
-        return _join(gathered, dim)
+        return _join(gathered, dim) if out is None else out
 
     def reduce_scatter(self, x: np.ndarray, op: str = "sum", dim: int = 0,
                        group: Sequence[int] | None = None, *, compress: str | None = None) -> np.ndarray:
@@ -505,20 +583,20 @@ class Communicator:
             out = np.empty(block_shape, x.dtype)
             reduction.finish(op, work[g.me * count:(g.me + 1) * count], n, out.reshape(-1))
             return out
-        work = self._work(blocks, None)
-        count = work.size // n
+        count = blocks.size // n
         out = np.empty(block_shape, x.dtype)
 
         def body(link: _Link) -> None:
             if self._shared(g, "reduce_scatter", link, blocks.reshape(-1), out.reshape(-1), op=op):
                 return
+            work = self._work(blocks, None)  # only here: shared memory reads `blocks` itself
             step = self._chunk(work.dtype, work.nbytes, n)
             self._ring(link, [(j * count, (j + 1) * count) for j in range(n)], step, work=work, op=op,
                        out=out.reshape(-1), own=0, mode="reduce_scatter")
 
         self._run(g, "reduce_scatter", x, body, reduce_op=op, args=f"dim={dim}")
         if n == 1:
-            reduction.finish(op, work, 1, out.reshape(-1))
+            reduction.finish(op, self._work(blocks, None), 1, out.reshape(-1))
         return out
 
     def broadcast(self, x: np.ndarray, src: int = 0, group: Sequence[int] | None = None) -> np.ndarray:

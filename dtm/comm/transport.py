@@ -125,6 +125,9 @@ class Transport(ABC):
         self.max_data = 1 << 30  # the most tensor bytes one Data frame may carry to any peer
         self.bytes_sent = 0
         self.bytes_received = 0
+        # each rank's node (spec 9.6: a MeshView member's `node`, equal on ranks of one host),
+        # set by whoever formed the mesh; None: unknown (collectives run flat)
+        self.nodes: tuple[str, ...] | None = None
 
     # --- what a concrete transport provides ---------------------------------------------
 

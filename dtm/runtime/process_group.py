@@ -460,6 +460,7 @@ def _connect(membership: Membership, listener: socket.socket, token: bytes | str
     transport = connect(rank, len(view.members), _addresses(view), token, listener=listener, epoch=view.epoch,
                         timeout=max(deadline - time.monotonic(), 1.0), **kw)
     transport.timeout = op_timeout
+    transport.nodes = tuple(m.node for m in view.members)  # hierarchical collectives group by it
     return transport
 
 
