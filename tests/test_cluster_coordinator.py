@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 
 import pytest
 
 from dtm.cluster import Coordinator, join
+from dtm.cluster.coordinator import RELAY_MAX
 from dtm.cluster.membership import Membership
 from dtm.errors import DTMError, ErrorCode as E
 from dtm.protocol import Hello, JoinMesh, encode_header, encode_message
@@ -320,3 +322,48 @@ def test_a_bad_environment_is_named(env, names):
     with pytest.raises(DTMError) as info:
         rank_env(env)
     assert info.value.code is E.NOT_INITIALIZED and names in info.value.message
+
+
+def test_a_whole_mesh_reset_at_once_is_lost_one_by_one(coordinator):
+    """150 members' connections reset at once (a job torn down, a switch gone): each loss is
+    told to the others, whose sends fail in turn. The coordinator loses them one after
+    another; nested, one loss inside the other's notice, it would pass Python's recursion
+    limit and its thread would die with the mesh half lost."""
+    n = 150
+    coord = coordinator(n, join_timeout=60)
+    members = _join_all(coord.address, n, timeout=60)
+    assert all(isinstance(m, Membership) for m in members), [m for m in members if not isinstance(m, Membership)][:1]
+    parked, go_on = threading.Event(), threading.Event()
+    check = coord._check_deadlines
+
+    def parking(now: float) -> None:  # holds the coordinator's loop while every member goes
+        parked.set()
+        go_on.wait(10)
+        check(now)
+    coord._check_deadlines = parking
+    assert parked.wait(10)
+    for m in members:  # RST, not FIN: the coordinator's next send to each fails at once
+        m._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        m._sock.close()
+    go_on.set()
+    assert coord.finished.wait(20), f"{len(coord.lost)} of {n} lost; the coordinator thread: {coord._thread}"
+    assert len(coord.lost) == n
+
+
+@pytest.mark.parametrize("n", [3, RELAY_MAX + 1])
+def test_heartbeats_relayed_in_a_small_mesh_and_not_in_a_large_one(coordinator, n):
+    """Up to RELAY_MAX members each hears every member's heartbeat (their last operations);
+    past it each hears only the coordinator's own (spec 9.6.4): members^2 frames per
+    interval would swamp the coordinator. Either way no member takes the coordinator for
+    lost, nor the coordinator a member, over several timeouts."""
+    coord = coordinator(n, heartbeat_ms=50, timeout_ms=400, join_timeout=60)
+    members = _join_all(coord.address, n, timeout=60)
+    try:
+        for m in members:
+            m.start()
+        time.sleep(1.5)
+        assert not coord.lost and all(m.coordinator_gone is None and not m.lost for m in members)
+        heard = [set(m.peers) for m in members]
+        assert heard == ([set(range(n))] * n if n <= RELAY_MAX else [set()] * n)
+    finally:
+        _leave_all(members)

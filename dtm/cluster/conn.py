@@ -16,7 +16,7 @@ from ..protocol.caps import Cap, level_caps
 from ..protocol.errors import ProtocolError
 from ..protocol.frame import Buffer, FrameDecoder, MsgType
 from ..protocol.handshake import CONTROL_STREAM, Handshake
-from ..protocol.messages import Error, Message, decode_message, encode_message
+from ..protocol.messages import MIN_MAX_PAYLOAD, Error, Message, decode_message, encode_message
 
 log = logging.getLogger("dtm.cluster")
 
@@ -36,7 +36,10 @@ class Control:
                  peer: str = "the peer"):
         self.hs = Handshake(role, token, level=LEVEL, caps=CAPS, rank=rank, name=name,
                             max_payload=max_payload)
-        self.decoder = FrameDecoder(max_payload=max_payload, check_seq=True)
+        # Until the peer has proven the token, its frames are held to the handshake's limit
+        # (spec 9.1.9); after, to what this side announced.
+        self.max_payload = max_payload
+        self.decoder = FrameDecoder(max_payload=min(max_payload, MIN_MAX_PAYLOAD), check_seq=True)
         self.epoch = 0     # stamped on every frame this side sends
         self.peer = peer   # for logs
 
@@ -53,6 +56,8 @@ class Control:
         for header, payload in self.decoder.feed(data):
             if not self.hs.done:
                 reply += self.hs.receive(header, payload)
+                if self.hs.done:
+                    self.decoder.max_payload = self.max_payload
                 continue
             if header.version != self.hs.version:
                 raise ProtocolError(E.UNSUPPORTED_PROTOCOL_VERSION,

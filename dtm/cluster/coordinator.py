@@ -19,9 +19,12 @@ It runs as a thread of rank 0 (`dtm.init()` starts it there), of `dtm launch`, o
   (E0802) naming the ranks that did not come, and the coordinator stops;
 - a member is lost when its connection closes without Leave or it sends no Heartbeat for
   `timeout_ms`; every other member then gets an Error E1001 whose `rank` is the lost rank
-  and whose message names it and its last operation. Heartbeats are relayed to every
-  member (the sender included), so each rank sees its peers' figures and hears the
-  coordinator at least once per interval; so is a Leave, to the other members;
+  and whose message names it and its last operation. In a mesh of at most RELAY_MAX
+  members heartbeats are relayed to every member (the sender included), so each rank sees
+  its peers' figures and hears the coordinator at least once per interval; in a larger one
+  (where relaying costs members^2 frames per interval) the coordinator sends each member a
+  heartbeat of its own instead, four times per timeout, and a member's last operation
+  reaches the others only in the notice of its loss. A Leave is relayed to the other members;
 - a cancel (an Error E1007, spec 9.4.10) from a member, or from a connection that proved the
   token instead of joining (`dtm cancel`), is relayed once to every member (the first
   cancel counts; `cancelled` records it); the command line's connection then gets the same
@@ -45,7 +48,7 @@ from ..protocol.frame import FLAG_RELAYED
 from ..protocol.messages import MIN_MAX_PAYLOAD, Error, Heartbeat, JoinMesh, Leave, Member, MeshView, Message
 from .cancel import COMMAND_LINE, canceller, is_cancel, notice
 from .conn import Control, remote_error
-from .heartbeat import HEARTBEAT_MS, TIMEOUT_MS
+from .heartbeat import HEARTBEAT_MS, TIMEOUT_MS, Figures, ProcessStats, heartbeat
 
 log = logging.getLogger("dtm.cluster")
 
@@ -53,6 +56,9 @@ HELLO_TIMEOUT_S = 5.0      # a connection must prove the token and send JoinMesh
 MAX_PENDING = 64           # connections that have not yet; past this the oldest is dropped
 JOIN_TIMEOUT_S = 60.0      # all ranks must have joined within this of the coordinator's start
 MAX_OUTBOX = 4 << 20       # bytes queued for a rank that does not read; past this it is lost
+RELAY_MAX = 64             # members up to which every heartbeat is relayed to every member (spec 9.6.4)
+BATCH_S = 0.01             # past RELAY_MAX members: how long the coordinator gathers frames before it serves them
+OWN_BEAT_RANK = 0xFFFFFFFF  # the rank field of the coordinator's own heartbeat in a larger mesh
 READ_SIZE = 64 << 10
 
 # A connection's states, in order: proving the token, then sending JoinMesh, then waiting
@@ -80,6 +86,7 @@ class _Conn:
         self.last_heard = 0.0
         self.last_beat: Heartbeat | None = None
         self.closed = False
+        self.failing: str | None = None  # why sending to it failed, until the coordinator settles it
 
     @property
     def name(self) -> str:
@@ -110,10 +117,11 @@ class Coordinator:
         self.world_size, self.axes = world_size, axes
         self.token = token.encode() if isinstance(token, str) else token
         self.heartbeat_ms, self.timeout_ms, self.join_timeout = heartbeat_ms, timeout_ms, join_timeout
-        self.host_rank, self.max_pending, self.hello_timeout = host_rank, max_pending, hello_timeout
+        # a whole mesh may connect at once: that many may be in their handshake, or queued
+        self.host_rank, self.max_pending, self.hello_timeout = host_rank, max(max_pending, world_size), hello_timeout
         try:
             self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
-                                                  else socket.AF_INET, backlog=128)
+                                                  else socket.AF_INET, backlog=max(128, world_size))
         except OSError as e:
             raise DTMError(E.NOT_INITIALIZED, f"the coordinator cannot listen at {host}:{port}: "
                                               f"{e.strerror or e}") from None
@@ -134,10 +142,15 @@ class Coordinator:
         self.cancelled: tuple[int, str] | None = None  # (who: a rank or COMMAND_LINE, reason) of the job's cancel
         self.error: DTMError | None = None
         self.formed, self.finished = threading.Event(), threading.Event()
+        self.formed_at: float | None = None     # when the view of epoch 1 went out (wall clock)
         self.max_pending_seen = 0               # the most connections ever pending at once
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._join_deadline = math.inf
+        self._next_scan = 0.0         # no member's heartbeat deadline comes before this (see _check_deadlines)
+        self._failing: list[tuple[_Conn, str, bool]] = []  # connections to lose once the event is served
+        self._next_own_beat = 0.0     # in a mesh larger than RELAY_MAX
+        self._stats = ProcessStats()  # the figures of the coordinator's own heartbeat
         self.metrics = None  # the MetricsServer, when `metrics` names (host, port) to serve at
         if metrics is not None:
             from .metrics import MetricsServer  # prometheus_client only where metrics are served
@@ -190,6 +203,12 @@ class Coordinator:
         try:
             while not self._stopping and not self.finished.is_set():
                 wait = max(0.0, min(self._next_deadline() - time.monotonic(), 1.0))
+                if self.world_size > RELAY_MAX and wait > 0:
+                    # Many members' frames come one by one: gathered for a moment, each look
+                    # serves dozens (a look, not a frame, is most of the cost); a frame waits
+                    # BATCH_S at most, against heartbeat timeouts of seconds.
+                    time.sleep(min(wait, BATCH_S))
+                    wait = 0.0 if wait <= BATCH_S else wait - BATCH_S
                 for key, events in self._sel.select(wait):
                     if key.data is None:
                         self._accept()
@@ -197,7 +216,9 @@ class Coordinator:
                         self._wake_r.recv(64)
                     else:
                         self._ready(key.data, events)
+                    self._settle()
                 self._check_deadlines(time.monotonic())
+                self._settle()
         finally:
             for c in list(self._pending) + list(self._slots.values()) + self._unranked:
                 self._close(c)
@@ -279,24 +300,46 @@ class Coordinator:
         raise DTMError(E.UNEXPECTED_MESSAGE, f"a {msg.TYPE.name} message; expected {want}")
 
     def _send(self, c: _Conn, data: bytes) -> None:
+        if c.failing is not None:
+            return
         c.outbox += data
         self._flush(c)
-        if not c.closed and len(c.outbox) > MAX_OUTBOX:
-            self._gone(c, f"it did not read the {len(c.outbox)} bytes queued for it")
+        if not c.closed and c.failing is None and len(c.outbox) > MAX_OUTBOX:
+            self._fail_later(c, f"it did not read the {len(c.outbox)} bytes queued for it", drain=False)
 
     def _flush(self, c: _Conn) -> None:
-        if c.closed:
+        if c.closed or c.failing is not None:
             return
         try:
             n = c.sock.send(c.outbox) if c.outbox else 0
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError as e:
-            return self._broken(c, f"sending failed: {e.strerror or e}")
+            return self._fail_later(c, f"sending failed: {e.strerror or e}", drain=True)
         del c.outbox[:n]
         if bool(c.outbox) != c.writing:  # wait for room only while something is queued
             c.writing = bool(c.outbox)
             self._sel.modify(c.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if c.writing else 0), c)
+
+    def _fail_later(self, c: _Conn, why: str, *, drain: bool) -> None:
+        """Sending to `c` failed, or it reads too slowly: it is lost once the event in hand
+        is served (`_settle`), not inside this send. A loss is told to every member, and a
+        member whose send fails in turn would nest its loss in the first, as deep as the
+        number of members gone at once (a host, a whole job's teardown)."""
+        c.failing = why
+        c.outbox.clear()
+        self._failing.append((c, why, drain))
+
+    def _settle(self) -> None:
+        """The connections `_fail_later` queued, one after another (each may queue more)."""
+        while self._failing:
+            c, why, drain = self._failing.pop(0)
+            if c.closed:
+                continue
+            if drain:
+                self._broken(c, why)
+            else:
+                self._gone(c, why)
 
     def _broken(self, c: _Conn, why: str) -> None:
         """Sending to `c` failed; what it sent before it went (a Leave, say) still counts."""
@@ -411,15 +454,33 @@ class Coordinator:
             self._send(c, c.control.encode(self.view))
             if self.cancelled is not None:
                 self._send(c, c.control.encode(notice(*self.cancelled)))
+        self.formed_at = time.time()
         log.info("coordinator: the mesh of %d rank(s) formed (epoch %d)", self.world_size, self.view.epoch)
 
     def _beat(self, c: _Conn, hb: Heartbeat) -> None:
         if hb.rank != c.rank:
             raise DTMError(E.UNEXPECTED_MESSAGE, f"a Heartbeat for rank {hb.rank} on the connection of rank {c.rank}")
         c.last_beat, c.last_heard = hb, time.monotonic()  # its worker rows too: kept per rank for the metrics
+        if not self._relays():
+            return
         relayed = hb.without_workers()  # members want a peer's last operation, not its helpers (spec 9.6.4)
         for o in self._members():
             self._send(o, o.control.encode(relayed, flags=FLAG_RELAYED))
+
+    def _relays(self) -> bool:
+        """Whether members' heartbeats are relayed to every member (spec 9.6.4): in a mesh of
+        at most RELAY_MAX members; in a larger one the coordinator beats on its own."""
+        return self.view is not None and len(self.view.members) <= RELAY_MAX
+
+    def _own_beat(self, now: float) -> None:
+        """Four times per timeout_ms, to every member of a mesh too large to relay: a
+        heartbeat of the coordinator's own (rank OWN_BEAT_RANK), so that none takes the
+        coordinator for lost (it would after timeout_ms of silence); no more often than
+        the members beat."""
+        self._next_own_beat = now + max(self.heartbeat_ms, self.timeout_ms / 4) / 1000
+        beat = heartbeat(OWN_BEAT_RANK, self._stats, Figures())
+        for o in self._members():
+            self._send(o, o.control.encode(beat, flags=FLAG_RELAYED))
 
     def _leave(self, c: _Conn, msg: Leave) -> None:
         if c.state == JOINED:  # before the view: its place is free again
@@ -457,8 +518,9 @@ class Coordinator:
         if c.join is not None:
             self.lost_pids[c.join.pid] = notice.message
         log.warning("coordinator: %s", notice.message)
+        lost = Error.from_exception(notice, c.rank)
         for o in self._members():
-            self._send(o, o.control.encode(Error.from_exception(notice, c.rank)))
+            self._send(o, o.control.encode(lost))
         self._check_finished()
 
     def _members(self) -> list[_Conn]:
@@ -476,7 +538,9 @@ class Coordinator:
         times = [oldest.deadline] if oldest is not None else []
         if self.view is None:
             times.append(self._join_deadline)
-        times += [c.last_heard + self.timeout_ms / 1000 for c in self._members()]
+        elif not self._relays():
+            times.append(self._next_own_beat)
+        times.append(self._next_scan)
         return min(times, default=math.inf)
 
     def _check_deadlines(self, now: float) -> None:
@@ -484,11 +548,19 @@ class Coordinator:
             self._drop(c, f"it did not prove the cluster token and send JoinMesh within {self.hello_timeout:g} s")
         if self.view is None and now >= self._join_deadline:
             return self._formation_failed()
-        for c in self._members():
+        if self.view is not None and not self._relays() and now >= self._next_own_beat:
+            self._own_beat(now)
+        if now < self._next_scan:  # no member can be silent too long yet: no look at each (a mesh may be large)
+            return
+        members = self._members()
+        for c in members:
             silent = now - c.last_heard
             if silent > self.timeout_ms / 1000:
                 self._lose(c, f"no Heartbeat for {silent:.1f} s (the limit is {self.timeout_ms / 1000:g} s): the "
                               "process is stuck or its host unreachable")
+        # A member's last_heard only grows, and one that becomes a member later hears from now
+        # on: none can pass its deadline before this.
+        self._next_scan = min([c.last_heard for c in members if not c.closed] + [now]) + self.timeout_ms / 1000
 
     def _formation_failed(self) -> None:
         joined = sorted(self._slots)

@@ -13,7 +13,8 @@ the view. Every wait is bounded by `timeout`; an Error from the coordinator (a r
 a mesh that did not form in time, naming the missing ranks) is raised with its code.
 
 The heartbeat thread owns the control connection from `start` to `leave`. It sends a
-Heartbeat every `heartbeat_ms`, records the relayed heartbeats of every member (`peers`) and
+Heartbeat every `heartbeat_ms`, records the relayed heartbeats of every member (`peers`; in a
+mesh of at most 64: a larger one's coordinator relays none, spec 9.6.4) and
 the coordinator's E1001 notices (`lost`, then each function given to `watch_lost` is called
 with (rank, message) on that thread, so that whatever waits for the lost rank is woken: the
 collectives' transport and the mesh's store each watch). A coordinator that is silent for
@@ -43,6 +44,7 @@ from .heartbeat import Figures, FiguresFn, ProcessStats, detection_bound, heartb
 
 log = logging.getLogger("dtm.cluster")
 
+VIEW_MAX_PAYLOAD = 16 << 20  # the largest control frame a rank takes from its coordinator (a MeshView)
 VIEW_GRACE_S = 2.0  # a rank waits this much longer than the coordinator's own formation timeout
 RETRY_S = 0.05
 CANCEL_TIMEOUT_S = 10.0  # `dtm cancel`: reaching the coordinator and hearing its answer
@@ -108,10 +110,11 @@ class _Reader:
 
 
 def _control(token: bytes, rank: int, who: str) -> Control:
-    # Every control message fits in MIN_MAX_PAYLOAD: a frame past it is refused from its header,
-    # before the coordinator has proven the token, rather than buffered as it arrives.
+    # The coordinator's MeshView lists every member: past MIN_MAX_PAYLOAD from about 1,300
+    # of them. Once the coordinator has proven the token, frames up to VIEW_MAX_PAYLOAD are
+    # taken (a view of some 25,000 members); before, MIN_MAX_PAYLOAD (Control).
     return Control("connect", token, rank=rank, name=f"{socket.gethostname()}:{os.getpid()}",
-                   max_payload=MIN_MAX_PAYLOAD, peer=who)
+                   max_payload=VIEW_MAX_PAYLOAD, peer=who)
 
 
 def _handshake(sock: socket.socket, control: Control, reader: "_Reader", deadline: float, start: float,

@@ -77,10 +77,16 @@ class Message:
         return cls(**{name: getattr(r, kind)(name) for name, kind in cls.WIRE})
 
     def parts(self) -> list[Buffer]:
-        """The payload as buffers to send back to back."""
-        w = Writer()
-        self._write(w)
-        return [bytes(w.out)]
+        """The payload as buffers to send back to back, written once per message: a
+        coordinator sends one MeshView, notice or heartbeat to every member, and a view of
+        thousands of members takes milliseconds to write."""
+        cached = self.__dict__.get("_payload")
+        if cached is None:
+            w = Writer()
+            self._write(w)
+            cached = [bytes(w.out)]
+            object.__setattr__(self, "_payload", cached)  # frozen: the fields, not this memo
+        return cached
 
     def encode(self) -> bytes:
         return b"".join(bytes(p) for p in self.parts())
@@ -156,6 +162,11 @@ def _str_ok(name: str, s: str) -> str | None:
     except UnicodeEncodeError:
         return f"{name} holds a lone surrogate, which UTF-8 cannot carry"
     return f"{name} is {n} UTF-8 bytes, the limit is {MAX_STR_BYTES}" if n > MAX_STR_BYTES else None
+
+
+def _short_ascii(s) -> bool:
+    """A str that `_str_ok` passes, found without encoding it."""
+    return type(s) is str and s.isascii() and len(s) <= MAX_STR_BYTES
 
 
 def _first(*problems: str | None) -> str | None:
@@ -305,7 +316,8 @@ class MeshView(Message):
             self.timeout_ms < self.heartbeat_ms and f"timeout_ms {self.timeout_ms} is below heartbeat_ms "
                                                     f"{self.heartbeat_ms}",
             not 1 <= len(self.members) <= MAX_MEMBERS and f"{len(self.members)} members, 1 to {MAX_MEMBERS} allowed",
-            *(_first(_str_ok("host", m.host), _str_ok("node", m.node)) for m in self.members),
+            *(_first(_str_ok("host", m.host), _str_ok("node", m.node)) for m in self.members
+              if not (_short_ascii(m.host) and _short_ascii(m.node))),  # (the common case, quickly: views are long)
             len(self.axes) > MAX_AXES and f"{len(self.axes)} axes, at most {MAX_AXES}",
             *(not (isinstance(a, str) and _IDENT.fullmatch(a)) and f"axis name {a!r} is not [A-Za-z_][A-Za-z0-9_]*"
               for a in names),
@@ -438,8 +450,8 @@ class Heartbeat(Message):
 
     @classmethod
     def _read(cls, r: Reader) -> "Heartbeat":
-        head = (r.u32("rank"), r.f64("cpu_percent"), r.u64("rss_bytes"), r.u64("bytes_sent"),
-                r.u64("bytes_received"), r.u64("ops_done"), r.str("last_op"))
+        head = (*r.fields(("u32", "rank"), ("f64", "cpu_percent"), ("u64", "rss_bytes"), ("u64", "bytes_sent"),
+                          ("u64", "bytes_received"), ("u64", "ops_done")), r.str("last_op"))
         if not r.left:
             return cls(*head)
         n = r.count("u8", "workers", item_bytes=_WORKER_MIN_BYTES, limit=MAX_WORKERS)

@@ -15,6 +15,7 @@ from .errors import ProtocolError
 
 _FMT = {"u8": "<B", "u16": "<H", "u32": "<I", "u64": "<Q", "i32": "<i", "i64": "<q", "f64": "<d"}
 _STRUCTS = {k: struct.Struct(v) for k, v in _FMT.items()}
+_GROUPS: dict[tuple[str, ...], struct.Struct] = {}  # Reader.fields' layouts, by their kinds
 MAX_STR_BYTES = 0xFFFF  # a string's byte count is a u16
 
 
@@ -70,14 +71,39 @@ class Reader:
 
     def _need(self, n: int, name: str) -> None:
         if n > self.left:
-            raise self.fail(f"field {name} needs {n} bytes at offset {self.pos}, {self.left} left")
+            raise self._short(n, name)
+
+    def _short(self, n: int, name: str) -> ProtocolError:
+        return self.fail(f"field {name} needs {n} bytes at offset {self.pos}, {self.left} left")
+
+    # The readers below are inlined (no _need, no property): a coordinator reads thousands of
+    # heartbeats a second and a member a MeshView of thousands of members.
 
     def _get(self, kind: str, name: str):
         s = _STRUCTS[kind]
-        self._need(s.size, name)
+        end = self.pos + s.size
+        if end > len(self.buf):
+            raise self._short(s.size, name)
         (v,) = s.unpack_from(self.buf, self.pos)
-        self.pos += s.size
+        self.pos = end
         return v
+
+    def fields(self, *spec: tuple[str, str]) -> tuple:
+        """Several fixed-width fields, (kind, name) each, read at once: the values and
+        faults of reading them one by one."""
+        kinds = tuple(kind for kind, _ in spec)
+        group = _GROUPS.get(kinds)
+        if group is None:
+            group = _GROUPS[kinds] = struct.Struct("<" + "".join(_FMT[k][1:] for k in kinds))
+        if self.pos + group.size > len(self.buf):
+            for kind, name in spec:  # raises at the first field that does not fit
+                self._get(kind, name)
+        values = group.unpack_from(self.buf, self.pos)
+        for (kind, name), v in zip(spec, values):
+            if kind == "f64" and not math.isfinite(v):
+                raise self.fail(f"field {name} is {v}, not a finite number")
+        self.pos += group.size
+        return values
 
     def u8(self, name: str) -> int: return self._get("u8", name)
     def u16(self, name: str) -> int: return self._get("u16", name)
@@ -106,13 +132,18 @@ class Reader:
         return v
 
     def str(self, name: str) -> str:
-        n = self.u16(name)
-        self._need(n, name)
+        buf, pos = self.buf, self.pos
+        if pos + 2 > len(buf):
+            raise self._short(2, name)
+        n = buf[pos] | buf[pos + 1] << 8
+        self.pos = pos = pos + 2
+        if pos + n > len(buf):
+            raise self._short(n, name)
         try:
-            s = str(self.buf[self.pos:self.pos + n], "utf-8")
+            s = str(buf[pos:pos + n], "utf-8")
         except UnicodeDecodeError as e:
             raise self.fail(f"field {name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        self.pos += n
+        self.pos = pos + n
         return s
 
     def count(self, kind: str, name: str, *, item_bytes: int, limit: int) -> int:

@@ -172,6 +172,10 @@ VALID = {
                                            (WorkerRow("ingest 1 (pid 4242)", 97.5, 3 << 20, 12, 4096, 8192, "file 12"),
                                             WorkerRow("ingest 2 (pid 4243)", 0.0, 1 << 20, 0, 0, 0, ""))),
                                  epoch=7, seq=13)], {"expected_epoch": 7, "next_seq": {"0": 13}}),
+    "heartbeat_coordinator": ("the coordinator's own heartbeat to a member of a mesh past 64 members (9.6.4): "
+                              "rank 4294967295, RELAYED; a member counts it as the coordinator heard",
+                              [frame(Heartbeat(0xFFFFFFFF, 3.5, 60 << 20, 0, 0, 0, ""), epoch=1, seq=40,
+                                     flags=FLAG_RELAYED)], {"expected_epoch": 1, "next_seq": {"0": 40}}),
     "leave": ("the worked example of spec 9.1.11", [frame(Leave(2, "done"), epoch=3, seq=5)], {"next_seq": {"0": 5}}),
     "leave_unicode": ("strings are UTF-8: a reason in Greek and an emoji",
                       [frame(Leave(0, "τέλος 🏁"), epoch=1)], {}),
