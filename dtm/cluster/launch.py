@@ -175,20 +175,23 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
     ours = dict(DTM_COORDINATOR=address, DTM_TOKEN=token, DTM_COORDINATOR_EXTERNAL="1", PYTHONUNBUFFERED="1",
                 OMP_NUM_THREADS=threads, **{RUN_ENV: run}, **policy)
 
-    def start(k: int, label: str, joins: bool, bundle: int) -> None:
-        """Start a rank (a joiner, which asks for no rank and no world size: spec 9.6.7)."""
-        env = dict(ours) if joins else dict(ours, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs))
+    def start(ranks: Sequence[tuple[int, str, bool, int]]) -> None:
+        """Start ranks (k, label, joins, Ray bundle); a joiner asks for no rank and no world
+        size (spec 9.6.7). Ray actors are asked for all at once: each takes a second to start."""
+        envs = [dict(ours) if joins else dict(ours, DTM_RANK=str(k), DTM_WORLD_SIZE=str(nprocs))
+                for k, _, joins, _ in ranks]
         if cluster is not None:
-            procs.append(cluster.start(bundle, f"[{label}] ", argv, env, run, (stdout, stderr), lock,
-                                       lambda: _declared_elastic(run)))
+            procs.extend(cluster.start([(bundle, f"[{label}] ", env) for (_, label, _, bundle), env in zip(ranks, envs)],
+                                       argv, run, (stdout, stderr), lock, lambda: _declared_elastic(run)))
             return
-        env = {n: v for n, v in os.environ.items() if not (joins and n in ("DTM_RANK", "DTM_WORLD_SIZE"))} | env
-        p = _LocalRank(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, start_new_session=True)
-        procs.append(p)
-        for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
-            forwards.append(_Forward(pipe, out, f"[{label}] ", lock))
-            forwards[-1].start()
+        for (_, label, joins, _), env in zip(ranks, envs):
+            env = {n: v for n, v in os.environ.items() if not (joins and n in ("DTM_RANK", "DTM_WORLD_SIZE"))} | env
+            p = _LocalRank(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, start_new_session=True)
+            procs.append(p)
+            for pipe, out in ((p.stdout, stdout), (p.stderr, stderr)):
+                forwards.append(_Forward(pipe, out, f"[{label}] ", lock))
+                forwards[-1].start()
 
     replaced: set[int] = set()
 
@@ -200,11 +203,10 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
                     any(q.poll() is None for q in procs):
                 replaced.add(k)
                 log.warning("dtm launch: %s %s; a new rank joins in its place", f"process {k}", p.status())
-                start(len(procs), f"replacement {len(replaced)}", True, p.bundle)
+                start([(len(procs), f"replacement {len(replaced)}", True, p.bundle)])
 
     try:
-        for k in range(nprocs):
-            start(k, f"joiner {k}" if join is not None else f"rank {k}", join is not None, k)
+        start([(k, f"joiner {k}" if join is not None else f"rank {k}", join is not None, k) for k in range(nprocs)])
         cancelled = (lambda: coord.cancelled is not None) if coord is not None else (lambda: False)
         goes_on = (lambda: True) if elastic is not None or join is not None else \
             (lambda: cancelled() or _goes_on(on_failure, run))

@@ -241,29 +241,35 @@ class RayCluster:
         """The driver node's address: where the ranks reach the launcher's coordinator."""
         return self.ray.util.get_node_ip_address()
 
-    def start(self, bundle: int, prefix: str, argv: Sequence[str], env: Mapping[str, str], run: str,
-              outs: tuple[IO[str], IO[str]], lock: threading.Lock, on_elastic) -> RayRank:
-        """A rank in bundle `bundle`, on an actor named after `prefix` ("[rank 1] ":
-        "rank-1"): the actor, then the rank's process; DTMError when either cannot start.
-        Says on `outs[1]` where it runs."""
+    def start(self, ranks: Sequence[tuple[int, str, Mapping[str, str]]], argv: Sequence[str], run: str,
+              outs: tuple[IO[str], IO[str]], lock: threading.Lock, on_elastic) -> list[RayRank]:
+        """Ranks, (bundle, prefix, env) each, on actors named after their prefixes ("[rank
+        1] ": "rank-1"): every actor is asked for at once (each is a new Ray worker process,
+        a second or so to start), then each rank's process; DTMError when one cannot start.
+        Says on `outs[1]` where each runs."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        name = prefix.strip(" []").replace(" ", "-")
-        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
-        actor = self.ray.remote(RankActor).options(name=name, num_cpus=self.cpus, max_concurrency=4,
-                                                   scheduling_strategy=strategy).remote()
-        self.actors.append(actor)
-        try:
-            pid, host, node_id = self.ray.get(actor.start.remote(list(argv), dict(env), os.getcwd(), run),
-                                              timeout=START_TIMEOUT_S)
-        except Exception as e:
-            raise DTMError(E.NOT_INITIALIZED, f"dtm launch --ray: {prefix.strip()} did not start on its Ray actor "
-                                              f"(bundle {bundle}): {type(e).__name__}: {e}") from None
-        with lock:
-            outs[1].write(f"dtm launch: {prefix.strip(' []')} runs on Ray actor {name!r} (namespace "
-                          f"{self.namespace}) on node {node_id[:12]} ({host}), pid {pid}\n")
-            outs[1].flush()
-        return RayRank(self.ray, actor, bundle, pid, host, prefix, outs, lock, on_elastic)
+        asked = []
+        for bundle, prefix, env in ranks:
+            name = prefix.strip(" []").replace(" ", "-")
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+            actor = self.ray.remote(RankActor).options(name=name, num_cpus=self.cpus, max_concurrency=4,
+                                                       scheduling_strategy=strategy).remote()
+            self.actors.append(actor)
+            asked.append((bundle, prefix, name, actor, actor.start.remote(list(argv), dict(env), os.getcwd(), run)))
+        started = []
+        for bundle, prefix, name, actor, ref in asked:
+            try:
+                pid, host, node_id = self.ray.get(ref, timeout=START_TIMEOUT_S)
+            except Exception as e:
+                raise DTMError(E.NOT_INITIALIZED, f"dtm launch --ray: {prefix.strip()} did not start on its Ray "
+                                                  f"actor (bundle {bundle}): {type(e).__name__}: {e}") from None
+            with lock:
+                outs[1].write(f"dtm launch: {prefix.strip(' []')} runs on Ray actor {name!r} (namespace "
+                              f"{self.namespace}) on node {node_id[:12]} ({host}), pid {pid}\n")
+                outs[1].flush()
+            started.append(RayRank(self.ray, actor, bundle, pid, host, prefix, outs, lock, on_elastic))
+        return started
 
     def close(self) -> list[str]:
         """Every node's leftovers of the run (through the actors that live), then the actors,
