@@ -161,6 +161,46 @@ def test_save_and_load_quantized(tmp_path, dtype):
     assert np.array_equal(model.generate(prompt, max_new_tokens=4).numpy(), back.generate(prompt, 4).numpy())
 
 
+@pytest.mark.parametrize("dtype", NARROW)
+def test_quantized_as_it_loads_equals_quantized_after(tmp_path, dtype):
+    """from_pretrained(quant=) converts tensor by tensor, in blocks of rows: the storage of
+    every weight is the one dtm.quant.quantize gives the f32 model, bit for bit, and so are
+    the logits (HF layout: Conv1D weights transposed, c_attn's rows reordered by head)."""
+    dtm.manual_seed(0)
+    GPT2(TINY).save_pretrained(str(tmp_path))
+    want = dtm.quant.quantize(GPT2.from_pretrained(str(tmp_path)), dtype)
+    got = GPT2.from_pretrained(str(tmp_path), quant=dtype)
+    assert list(got.state_dict()) == list(want.state_dict())
+    for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert a.dtype == b.dtype and np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), name
+    ids = dtm.tensor(np.arange(10)[None] % TINY.vocab_size)
+    assert np.array_equal(want(ids).numpy(), got(ids).numpy())
+
+
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over execve, from the forking test process
+PEAK_JOB = """
+import sys
+from dtm.models.gpt2 import GPT2
+model = GPT2.from_pretrained(sys.argv[1], quant=sys.argv[2])
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_quantized_as_it_loads_never_holds_the_f32_model(tmp_path, dtype):
+    """GPT-2's 50257 x 768 token table and two blocks (190 MB of f32 on disk), loaded with
+    quant= in a fresh process: its peak resident memory is at most 1.3x what it holds once
+    loaded (issue 34; dtm.quant.quantize after an f32 load peaks at about 9x)."""
+    dtm.manual_seed(0)
+    GPT2(GPT2Config(n_layer=2)).save_pretrained(str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", PEAK_JOB, str(tmp_path), dtype], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    resident, peak = map(int, r.stdout.split())
+    assert peak <= 1.3 * resident, (peak / 2**20, resident / 2**20)
+
+
 def test_bad_input_is_refused_with_e0408():
     with pytest.raises(DTMError) as e:
         dtm.quant.quantize_weight(np.ones((4, 40), np.float32), "q4_0")

@@ -23,10 +23,11 @@ from typing import Sequence
 import numpy as np
 
 from .. import functional as F
-from .. import nn, quant
+from .. import nn
+from .. import quant as quant_lib
 from ..errors import DTMError, ErrorCode
 from ..nn import functional as NF
-from ..nn.weights import read_safetensors
+from ..nn.weights import SafetensorsFile
 from ..tensor import Tensor, arange, from_numpy, jit, manual_seed, no_grad, rand, randn, tensor, zeros
 from .sampling import check_sampling, sample, warp_logits
 
@@ -382,38 +383,71 @@ class GPT2(nn.Module):
                 narrow["transformer." + name] = (t.numpy(), t.dtype, t.shape)
             else:
                 state["transformer." + name] = hf_layout(name, t.numpy(), c.n_head)
-        arrays, listed = quant.pack(narrow)
+        arrays, listed = quant_lib.pack(narrow)
         nn.save_safetensors({**state, **arrays}, os.path.join(path, "model.safetensors"),
                             metadata={"format": "pt", **listed})
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "GPT2":
-        """Load a Hugging Face GPT-2 checkpoint directory (config.json, model.safetensors)."""
+    def from_pretrained(cls, path: str, quant: str | None = None) -> "GPT2":
+        """Load a Hugging Face GPT-2 checkpoint directory (config.json, model.safetensors).
+        `quant` ("q8_0", "q4_0", "bf16"): the Linear and Embedding weights are made narrow
+        as they are read, tensor by tensor (the token table in row blocks), so the f32
+        model is never in memory: as `dtm.quant.quantize` on the loaded model, without its
+        peak. A checkpoint saved from a narrow model loads narrow as it is."""
         with open(os.path.join(path, "config.json")) as f:
             config = GPT2Config.from_hf(json.load(f))
-        model = cls(config, init=False)
-        weights, metadata = read_safetensors(os.path.join(path, "model.safetensors"))
-        narrow = quant.unpack(metadata)  # written by save_pretrained of a dtm.quant model
+        dt = None if quant is None else quant_lib.narrow_dtype(quant)
+        model = cls(config, init=False)  # zeros no page holds yet: each weight replaces its own
         modules = dict(model.named_modules())
         state = {}
-        for name, t in weights.items():
-            listed = narrow.get(name)
-            name = name.removeprefix("transformer.")
-            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-                continue  # causal-mask buffers; the head is tied to wte
-            if listed is not None:  # stored in this model's layout
+        with SafetensorsFile(os.path.join(path, "model.safetensors")) as f:
+            narrow = quant_lib.unpack(f.metadata)  # written by save_pretrained of a dtm.quant model
+            for hf_name in f.names:
+                name = hf_name.removeprefix("transformer.")
+                if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+                    continue  # causal-mask buffers; the head is tied to wte
                 owner, _, attr = name.rpartition(".")
-                if owner not in modules or attr != "weight":
-                    raise DTMError(ErrorCode.QUANTIZED_MISUSE, f"GPT2.from_pretrained: {name} is stored "
-                                   f"{listed[0]}, but only Linear and Embedding weights can be")
-                setattr(modules[owner], attr, nn.narrow_parameter(t.numpy(), *listed))
-                state[name] = modules[owner].weight
-                continue
-            if name.endswith(_CONV1D + _QKV):
-                t = Tensor.from_numpy(from_hf_layout(name, t.numpy(), config.n_head))
-            state[name] = t
+                listed = narrow.get(hf_name)
+                if listed is not None:  # stored narrow, in this model's layout
+                    if owner not in modules or attr != "weight":
+                        raise DTMError(ErrorCode.QUANTIZED_MISUSE, f"GPT2.from_pretrained: {name} is stored "
+                                       f"{listed[0]}, but only Linear and Embedding weights can be")
+                    weight = nn.narrow_parameter(f.read(hf_name), *listed)
+                elif dt is not None and attr == "weight" and hasattr(modules.get(owner), "quantize_"):
+                    weight = nn.narrow_parameter(_narrow_from(f, hf_name, name, dt, config.n_head), dt,
+                                                 _model_shape(f.shape(hf_name), name))
+                else:
+                    state[name] = Tensor.from_numpy(from_hf_layout(name, f.read(hf_name), config.n_head))
+                    continue
+                setattr(modules[owner], attr, weight)
+                state[name] = weight
         model.load_state_dict(state)
         return model.eval()
+
+
+BLOCK_BYTES = 1 << 20  # f32 bytes of a weight quantized at a time (the quantizer's temporaries are several times them)
+
+
+def _model_shape(hf_shape: tuple[int, ...], name: str) -> tuple[int, ...]:
+    return hf_shape[::-1] if name.endswith(_CONV1D) else hf_shape
+
+
+def _narrow_from(f: SafetensorsFile, hf_name: str, name: str, dt, n_head: int) -> np.ndarray:
+    """The narrow storage of weight `name`, converted from the file in blocks of rows: a
+    Conv1D weight is read whole first (it is transposed: 9 MiB at most in GPT-2), any
+    other block by block."""
+    whole = from_hf_layout(name, f.read(hf_name), n_head) if name.endswith(_CONV1D) else None
+    shape = _model_shape(f.shape(hf_name), name)
+    rows = max(1, BLOCK_BYTES // (4 * math.prod(shape[1:])))
+    out = None
+    for lo in range(0, shape[0], rows):
+        hi = min(lo + rows, shape[0])
+        block = quant_lib.quantize_weight(whole[lo:hi] if whole is not None else f.read(hf_name, rows=(lo, hi)),
+                                          dt, name)
+        if out is None:
+            out = np.empty(quant_lib.storage_shape(shape, dt), block.dtype)
+        out[lo:hi] = block
+    return out
 
 
 __all__ = ["GPT2", "GPT2Config", "KVCache", "from_hf_layout", "hf_layout", "manual_seed"]

@@ -51,6 +51,96 @@ def save_safetensors(state: Mapping[str, Tensor | np.ndarray], path: str, metada
         raise
 
 
+class SafetensorsFile:
+    """One safetensors file read tensor by tensor (or rows of one): each read is a seek and
+    a read into the array returned, so a model is converted piece by piece without the
+    whole file in memory (nor mapped: mapped pages count as the process's memory). The
+    header is bounded before it is read and checked whole before anything else: each
+    tensor's dtype, shape and byte range, which must tile the data after the header.
+
+        with SafetensorsFile(path) as f:
+            f.metadata, f.names, f.shape("wte.weight")
+            f.read("wte.weight", rows=(0, 4096))
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = open(path, "rb")
+        try:
+            self._parse(os.fstat(self._f.fileno()).st_size)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _bad(self, why: str) -> DTMError:
+        return DTMError(ErrorCode.BAD_ENCODING, f"{self.path}: not a valid safetensors file: {why}")
+
+    def _parse(self, size: int) -> None:
+        head = self._f.read(8)
+        if len(head) < 8 or (n := struct.unpack("<Q", head)[0]) > min(MAX_HEADER, size - 8):
+            raise DTMError(ErrorCode.BAD_ENCODING, f"{self.path}: not a safetensors file (bad header length)")
+        try:
+            header = json.loads(self._f.read(n))
+        except ValueError as e:
+            raise self._bad(f"its header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise self._bad("its header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._bad("__metadata__ must map names to strings")
+        self.metadata: dict[str, str] = metadata
+        self._base, self._info = 8 + n, {}
+        spans = []
+        for name, info in header.items():
+            st = info.get("dtype") if isinstance(info, dict) else None
+            if st not in _ST:
+                raise DTMError(ErrorCode.UNKNOWN_DTYPE, f"{self.path}: tensor {name!r} has dtype {st}, which DTM "
+                                                        "does not know")
+            shape, offsets = info.get("shape"), info.get("data_offsets")
+            if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                    and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+                raise self._bad(f"tensor {name!r}: shape {shape!r} and data_offsets {offsets!r}")
+            dt = numpy_dtype(DTYPES[_ST[st]])
+            if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+                raise self._bad(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for {st}{shape}")
+            self._info[name] = (dt, tuple(shape), offsets[0])
+            spans.append(tuple(offsets))
+        at = 0
+        for lo, hi in sorted(spans):  # the tensors' bytes tile the data: no gap, no overlap, no excess
+            if lo != at:
+                raise self._bad(f"its tensors' bytes leave a gap or overlap at data offset {at}")
+            at = hi
+        if self._base + at != size:
+            raise self._bad(f"its tensors end at byte {self._base + at}, the file at {size}")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._info)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info[name][1]
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor `name`, or its rows [lo, hi) along the first dim, as a new array."""
+        dt, shape, start = self._info[name]
+        lo, hi = (0, shape[0] if shape else 1) if rows is None else rows
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize if shape else dt.itemsize
+        out = np.empty(((hi - lo),) + shape[1:] if shape else (), dt.newbyteorder("<"))
+        self._f.seek(self._base + start + lo * row)
+        if self._f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+            raise self._bad(f"tensor {name!r} ends early")
+        return out.astype(dt, copy=False)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def load_safetensors(path: str) -> dict[str, Tensor]:
     return read_safetensors(path)[0]
 

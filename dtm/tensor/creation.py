@@ -111,7 +111,11 @@ def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad:
 
 
 def zeros(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return full(size, 0, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+    """torch.zeros. The pages come zeroed from the system and stay untouched until written
+    (np.zeros, not a fill): a model built to be loaded (`nn.no_init`) holds no memory for
+    weights that are replaced before they are read."""
+    d = as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT
+    return Tensor.from_numpy(np.zeros(_shape([size], d), dtype=numpy_dtype(d)), requires_grad)
 
 
 def ones(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
