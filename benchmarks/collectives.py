@@ -374,7 +374,8 @@ def hosts_main(args) -> None:
                 host = rank // args.ranks_per_host
                 env.update(DTM_COORDINATOR=f"{hosts.address(0)}:{DTM_PORT}", DTM_RANK=str(rank),
                            DTM_WORLD_SIZE=str(n), DTM_TOKEN="bench", DTM_HOST=hosts.address(host),
-                           GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                           GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                           TORCH_CPP_LOG_LEVEL="ERROR")  # (c10d warns that a namespace's peer has no hostname)
                 procs.append(hosts.run(host, [sys.executable, __file__, "--worker", b, "--iters", str(args.iters),
                                               "--sizes", *args.sizes], dict(env), stdout=subprocess.PIPE, text=True))
             outs = [p.communicate(timeout=3600)[0] for p in procs]
