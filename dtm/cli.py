@@ -272,7 +272,7 @@ def launch_cmd(nprocs: int, coordinator: str | None, axes: str | None, grace: fl
                 os.environ[env] = str(parse_bytes(size, option))  # the ranks inherit it
             except DTMError as e:
                 raise click.BadParameter(e.message) from None
-    if ray_address is not None and ray_address and ":" not in ray_address and ray_address not in ("auto", "local"):
+    if ray_address and ":" not in ray_address and ray_address not in ("auto", "local"):
         raise click.BadParameter(f"{ray_address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT, auto, local); "
                                  "--ray without an address goes before another option, e.g. --ray -n 4 job.py",
                                  param_hint="--ray")

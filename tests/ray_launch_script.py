@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from launched import Launched
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -35,51 +34,24 @@ def ray_cli(*args: str) -> None:
     subprocess.run([str(BIN / "ray"), *args], check=True, capture_output=True, timeout=120)
 
 
-class Launch:
-    """A `dtm launch --ray` whose output lines are read on a thread."""
-
-    def __init__(self, args: list[str], cwd: str):
-        env = dict(os.environ, DTM_HEARTBEAT_MS="200", DTM_HEARTBEAT_TIMEOUT_MS="3000")
-        self.p = subprocess.Popen([str(BIN / "dtm"), "launch", "--ray", ADDRESS, *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
-        self.lines: list[str] = []
-        self.q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            self.lines.append(line)
-            self.q.put(line)
-
-    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while time.monotonic() < deadline:
-            while seen < len(self.lines):
-                m = re.search(pattern, self.lines[seen])
-                seen += 1
-                if m:
-                    return m
-            try:
-                self.q.get(timeout=0.2)
-            except queue.Empty:
-                if self.p.poll() is not None:
-                    break
-        raise RuntimeError(f"no line matching {pattern!r}:\n" + "".join(self.lines[-40:]))
-
-    def finish(self) -> dict:
-        try:
-            code = self.p.wait(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            code = None
-        time.sleep(0.2)  # the reader's last lines
-        return {"code": code, "output": "".join(self.lines)}
+def launch(args: list[str], cwd: str) -> Launched:
+    """`dtm launch --ray` against this script's Ray cluster."""
+    env = dict(os.environ, DTM_HEARTBEAT_MS="200", DTM_HEARTBEAT_TIMEOUT_MS="3000")
+    return Launched([str(BIN / "dtm"), "launch", "--ray", ADDRESS, *args], env, cwd)
 
 
-def kill_actor(ray, launch: Launch, label: str) -> str:
-    """Kill the Ray actor of rank `label` ("rank 1") of `launch`, by its name and namespace."""
-    m = launch.wait_for(rf"dtm launch: {label} runs on Ray actor '([\w-]+)' \(namespace ([\w-]+)\)", 5)
+def finished(job: Launched) -> dict:
+    """Its exit status (None: it ran past JOB_TIMEOUT_S and was killed) and its output."""
+    try:
+        code = job.finish(JOB_TIMEOUT_S)
+    except AssertionError:
+        code = None
+    return {"code": code, "output": "".join(job.lines)}
+
+
+def kill_actor(ray, job: Launched, label: str) -> str:
+    """Kill the Ray actor of rank `label` ("rank 1") of `job`, by its name and namespace."""
+    m = job.match(rf"dtm launch: {label} runs on Ray actor '([\w-]+)' \(namespace ([\w-]+)\)", 5)
     ray.kill(ray.get_actor(m.group(1), namespace=m.group(2)))
     return m.group(1)
 
@@ -100,19 +72,19 @@ def main(out: Path) -> None:
             time.sleep(0.2)
         job = str(HERE / "ray_launch_job.py")
 
-        result["spread"] = Launch(["--spread", "-n", "2", job], str(out)).finish()
+        result["spread"] = finished(launch(["--spread", "-n", "2", job], str(out)))
 
-        killed = Launch(["-n", "2", job, "--steps", "200", "--every", "0.2"], str(out))
-        killed.wait_for(r"\[rank 1\] step 3 ")
+        killed = launch(["-n", "2", job, "--steps", "200", "--every", "0.2"], str(out))
+        killed.match(r"\[rank 1\] step 3 ", 90)
         result["killed_actor"] = kill_actor(ray, killed, "rank 1")
-        result["killed"] = killed.finish()
+        result["killed"] = finished(killed)
 
         train = str(HERE / "elastic_train.py")
-        elastic = Launch(["-n", "2", "--axes", "dp=2", "--elastic", "1:4", train, "--steps", "16", "--sleep", "0.3",
+        elastic = launch(["-n", "2", "--axes", "dp=2", "--elastic", "1:4", train, "--steps", "16", "--sleep", "0.3",
                           "--out", str(out / "got.json")], str(out))
-        elastic.wait_for(r"\[rank 1\] epoch 1 rank 1/2 .* step 3 ")
+        elastic.match(r"\[rank 1\] epoch 1 rank 1/2 .* step 3 ", 90)
         kill_actor(ray, elastic, "rank 1")
-        result["elastic"] = elastic.finish()
+        result["elastic"] = finished(elastic)
     finally:
         (out / "result.json").write_text(json.dumps(result))
         ray.shutdown()

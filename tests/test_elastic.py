@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from dtm.cluster.env import ElasticPolicy, elastic_env
@@ -24,6 +23,7 @@ from dtm.cluster.membership import join
 from dtm.cluster.resize import ElasticCoordinator, give_way_order, shape_for
 from dtm.errors import DTMError, ErrorCode as E
 from dtm.protocol.messages import Member, MeshView
+from launched import Launched
 
 HERE = pathlib.Path(__file__).resolve()
 SCRIPT = str(HERE.parent / "elastic_train.py")
@@ -73,7 +73,7 @@ def test_successor_waits_for_each_member_then_publishes():
         t.join(10)
     try:
         assert again.value.code is E.JOIN_REFUSED
-        (m0, l0), (m1, l1) = got[0], got[1]
+        (m0, _), (m1, _) = got[0], got[1]
         assert (m0.rank, m1.rank, m0.view.epoch, m0.view.axes) == (0, 1, 5, (("dp", 2),))
         assert "rank 2 of epoch 4 did not reconnect" in coord.lost[2]
         assert coord.resizes == ["epoch 5: {'dp': 2} (0->0, 1->1)"]
@@ -130,43 +130,18 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(env, DTM_HEARTBEAT_MS="200", DTM_HEARTBEAT_TIMEOUT_MS="3000", **extra)
 
 
-class Job:
-    """A `dtm launch` whose output lines are read on a thread (`lines`, `wait_for`)."""
+class Job(Launched):
+    """A `dtm launch` of `args` (see launched.py)."""
 
     def __init__(self, args: list[str], env: dict[str, str]):
-        self.p = subprocess.Popen([DTM, "launch", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env=env)
-        self.lines: list[str] = []
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            self.lines.append(line)
-            self._q.put(line)
+        super().__init__([DTM, "launch", *args], env)
 
     def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        for line in self.lines:
-            if text in line:
-                return line
-        while time.monotonic() < deadline:
-            try:
-                line = self._q.get(timeout=0.2)
-            except queue.Empty:
-                if self.p.poll() is not None and self._q.empty():
-                    break
-                continue
-            if text in line:
-                return line
-        raise AssertionError(f"no line with {text!r} in {timeout} s:\n" + "".join(self.lines[-60:]))
+        """The first line holding `text`."""
+        return self.match(re.escape(text), timeout).string
 
     def finish(self, timeout: float = TIMEOUT_S) -> int:
-        try:
-            return self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            raise AssertionError("the job did not end in time:\n" + "".join(self.lines[-60:])) from None
+        return super().finish(timeout)
 
 
 def _close(got: dict[str, float], want: dict[str, float], steps: int) -> None:

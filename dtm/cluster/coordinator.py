@@ -343,7 +343,6 @@ class Coordinator:
 
     def _broken(self, c: _Conn, why: str) -> None:
         """Sending to `c` failed; what it sent before it went (a Leave, say) still counts."""
-        c.outbox.clear()
         try:
             while not c.closed:
                 data = c.sock.recv(READ_SIZE)

@@ -24,25 +24,13 @@ any other launcher can start ranks:
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import DTMError, ErrorCode as E
 from .heartbeat import HEARTBEAT_MS, TIMEOUT_MS
 
 Axes = tuple[tuple[str, int], ...]
-
-
-def rank_command(argv: Sequence[str]) -> list[str]:
-    """How a launcher runs a rank's command: `script.py args` under this Python, `-m module
-    args` too, anything else as is."""
-    argv = list(argv)
-    if not argv:
-        raise DTMError(E.NOT_INITIALIZED, "dtm launch needs a script (or -m module, or a command) to run")
-    if argv[0].endswith(".py") or argv[0] == "-m":
-        return [sys.executable, *argv]
-    return argv
 
 
 def bad_variable(name: str, value: str, want: str) -> DTMError:

@@ -52,8 +52,9 @@ from .cancel import canceller
 from . import jobfile
 from .coordinator import JOIN_TIMEOUT_S, Coordinator
 from .resize import ElasticCoordinator
-from .env import Axes, ElasticPolicy, heartbeat_env, metrics_env, parse_address, rank_command
+from .env import Axes, ElasticPolicy, heartbeat_env, metrics_env, parse_address
 from .leftovers import ELASTIC, RUN_ENV, note, remove_noted, remove_orphans, scratch_base
+from .rank_process import exit_status, print_line, rank_command, read_lines, signal_group
 from .ray_ranks import OUTPUT_WAIT_S, RayCluster, RayRank
 from .metrics import DEFAULT_HOST
 
@@ -77,16 +78,10 @@ class _LocalRank(subprocess.Popen):
     on a Ray actor (ray_ranks.RayRank) has them."""
 
     def killpg(self, sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)
-            if sig == signal.SIGTERM:  # a stopped rank handles it now, not at SIGKILL after the grace
-                os.killpg(self.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        signal_group(self.pid, sig)
 
     def status(self) -> str:
-        code = self.returncode
-        return f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return exit_status(self.returncode)
 
 
 class _Forward(threading.Thread):
@@ -97,12 +92,7 @@ class _Forward(threading.Thread):
         self.pipe, self.out, self.prefix, self.lock = pipe, out, prefix, lock
 
     def run(self) -> None:
-        for raw in iter(self.pipe.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            with self.lock:
-                self.out.write(f"{self.prefix}{line}\n")
-                self.out.flush()
-        self.pipe.close()
+        read_lines(self.pipe, lambda line: print_line(self.out, self.lock, self.prefix, line))
 
 
 def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, axes: Axes = (),
@@ -199,7 +189,7 @@ def launch(argv: Sequence[str], nprocs: int, *, coordinator: str | None = None, 
         """An elastic job on Ray: a joiner in the bundle of each rank whose actor died, while
         ranks still run, at most `nprocs` in all."""
         for k, p in enumerate(list(procs)):
-            if getattr(p, "died", None) and k not in replaced and len(replaced) < nprocs and \
+            if p.died and k not in replaced and len(replaced) < nprocs and \
                     any(q.poll() is None for q in procs):
                 replaced.add(k)
                 log.warning("dtm launch: %s %s; a new rank joins in its place", f"process {k}", p.status())

@@ -34,11 +34,12 @@ import socket
 import subprocess
 import threading
 from collections import deque
+from concurrent.futures import Future
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from ..errors import DTMError, ErrorCode as E
-from .env import rank_command
+from .rank_process import exit_status, print_line, rank_command, read_lines, signal_group
 from .leftovers import ELASTIC, remove_noted, remove_orphans, scratch_base
 
 PLACEMENT_TIMEOUT_S = 120.0  # Ray reserving every rank's bundle (nodes may still be starting)
@@ -85,26 +86,20 @@ class RankActor:
         os.makedirs(run, exist_ok=True)  # what the rank tells its launcher, on this node
         full = dict(os.environ, **env)
         full.setdefault("DTM_HOST", ray.util.get_node_ip_address())  # where its peers reach it
-        started: list[Any] = []
-        ready = threading.Event()
+        started: Future = Future()
 
         def own() -> None:  # starts the process and lives until it ends (PR_SET_PDEATHSIG is per thread)
             try:
-                started.append(subprocess.Popen(rank_command(argv), env=full, cwd=cwd if os.path.isdir(cwd) else None,
-                                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.PIPE, start_new_session=True,
-                                                 preexec_fn=_die_with_parent))
+                proc = subprocess.Popen(rank_command(argv), env=full, cwd=cwd if os.path.isdir(cwd) else None,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
             except OSError as e:
-                started.append(e)
-            ready.set()
-            if isinstance(started[0], subprocess.Popen):
-                self._follow(started[0])
+                return started.set_exception(e)
+            started.set_result(proc)
+            self._follow(proc)
 
         threading.Thread(target=own, daemon=True).start()
-        ready.wait()
-        if isinstance(started[0], OSError):
-            raise started[0]
-        self.proc = started[0]
+        self.proc = started.result()
         return self.proc.pid, socket.gethostname(), ray.get_runtime_context().get_node_id()
 
     def _follow(self, proc: subprocess.Popen) -> None:
@@ -120,11 +115,12 @@ class RankActor:
             self.changed.notify_all()
 
     def _read(self, pipe: IO[bytes], which: int) -> None:
-        for raw in iter(pipe.readline, b""):
-            with self.changed:
-                self.lines.append((which, raw.decode("utf-8", "replace").rstrip("\n")))
-                self.changed.notify_all()
-        pipe.close()
+        read_lines(pipe, lambda line: self._keep(which, line))
+
+    def _keep(self, which: int, line: str) -> None:
+        with self.changed:
+            self.lines.append((which, line))
+            self.changed.notify_all()
 
     def output(self, wait_s: float) -> tuple[list[tuple[int, str]], int | None, bool]:
         """The lines written since the last call (waiting up to `wait_s` for one), the
@@ -139,14 +135,8 @@ class RankActor:
 
     def signal(self, sig: int) -> None:
         """`sig` to the rank's process group (SIGCONT after SIGTERM: a stopped rank handles it)."""
-        if self.proc is None or self.code is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-            if sig == signal.SIGTERM:
-                os.killpg(self.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        if self.proc is not None and self.code is None:
+            signal_group(self.proc.pid, sig)
 
     def clean(self) -> list[str]:
         """Once the job's ranks ended: this node's store parts that its ranks left, and the
@@ -184,11 +174,8 @@ class RayRank:
                 break
             if elastic:
                 self.on_elastic()
-            with self.lock:
-                for which, line in lines:
-                    out = self.outs[which - 1]
-                    out.write(f"{self.prefix}{line}\n")
-                    out.flush()
+            for which, line in lines:
+                print_line(self.outs[which - 1], self.lock, self.prefix, line)
             if code is not None:
                 self.returncode = code
                 break
@@ -208,10 +195,7 @@ class RayRank:
 
     def status(self) -> str:
         """How it ended, for the launcher's report."""
-        if self.died is not None:
-            return self.died
-        return (f"killed by {signal.Signals(-self.returncode).name}" if self.returncode and self.returncode < 0
-                else f"exit code {self.returncode}")
+        return self.died if self.died is not None else exit_status(self.returncode)
 
 
 class RayCluster:

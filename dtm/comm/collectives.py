@@ -316,7 +316,7 @@ class Communicator:
         hosts in the order of their first member; None where a flat algorithm is the one to
         run: every member on one host, or each on its own, or hosts unknown, or
         `hierarchical` off."""
-        nodes = getattr(self.transport, "nodes", None)
+        nodes = self.transport.nodes
         if not self.hierarchical or nodes is None:
             return None
         by_host: dict[str, list[int]] = {}

@@ -1,7 +1,7 @@
 """State dicts on disk as safetensors (never pickle), written atomically.
 
 Saving uses safetensors' numpy adapter (ml_dtypes arrays carry bf16 and float8); loading
-reads the raw bytes with `safetensors.deserialize` and maps its dtype names to DTM's, so
+reads the file tensor by tensor (`SafetensorsFile`) and maps its dtype names to DTM's, so
 every DTM dtype round-trips."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import tempfile
 from typing import Mapping
 
 import numpy as np
-from safetensors import deserialize
 from safetensors.numpy import save
 
 from ..errors import DTMError, ErrorCode
@@ -115,7 +114,8 @@ class SafetensorsFile:
 
     @property
     def names(self) -> list[str]:
-        return list(self._info)
+        """The tensors' names, in name order (as the safetensors library lists them)."""
+        return sorted(self._info)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._info[name][1]
@@ -146,23 +146,6 @@ def load_safetensors(path: str) -> dict[str, Tensor]:
 
 
 def read_safetensors(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The tensors of the file at `path`, and the string metadata saved with them."""
-    with open(path, "rb") as f:
-        data = f.read()
-    # The header length is bounded before the library reads (and allocates for) the header.
-    if len(data) < 8 or (n := struct.unpack("<Q", data[:8])[0]) > min(MAX_HEADER, len(data) - 8):
-        raise DTMError(ErrorCode.BAD_ENCODING, f"{path}: not a safetensors file (bad header length)")
-    try:
-        items = deserialize(data)
-        metadata = json.loads(data[8:8 + n]).get("__metadata__") or {}
-    except Exception as e:  # the library's own error types: report them as ours
-        raise DTMError(ErrorCode.BAD_ENCODING, f"{path}: not a valid safetensors file: {e}") from None
-    out = {}
-    for name, info in items:
-        st = info["dtype"]
-        if st not in _ST:
-            raise DTMError(ErrorCode.UNKNOWN_DTYPE, f"{path}: tensor {name!r} has dtype {st}, which DTM does not know")
-        dt = numpy_dtype(DTYPES[_ST[st]])
-        arr = np.frombuffer(bytes(info["data"]), dtype=dt.newbyteorder("<")).astype(dt).reshape(info["shape"])
-        out[name] = Tensor.from_numpy(arr.copy())
-    return out, metadata
+    """The tensors of the file at `path` (in name order), and the string metadata saved with them."""
+    with SafetensorsFile(path) as f:
+        return {name: Tensor.from_numpy(f.read(name)) for name in f.names}, f.metadata

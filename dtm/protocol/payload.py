@@ -100,8 +100,8 @@ class Reader:
                 self._get(kind, name)
         values = group.unpack_from(self.buf, self.pos)
         for (kind, name), v in zip(spec, values):
-            if kind == "f64" and not math.isfinite(v):
-                raise self.fail(f"field {name} is {v}, not a finite number")
+            if kind == "f64":
+                self._finite(v, name)
         self.pos += group.size
         return values
 
@@ -113,7 +113,9 @@ class Reader:
     def i64(self, name: str) -> int: return self._get("i64", name)
 
     def f64(self, name: str) -> float:
-        v = self._get("f64", name)
+        return self._finite(self._get("f64", name), name)
+
+    def _finite(self, v: float, name: str) -> float:
         if not math.isfinite(v):
             raise self.fail(f"field {name} is {v}, not a finite number")
         return v
