@@ -16,6 +16,19 @@ Batch 1, f32, random weights (nothing is downloaded), the same weights everywher
   random weights, whose logits are nearly tied (tests/test_quant.py states the accuracy).
 
     python benchmarks/gpt2.py [--new-tokens 64] [--layers 12] [--runs 3] [--no-ref] [--no-quant]
+                              [--peer llamacpp]
+
+--peer llamacpp adds llama.cpp (llama-cpp-python and gguf: pip install -e '.[llamacpp]', built
+from source) as engines llamacpp:f32, :q8_0 and :q4_0 (q8_0 and q4_0 unless --no-quant): each
+worker writes the same random weights as a GGUF file (benchmarks/gguf_gpt2.py; its matmul
+weights quantized by the gguf package's numpy quantizer, norms and biases f32) and loads it
+with llama_cpp.Llama (mmap'd, os.cpu_count() threads). Prefill evaluates the 128 ids after a
+reset and copies the last position's logits; decode feeds the prompt, then one token at a
+time, each the argmax of the last logits (no sampler). A "vs llama.cpp" table follows the
+main one, DTM cpu f32 / q8_0 / q4_0 against llama.cpp's same type: prefill ratio (llama ms /
+DTM ms), decode ratio (DTM tok/s / llama tok/s) and the RSS right after loading (peak RSS
+counts the random f32 weights every worker makes first: for narrow types, the resident
+memory after load is the one to compare). Batch 1 only.
 
 --batch N runs N sequences at once instead (prompts of one length, no padding): decode
 tokens/s counts all N; DTM's products of a few rows go unpacked, as one row's do.
@@ -144,6 +157,65 @@ def torch_engine(n_layer: int, weights: dict[str, np.ndarray], int8: bool = Fals
     return prefill, decode
 
 
+def llamacpp_engine(weights: dict[str, np.ndarray], dtype: str, n_ctx: int):
+    """(prefill, decode) closures on llama.cpp running GPT-2 from a GGUF file of `weights`
+    (gguf_gpt2.write_gguf, in a temporary directory), its matmul weights in `dtype` (f32,
+    q8_0, q4_0); `weights` is emptied."""
+    import llama_cpp
+    from gguf_gpt2 import write_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"gpt2-{dtype}.gguf")
+        write_gguf(weights, path, dtype)
+        # llama.cpp maps the file: its pages stay mapped after the directory is removed
+        llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=PREFILL_LEN, n_threads=os.cpu_count(), logits_all=False,
+                              verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:
+        """The logits of the last position evaluated: a view of llama.cpp's own buffer (with
+        logits_all=False, Llama.eval keeps none of its own)."""
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
+    def prefill(ids):
+        llm.reset()
+        llm.eval(ids[0].tolist())
+        return last_logits()[None].copy()
+
+    def decode(prompt, n):
+        # greedy as the other engines: argmax of the logits, no sampler; the KV cache holds
+        # the prompt and every token fed since, so each step evaluates one token
+        llm.reset()
+        llm.eval(prompt[0].tolist())
+        out = prompt[0].tolist()
+        for i in range(n):
+            out.append(int(np.argmax(last_logits())))
+            if i + 1 < n:
+                llm.eval(out[-1:])
+        return np.array([out])
+
+    return prefill, decode
+
+
+def require_llamacpp() -> None:
+    """Exit with one line saying how to install llama.cpp's Python packages when either is missing."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"--peer llamacpp needs llama-cpp-python and gguf ({e}): pip install -e '.[llamacpp]' "
+                 "(llama.cpp is built from source, several minutes)")
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MiB (Linux's /proc; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
 def accuracy(n_new: int, n_layer: int) -> None:
     """--accuracy: see the module docstring."""
     import dtm
@@ -182,16 +254,21 @@ def worker(engine: str, args) -> dict:
     weights = random_weights(n_layer=args.layers)
     ids = np.random.default_rng(1).integers(0, 50257, size=(args.batch, PREFILL_LEN), dtype=np.int64)
     prompt = ids[:, :PROMPT_LEN]
-    base, _, narrow = engine.partition(":")  # "cpu:q8_0", "torch:int8"
-    prefill, decode = (torch_engine(args.layers, weights, int8=narrow == "int8") if base == "torch"
-                       else dtm_engine(base, args.layers, weights, narrow or None))
+    base, _, narrow = engine.partition(":")  # "cpu:q8_0", "torch:int8", "llamacpp:f32"
+    if base == "torch":
+        prefill, decode = torch_engine(args.layers, weights, int8=narrow == "int8")
+    elif base == "llamacpp":
+        prefill, decode = llamacpp_engine(weights, narrow, n_ctx=max(256, PROMPT_LEN + args.new_tokens))
+    else:
+        prefill, decode = dtm_engine(base, args.layers, weights, narrow or None)
+    load_rss = rss_mb()
     t0 = time.perf_counter()
     prefill(ids)
     decode(prompt, 2)  # traces and builds both decoding steps (the prompt's and one token's)
     first = time.perf_counter() - t0
     tokens = decode(prompt, args.new_tokens)
     runs = 1 if engine == "ref" else args.runs
-    return {"engine": engine, "first_s": first,
+    return {"engine": engine, "first_s": first, "load_rss_mb": load_rss,
             "prefill_ms": best_of(lambda: prefill(ids), runs) * 1e3,
             "decode_tok_s": args.batch * args.new_tokens / best_of(lambda: decode(prompt, args.new_tokens), runs),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -208,6 +285,26 @@ def run_worker(engine: str, args, cache_dir: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def print_vs_llamacpp(results: list[tuple[str, dict]]) -> None:
+    """The "vs llama.cpp" table: DTM cpu f32 / q8_0 / q4_0 (f32: the cached run) against
+    llama.cpp's same type; ratios above 1 have DTM ahead."""
+    import llama_cpp
+
+    by_engine = {r["engine"]: r for _, r in results}  # the later "cpu" run, with cached kernels, wins
+    print(f"vs llama.cpp (llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()})")
+    print(f"{'':6} {'prefill ms: DTM':>16} {'llama':>7} {'llama/DTM':>10} {'decode tok/s: DTM':>18} {'llama':>7} "
+          f"{'DTM/llama':>10} {'RSS after load MB: DTM':>23} {'llama':>6} {'peak RSS MB: DTM':>17} {'llama':>6}")
+    for dtype in ("f32", "q8_0", "q4_0"):
+        ours, theirs = by_engine.get("cpu" if dtype == "f32" else f"cpu:{dtype}"), by_engine.get(f"llamacpp:{dtype}")
+        if ours is None or theirs is None:
+            continue
+        print(f"{dtype:6} {ours['prefill_ms']:16.1f} {theirs['prefill_ms']:7.1f} "
+              f"{theirs['prefill_ms'] / ours['prefill_ms']:9.2f}x {ours['decode_tok_s']:18.2f} "
+              f"{theirs['decode_tok_s']:7.2f} {ours['decode_tok_s'] / theirs['decode_tok_s']:9.2f}x "
+              f"{ours['load_rss_mb']:23.0f} {theirs['load_rss_mb']:6.0f} {ours['peak_rss_mb']:17.0f} "
+              f"{theirs['peak_rss_mb']:6.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -216,6 +313,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences decoded at once")
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow) reference backend")
     ap.add_argument("--no-quant", action="store_true", help="skip the narrow-weight rows")
+    ap.add_argument("--peer", choices=["llamacpp"], help="add llama.cpp's engines (pip install -e '.[llamacpp]')")
     ap.add_argument("--accuracy", type=int, metavar="N", help="narrow types vs f32 over N greedy tokens, no speed")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -225,11 +323,17 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args)))
         return
+    if args.peer:
+        require_llamacpp()
+        if args.batch != 1:
+            sys.exit("--peer llamacpp: batch 1 only")
 
     with tempfile.TemporaryDirectory() as cache:
         narrow = [] if args.no_quant else ["cpu:q8_0", "cpu:q4_0", "cpu:bf16", "torch:int8"]
-        engines = ["cpu", "cpu", "torch"] + narrow + ([] if args.no_ref else ["ref"])
-        labels = {"ref": "DTM ref", "torch": "torch eager", "torch:int8": "torch int8 dynamic",
+        peer = [f"llamacpp:{t}" for t in (["f32"] if args.no_quant else ["f32", "q8_0", "q4_0"])] if args.peer else []
+        engines = ["cpu", "cpu", "torch"] + narrow + peer + ([] if args.no_ref else ["ref"])
+        labels = {"llamacpp:f32": "llama.cpp f32", "llamacpp:q8_0": "llama.cpp q8_0", "llamacpp:q4_0": "llama.cpp q4_0",
+                  "ref": "DTM ref", "torch": "torch eager", "torch:int8": "torch int8 dynamic",
                   "cpu:q8_0": "DTM cpu q8_0", "cpu:q4_0": "DTM cpu q4_0", "cpu:bf16": "DTM cpu bf16"}
         results = []
         for i, engine in enumerate(engines):
@@ -248,6 +352,8 @@ def main() -> None:
     print(f"DTM cpu first compile (empty cache): {cold['first_s']:.2f} s (goal < 30 s); "
           f"second process, cached kernels: {warm['first_s']:.2f} s (goal < 3 s)")
     print("matmul path: DTM's own tiled C kernels (no BLAS); torch uses its bundled BLAS")
+    if args.peer:
+        print_vs_llamacpp(results)
 
 
 if __name__ == "__main__":

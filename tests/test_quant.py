@@ -91,14 +91,38 @@ def test_weight_casts_are_absorbed_into_the_products():
     assert len(rows) == 2 and all(s.args[0].type.shape[-2] == 1 for s in rows)  # wte, wpe rows dequantized
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_many_rows_give_each_rows_bits(dtype):
+    """Prefill and decode agree (spec 2.2.1): a product of many rows (the packed tiles, where
+    the CPU has AVX-512 VNNI) gives every row the bits of that row's product alone (four rows
+    of W at a time), also for a partial group of 16 blocks (K = 17 blocks), rows of W past the
+    last tile of 4 (N = 43) and rows that hold a NaN or an infinity."""
+    n, k = 43, 544
+    w, wf = _weight(dtype, n, k, seed=3)
+    x = np.random.default_rng(4).standard_normal((13, k), dtype=np.float32)
+    x[5, 7], x[9, 300] = np.nan, np.inf
+
+    def product(rows):  # a jit per shape: each call its own static program
+        return dtm.jit(lambda a: F.linear(a, F.cast(w, dtm.float32)), dynamic=False)(dtm.tensor(rows)).numpy()
+
+    got = product(x)
+    alone = np.concatenate([product(x[i:i + 1]) for i in range(len(x))])
+    assert got.tobytes() == alone.tobytes()
+    finite = np.isfinite(x).all(-1)
+    np.testing.assert_allclose(got[finite], _q8_rows(x[finite]) @ wf.T, rtol=1e-5, atol=1e-4)
+    assert np.isnan(got[~finite]).all()
+
+
 def test_portable_path_gives_the_same_bits():
     """DTM_NARROW_PORTABLE=1 forces the portable C; the integer dots are exact, so the SIMD
-    path (where the CPU has one) agrees to the bit."""
+    paths (where the CPU has them: few rows and many) agree to the bit."""
     code = ("import numpy as np, sys; sys.path.insert(0, 'tests'); import test_quant as t\n"
             "for d in ('q8_0', 'q4_0'):\n"
-            "    w, _ = t._weight(d, 27, 128)\n"
-            "    x = np.random.default_rng(2).standard_normal((2, 128), dtype=np.float32)\n"
-            "    sys.stdout.write(t._linear(w, np.zeros(27, np.float32))(t.dtm.tensor(x)).numpy().tobytes().hex())\n")
+            "    w, _ = t._weight(d, 27, 544)\n"
+            "    for m in (2, 9):\n"
+            "        x = np.random.default_rng(m).standard_normal((m, 544), dtype=np.float32)\n"
+            "        f = t.dtm.jit(lambda a: t.F.linear(a, t.F.cast(w, t.dtm.float32)), dynamic=False)\n"
+            "        sys.stdout.write(f(t.dtm.tensor(x)).numpy().tobytes().hex())\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outs = [subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, DTM_NARROW_PORTABLE=flag, PYTHONPATH=root)) for flag in ("0", "1")]
@@ -199,6 +223,66 @@ def test_quantized_as_it_loads_never_holds_the_f32_model(tmp_path, dtype):
     assert r.returncode == 0, r.stderr[-2000:]
     resident, peak = map(int, r.stdout.split())
     assert peak <= 1.3 * resident, (peak / 2**20, resident / 2**20)
+
+
+ON_DISK_JOB = """
+import sys
+from dtm.models.gpt2 import GPT2, GPT2Config
+import dtm
+model = GPT2(GPT2Config(n_layer=2), init=False)
+model.load(sys.argv[1], mmap=True)  # every weight still on disk
+dtm.quant.quantize(model, sys.argv[2])
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_quantize_a_model_still_on_disk(tmp_path, dtype):
+    """dtm.quant.quantize on a model whose weights are mapped from a file (Module.load with
+    mmap=True): each weight is converted in blocks of rows whose pages are given back, so
+    the peak is at most 1.3x what the quantized model holds (a read-then-quantize peaks at
+    about 3.5x on these shapes); and the weights are those of quantize after a plain load."""
+    dtm.manual_seed(0)
+    path = str(tmp_path / "gpt2.safetensors")
+    GPT2(GPT2Config(n_layer=2)).save(path)
+    r = subprocess.run([sys.executable, "-c", ON_DISK_JOB, path, dtype], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    resident, peak = map(int, r.stdout.split())
+    assert peak <= 1.3 * resident, (peak / 2**20, resident / 2**20)
+    tiny = str(tmp_path / "tiny.safetensors")
+    GPT2(TINY).save(tiny)
+    mapped, read = GPT2(TINY, init=False), GPT2(TINY, init=False)
+    mapped.load(tiny, mmap=True)
+    read.load(tiny)
+    for (name, a), (_, b) in zip(dtm.quant.quantize(read, dtype).state_dict().items(),
+                                 dtm.quant.quantize(mapped, dtype).state_dict().items()):
+        assert a.dtype == b.dtype and np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), name
+
+
+def test_a_mapped_model_trains_and_leaves_its_file_alone(tmp_path):
+    """Weights loaded with mmap=True are read-only views of the file: an optimizer step
+    copies each before writing it (the step equals the one on a plain load), and the file
+    keeps its bytes."""
+    dtm.manual_seed(0)
+    path = tmp_path / "tiny.safetensors"
+    GPT2(TINY).save(str(path))
+    before = path.read_bytes()
+    ids = np.arange(13)[None] % TINY.vocab_size
+    x, y = dtm.tensor(ids[:, :-1]), dtm.tensor(ids[:, 1:])
+    losses = []
+    for mmap in (True, False):
+        model = GPT2(TINY, init=False)
+        model.load(str(path), mmap=mmap)
+        opt = dtm.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            loss = dtm.nn.functional.cross_entropy(model(x).reshape(-1, TINY.vocab_size), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert losses[:3] == losses[3:] and losses[2] < losses[0]
+    assert path.read_bytes() == before
 
 
 def test_bad_input_is_refused_with_e0408():

@@ -425,29 +425,16 @@ class GPT2(nn.Module):
         return model.eval()
 
 
-BLOCK_BYTES = 1 << 20  # f32 bytes of a weight quantized at a time (the quantizer's temporaries are several times them)
-
-
 def _model_shape(hf_shape: tuple[int, ...], name: str) -> tuple[int, ...]:
     return hf_shape[::-1] if name.endswith(_CONV1D) else hf_shape
 
 
 def _narrow_from(f: SafetensorsFile, hf_name: str, name: str, dt, n_head: int) -> np.ndarray:
-    """The narrow storage of weight `name`, converted from the file in blocks of rows: a
-    Conv1D weight is read whole first (it is transposed: 9 MiB at most in GPT-2), any
-    other block by block."""
-    whole = from_hf_layout(name, f.read(hf_name), n_head) if name.endswith(_CONV1D) else None
-    shape = _model_shape(f.shape(hf_name), name)
-    rows = max(1, BLOCK_BYTES // (4 * math.prod(shape[1:])))
-    out = None
-    for lo in range(0, shape[0], rows):
-        hi = min(lo + rows, shape[0])
-        block = quant_lib.quantize_weight(whole[lo:hi] if whole is not None else f.read(hf_name, rows=(lo, hi)),
-                                          dt, name)
-        if out is None:
-            out = np.empty(quant_lib.storage_shape(shape, dt), block.dtype)
-        out[lo:hi] = block
-    return out
+    """The narrow storage of weight `name` from the file: a Conv1D weight is read whole first
+    (it is transposed: 9 MiB at most in GPT-2), any other is mapped, and quantize_weight
+    converts it in blocks of rows, giving each block's pages back once converted."""
+    x = from_hf_layout(name, f.read(hf_name), n_head) if name.endswith(_CONV1D) else f.map(hf_name)
+    return quant_lib.quantize_weight(x, dt, name)
 
 
 __all__ = ["GPT2", "GPT2Config", "KVCache", "from_hf_layout", "hf_layout", "manual_seed"]

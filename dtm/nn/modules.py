@@ -205,9 +205,11 @@ class Module:
                     out[f"{mname}.{name}" if mname else name] = t
         return out
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True, assign: bool = False) -> None:
         """Copy values into this module's tensors; shapes must match. With strict, the keys
-        must be exactly this module's."""
+        must be exactly this module's. assign=True (torch's): a tensor takes a value of its
+        own dtype as it is, without a copy (a weight still on disk, from
+        load_safetensors(path, mmap=True), stays there until it is used)."""
         own = self.state_dict()
         missing = [k for k in own if k not in state]
         unexpected = [k for k in state if k not in own]
@@ -227,13 +229,17 @@ class Module:
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
                 raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t._type} here, {arr.shape} in the state")
-            t._set_value(buffers.copy(arr, t.numpy().dtype))  # (a weight read often: on huge pages)
+            own = t.numpy().dtype
+            # (a copy: a weight read often goes on huge pages)
+            t._set_value(arr if assign and arr.dtype == own else buffers.copy(arr, own))
 
     def save(self, path: str) -> None:
         save_safetensors(self.state_dict(), path)
 
-    def load(self, path: str, strict: bool = True) -> None:
-        self.load_state_dict(load_safetensors(path), strict)
+    def load(self, path: str, strict: bool = True, mmap: bool = False) -> None:
+        """load_state_dict from a safetensors file; mmap=True maps it instead of reading it
+        (load_safetensors) and assigns the mapped values (nothing read until used)."""
+        self.load_state_dict(load_safetensors(path, mmap=mmap), strict, assign=mmap)
 
     def extra_repr(self) -> str:
         return ""

@@ -7,6 +7,7 @@ every DTM dtype round-trips."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import tempfile
@@ -53,17 +54,19 @@ def save_safetensors(state: Mapping[str, Tensor | np.ndarray], path: str, metada
 class SafetensorsFile:
     """One safetensors file read tensor by tensor (or rows of one): each read is a seek and
     a read into the array returned, so a model is converted piece by piece without the
-    whole file in memory (nor mapped: mapped pages count as the process's memory). The
+    whole file in memory; or mapped (`map`), a view whose pages are read when touched. The
     header is bounded before it is read and checked whole before anything else: each
     tensor's dtype, shape and byte range, which must tile the data after the header.
 
         with SafetensorsFile(path) as f:
             f.metadata, f.names, f.shape("wte.weight")
             f.read("wte.weight", rows=(0, 4096))
+            f.map("wte.weight")
     """
 
     def __init__(self, path: str):
         self.path = path
+        self._map: mmap.mmap | None = None
         self._f = open(path, "rb")
         try:
             self._parse(os.fstat(self._f.fileno()).st_size)
@@ -131,7 +134,18 @@ class SafetensorsFile:
             raise self._bad(f"tensor {name!r} ends early")
         return out.astype(dt, copy=False)
 
+    def map(self, name: str) -> np.ndarray:
+        """Tensor `name` as a read-only view of the file mapped into memory: nothing is read
+        until its pages are touched (a weight still on disk; dtm.quant.quantize_weight gives
+        the pages back as it converts them). The mapping lives as long as a view of it."""
+        if self._map is None:
+            self._map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
+        dt, shape, start = self._info[name]
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self._map, dt.newbyteorder("<"), count, self._base + start).reshape(shape).view(dt)
+
     def close(self) -> None:
+        self._map = None  # (the views made keep it mapped)
         self._f.close()
 
     def __enter__(self) -> "SafetensorsFile":
@@ -141,11 +155,14 @@ class SafetensorsFile:
         self.close()
 
 
-def load_safetensors(path: str) -> dict[str, Tensor]:
-    return read_safetensors(path)[0]
+def load_safetensors(path: str, mmap: bool = False) -> dict[str, Tensor]:
+    """The tensors of the file at `path`, in name order. mmap=True: read-only views of the file
+    mapped into memory, read from disk only as they are used (SafetensorsFile.map); an
+    in-place update copies one first, as it does any read-only value."""
+    return read_safetensors(path, mmap)[0]
 
 
-def read_safetensors(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The tensors of the file at `path` (in name order), and the string metadata saved with them."""
+def read_safetensors(path: str, mmap: bool = False) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """load_safetensors, and the string metadata saved with the tensors."""
     with SafetensorsFile(path) as f:
-        return {name: Tensor.from_numpy(f.read(name)) for name in f.names}, f.metadata
+        return {name: Tensor.from_numpy(f.map(name) if mmap else f.read(name)) for name in f.names}, f.metadata

@@ -20,6 +20,7 @@ model holds it in (blocks run along a row), since blocks cannot be transposed.
 from __future__ import annotations
 
 import json
+import mmap
 from typing import Any, Mapping
 
 import numpy as np
@@ -48,7 +49,12 @@ def quantize_weight(x: np.ndarray, dtype: str | DType, name: str = "weight") -> 
     E0408 for an integer or bool array, for a block type when the last dim is not a multiple
     of 32, and for a NaN or an infinity: the cast op turns a block holding one into a NaN or
     infinite scale with every q = 0 (spec 2.2), which a weight never means, so a weight
-    holding one is refused here, naming the first such element."""
+    holding one is refused here, naming the first such element.
+
+    The rows are converted BLOCK_BYTES of f32 at a time, so the work arrays stay small; an `x`
+    that is a view of a file mapping (a weight still on disk: dtm.nn.weights.load_safetensors
+    with mmap=True) gives back each block's pages once converted, so the f32 weight is never
+    resident whole either."""
     dt = narrow_dtype(dtype)
     x = np.asarray(x)
     if x.dtype.kind not in "f" and x.dtype != numpy_dtype(DTYPES["bf16"]):
@@ -57,14 +63,47 @@ def quantize_weight(x: np.ndarray, dtype: str | DType, name: str = "weight") -> 
     if dt.is_quant and (x.ndim == 0 or x.shape[-1] % dt.block):
         raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} of shape {list(x.shape)} cannot be {dt}: its last "
                        f"dim must be a multiple of {dt.block} (blocks of {dt.block} elements)")
+    if x.ndim < 2:
+        return _quantize_block(x, dt, name, ())
+    rows = max(1, BLOCK_BYTES // (4 * int(np.prod(x.shape[1:], dtype=np.int64)) or 1))
+    out = np.empty(storage_shape(x.shape, dt), np.uint8 if dt.is_quant else numpy_dtype(DTYPES["bf16"]))
+    for lo in range(0, x.shape[0], rows):
+        out[lo:lo + rows] = _quantize_block(x[lo:lo + rows], dt, name, (lo,))
+        release_pages(x[lo:lo + rows])
+    return out
+
+
+BLOCK_BYTES = 1 << 20  # f32 bytes converted at a time by quantize_weight
+
+
+def _quantize_block(x: np.ndarray, dt: DType, name: str, at: tuple[int, ...]) -> np.ndarray:
+    """quantize_weight on rows of a weight, the first of them row `at` of it (for the error)."""
     bad = ~np.isfinite(x.astype(np.float32))
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} holds {x[where]} at {list(where)}; a weight must be "
+        full = [where[0] + at[0], *where[1:]] if at else list(where)
+        raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} holds {x[where]} at {full}; a weight must be "
                        f"finite to be quantized to {dt}")
     if dt.is_quant:
         return refquant.quantize(x.astype(np.float32), dt)
     return x.astype(numpy_dtype(DTYPES["bf16"]))
+
+
+def release_pages(view: np.ndarray) -> None:
+    """When `view` lies in a read-only file mapping, drop the whole pages it spans from this
+    process's memory (MADV_DONTNEED): clean file pages, which the kernel reads again if they
+    are touched, so no value changes. Anything else is left alone."""
+    base = view
+    while isinstance(base, np.ndarray):
+        base = base.base
+    mapping = base.obj if isinstance(base, memoryview) else None
+    if not isinstance(mapping, mmap.mmap) or not view.flags.c_contiguous or view.flags.writeable:
+        return
+    start = view.ctypes.data - np.frombuffer(mapping, np.uint8, 1).ctypes.data
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + view.nbytes) // page * page
+    if hi > lo:
+        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def dequantize_weight(storage: np.ndarray, dtype: str | DType) -> np.ndarray:
@@ -137,5 +176,5 @@ def quantize(model: Any, dtype: str) -> Any:
     return model
 
 
-__all__ = ["NARROW", "METADATA_KEY", "narrow_dtype", "quantize_weight", "dequantize_weight", "storage_shape",
+__all__ = ["NARROW", "METADATA_KEY", "narrow_dtype", "quantize_weight", "release_pages", "dequantize_weight", "storage_shape",
            "pack", "unpack", "check_storage", "quantize"]
