@@ -222,8 +222,9 @@ def test_codec_is_the_reference_quantizer_bit_for_bit():
         fast, ref = codec_for(name), codec_for(name, native=False)
         for n in (0, 1, 31, 32, 33, 4099):
             x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 6, n)).astype(np.float32)
-            if n > 300:
+            if n > 300:  # (scales: NaN, inf, zero, subnormal in f16, near f16's largest, past it)
                 x[5], x[70], x[140:172], x[200:232] = np.nan, np.inf, 0, 1e-7
+                x[240:256], x[300], x[333] = 1e-40, 8.3e6, 9e6
             a, b = np.empty(fast.chunk_bytes(n), np.uint8), np.empty(ref.chunk_bytes(n), np.uint8)
             fast.encode(x, a)
             ref.encode(x, b)
@@ -233,6 +234,14 @@ def test_codec_is_the_reference_quantizer_bit_for_bit():
             fast.decode_add(a, acc)
             ref.decode_add(a, acc2)
             np.testing.assert_array_equal(acc, acc2)
+            # a reduce-scatter hop: add, encode again, and (keep: a finished chunk) decode back;
+            # fused in C, 16 blocks at a time
+            for keep in (False, True):
+                again, again2 = np.empty_like(a), np.empty_like(b)
+                fast.add_encode(a, acc, again, keep=keep)
+                ref.add_encode(b, acc2, again2, keep=keep)
+                np.testing.assert_array_equal(again, again2, err_msg=f"{name}[{n}] add_encode")
+                np.testing.assert_array_equal(acc, acc2)
     q = codec_for("q8_0")
     good = np.empty(q.chunk_bytes(40), np.uint8)
     q.encode(np.ones(40, np.float32), good)

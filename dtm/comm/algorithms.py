@@ -204,9 +204,7 @@ def compressed_ring(link: Link, bounds: list[tuple[int, int]], step: int, codec,
             codec.decode_add(buf, work[a:b])
         else:
             enc = arena(b - a)
-            codec.add_encode(buf, work[a:b], enc)
-            if r.finish:
-                codec.decode(enc, work[a:b])
+            codec.add_encode(buf, work[a:b], enc, keep=r.finish)
             if r.forward:
                 handles.append(link.send(right, enc, flags))
 

@@ -49,7 +49,7 @@ def _library() -> ctypes.CDLL | None:
         log.info("compressed collectives encode with numpy: %s", e)
         return None
     for name, args in (("dtm_q8_encode", [_P, _N, _P]), ("dtm_q8_decode", [_P, _N, _P]),
-                       ("dtm_q8_decode_add", [_P, _N, _P]), ("dtm_q8_add_encode", [_P, _N, _P, _P]),
+                       ("dtm_q8_decode_add", [_P, _N, _P]), ("dtm_q8_add_encode", [_P, _N, _P, _P, ctypes.c_int32]),
                        ("dtm_bf16_encode", [_P, _N, _P]), ("dtm_bf16_decode", [_P, _N, _P]),
                        ("dtm_bf16_decode_add", [_P, _N, _P])):
         fn = getattr(lib, name)
@@ -117,15 +117,18 @@ class Codec:
         elif n:
             np.add(self._decoded(buf, n), acc, out=acc)
 
-    def add_encode(self, buf: np.ndarray, acc: np.ndarray, out: np.ndarray) -> None:
-        """acc = decoded + acc, then `out` = acc encoded (one hop of the ring's reduce-scatter)."""
+    def add_encode(self, buf: np.ndarray, acc: np.ndarray, out: np.ndarray, keep: bool = False) -> None:
+        """acc = decoded + acc, then `out` = acc encoded (one hop of the ring's reduce-scatter);
+        with `keep`, acc = `out` decoded (a finished chunk: the owner keeps what the others get)."""
         if self.lib is not None and self.name == "q8_0" and acc.size:
             out[:HEAD_SIZE] = np.frombuffer(pack_head(self.name, acc.size), np.uint8)
             self.lib.dtm_q8_add_encode(buf[HEAD_SIZE:].ctypes.data, acc.size, acc.ctypes.data,
-                                       out[HEAD_SIZE:].ctypes.data)
+                                       out[HEAD_SIZE:].ctypes.data, int(keep))
             return
         self.decode_add(buf, acc)
         self.encode(acc, out)
+        if keep:
+            self.decode(out, acc)
 
 
 @cache

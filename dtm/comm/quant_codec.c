@@ -119,10 +119,75 @@ static void q8_block(const float *restrict v, uint8_t *restrict out) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define Q8_GROUP 16
+/* max(permute of x and y at ia, at ib): one step of reducing 16 vectors to one */
+static inline __m512 max_pair(__m512 x, __m512 y, __m512i ia, __m512i ib) {
+    return _mm512_max_ps(_mm512_permutex2var_ps(x, ia, y), _mm512_permutex2var_ps(x, ib, y));
+}
+
+/* Sixteen blocks (512 values) at once, q8_block's arithmetic to the bit. The blocks' maxima
+ * are reduced together, halving the lanes each block holds four times (lane l of the last
+ * vector: block l), so the scale's division, its reciprocal and its f16 rounding (vcvtps2ph,
+ * round to nearest even as f32_to_f16) run once for the 16; then each block's values go 16
+ * lanes at a time. One pass over the values: they are read again from L1. */
+static void q8_blocks16(const float *restrict v, uint8_t *restrict out) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    __m512 m[16];
+    __mmask16 nan = 0;
+    for (int l = 0; l < 16; l++) {
+        __m512 x0 = _mm512_loadu_ps(v + 32 * l), x1 = _mm512_loadu_ps(v + 32 * l + 16);
+        m[l] = _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_and_ps(x1, absmask));
+        nan |= (__mmask16)((_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0) << l;
+    }
+    /* groups of 8 lanes per block, then 4, 2, 1 (index bit 4 picks the second vector) */
+    const __m512i a8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i b8 = _mm512_add_epi32(a8, _mm512_set1_epi32(8));
+    const __m512i a4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i b4 = _mm512_add_epi32(a4, _mm512_set1_epi32(4));
+    const __m512i a2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const __m512i b2 = _mm512_add_epi32(a2, _mm512_set1_epi32(2));
+    const __m512i a1 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i b1 = _mm512_add_epi32(a1, _mm512_set1_epi32(1));
+    for (int k = 0; k < 8; k++) m[k] = max_pair(m[2 * k], m[2 * k + 1], a8, b8);
+    for (int k = 0; k < 4; k++) m[k] = max_pair(m[2 * k], m[2 * k + 1], a4, b4);
+    for (int k = 0; k < 2; k++) m[k] = max_pair(m[2 * k], m[2 * k + 1], a2, b2);
+    __m512 amax = max_pair(m[0], m[1], a1, b1);
+    /* (a NaN lane of amax does not matter: d is NaN there, as the scalar code sets it) */
+    __m512 d = _mm512_mask_mov_ps(_mm512_div_ps(amax, _mm512_set1_ps(127.0f)), nan, _mm512_set1_ps(NAN));
+    __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), d);
+    float ids[16];
+    uint16_t hs[16];
+    _mm512_storeu_ps(ids, id);
+    _mm256_storeu_si256((__m256i *)hs, _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    const __m512 lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i signbit = _mm512_set1_epi32((int)0x80000000u);
+    for (int l = 0; l < 16; l++) {
+        uint8_t *o = out + 34 * l;
+        memcpy(o, hs + l, 2);
+        __m512 vid = _mm512_set1_ps(ids[l]);
+        for (int k = 0; k < 2; k++) {
+            __m512 p = _mm512_mul_ps(_mm512_loadu_ps(v + 32 * l + 16 * k), vid);
+            __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __mmask16 up = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(p, t), absmask), half, _CMP_GE_OQ);
+            __m512 step = _mm512_or_ps(one, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), signbit)));
+            t = _mm512_mask_add_ps(t, up, t, step);
+            t = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), t);  /* NaN -> 0 */
+            t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+            _mm_storeu_si128((__m128i *)(o + 2 + 16 * k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
+        }
+    }
+}
+#endif
+
 /* n f32 values -> ceil(n/32) blocks of 34 bytes. */
 void dtm_q8_encode(const float *x, int64_t n, uint8_t *out) {
-    int64_t full = n / 32;
-    for (int64_t b = 0; b < full; b++) q8_block(x + 32 * b, out + 34 * b);
+    int64_t full = n / 32, b = 0;
+#if defined(Q8_GROUP)
+    for (; b + Q8_GROUP <= full; b += Q8_GROUP) q8_blocks16(x + 32 * b, out + 34 * b);
+#endif
+    for (; b < full; b++) q8_block(x + 32 * b, out + 34 * b);
     if (n % 32) {
         float v[32] = {0};
         memcpy(v, x + 32 * full, sizeof(float) * (size_t)(n % 32));
@@ -163,10 +228,22 @@ static void q8_decode(const uint8_t *in, int64_t n, float *acc, int add) {
 void dtm_q8_decode(const uint8_t *in, int64_t n, float *out) { q8_decode(in, n, out, 0); }
 void dtm_q8_decode_add(const uint8_t *in, int64_t n, float *acc) { q8_decode(in, n, acc, 1); }
 
-/* acc[i] += f32(d * q[i]), then the n values are encoded again into `out` (one ring hop). */
-void dtm_q8_add_encode(const uint8_t *in, int64_t n, float *acc, uint8_t *out) {
-    q8_decode(in, n, acc, 1);
-    dtm_q8_encode(acc, n, out);
+/* acc[i] += f32(d * q[i]), then the n values are encoded again into `out` (one ring hop),
+ * and with `keep` decoded back into acc (a finished chunk: its owner keeps the values the
+ * others get); 16 blocks at a time where the group encoder is, so that the sums are encoded
+ * (and read back) while they are in L1 rather than in passes of their own over memory. */
+void dtm_q8_add_encode(const uint8_t *in, int64_t n, float *acc, uint8_t *out, int32_t keep) {
+    int64_t b = 0;
+#if defined(Q8_GROUP)
+    for (; 32 * (b + Q8_GROUP) <= n; b += Q8_GROUP) {
+        q8_decode(in + 34 * b, 32 * Q8_GROUP, acc + 32 * b, 1);
+        q8_blocks16(acc + 32 * b, out + 34 * b);
+        if (keep) q8_decode(out + 34 * b, 32 * Q8_GROUP, acc + 32 * b, 0);
+    }
+#endif
+    q8_decode(in + 34 * b, n - 32 * b, acc + 32 * b, 1);
+    dtm_q8_encode(acc + 32 * b, n - 32 * b, out + 34 * b);
+    if (keep) q8_decode(out + 34 * b, n - 32 * b, acc + 32 * b, 0);
 }
 
 void dtm_bf16_encode(const float *x, int64_t n, uint16_t *out) {

@@ -82,7 +82,7 @@ typedef struct {
 CODEC_FN void dtm_q8_encode(const float *x, int64_t n, uint8_t *out);
 CODEC_FN void dtm_q8_decode(const uint8_t *in, int64_t n, float *out);
 CODEC_FN void dtm_q8_decode_add(const uint8_t *in, int64_t n, float *acc);
-CODEC_FN void dtm_q8_add_encode(const uint8_t *in, int64_t n, float *acc, uint8_t *out);
+CODEC_FN void dtm_q8_add_encode(const uint8_t *in, int64_t n, float *acc, uint8_t *out, int32_t keep);
 CODEC_FN void dtm_bf16_encode(const float *x, int64_t n, uint16_t *out);
 CODEC_FN void dtm_bf16_decode(const uint16_t *in, int64_t n, float *out);
 CODEC_FN void dtm_bf16_decode_add(const uint16_t *in, int64_t n, float *acc);
@@ -213,14 +213,14 @@ static int land_compressed(pump_t *s, const uint8_t *got) {
         decode_body(s, got + CHUNK_HEAD, n, w, 1);
     } else {
         uint8_t *enc = (uint8_t *)(intptr_t)s->recv_enc[s->rh];
-        if (s->codec == CODEC_Q8_0) {  /* one pass: add, then encode (as Codec.add_encode) */
+        if (s->codec == CODEC_Q8_0) {  /* one pass: add, encode, and a finished chunk decoded back */
             enc[0] = CODEC_Q8_0; enc[1] = enc[2] = enc[3] = 0; put32(enc + 4, (uint32_t)n);
-            if (n) dtm_q8_add_encode(got + CHUNK_HEAD, n, w, enc + CHUNK_HEAD);
+            if (n) dtm_q8_add_encode(got + CHUNK_HEAD, n, w, enc + CHUNK_HEAD, (flags & RECV_FINISH) != 0);
         } else {
             decode_body(s, got + CHUNK_HEAD, n, w, 1);
             encode_chunk(s, w, n, enc);
+            if (flags & RECV_FINISH) decode_body(s, enc + CHUNK_HEAD, n, w, 0);
         }
-        if (flags & RECV_FINISH) decode_body(s, enc + CHUNK_HEAD, n, w, 0);
         sent = enc;
     }
     if (flags & RECV_FORWARD) {
