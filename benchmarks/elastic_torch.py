@@ -139,7 +139,10 @@ def worker(model_name: str, steps: int, folder: pathlib.Path) -> None:
         log(folder, "events.log", f"{rank} save {time.time() - t0} {time.time()}")
         log(folder, "events.log", f"{rank} loss{step} {loss.item()} {time.time()}")
         log(folder, "steps.log", f"{rank} {step} {time.time()}")
-    dist.destroy_process_group()
+    # (not dist.destroy_process_group(): after a restart the new workers hung in it with
+    # torch 2.13 and gloo, every step done, and the job never ended; the figures end at the
+    # last step, so the workers simply exit)
+    os._exit(0)
 
 
 # ---- the driver ----

@@ -73,8 +73,26 @@ def _fits(t: TensorType, chosen: Sequence[Placement], p: Placement, n: int) -> b
     return True
 
 
+# choose's plans by what decides them: the rules read an op's name, attributes and types
+# only, so the ops of a model's repeated layers (and of a program traced again, at a resized
+# mesh's shape) take their plans from here; bounded by starting over
+_PLANS: dict[tuple, "OpPlan"] = {}
+PLANS_MAX = 1 << 16
+
+
 def choose(op: Op, ins: Sequence[Sharding], mesh: Mesh) -> OpPlan:
     """The cheapest plan for `op` given its operands' shardings."""
+    key = (op.name, op.attrs_key, tuple(v.type for v in op.operands), tuple(r.type for r in op.results),
+           tuple(ins), mesh)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _choose(op, ins, mesh)
+    return plan
+
+
+def _choose(op: Op, ins: Sequence[Sharding], mesh: Mesh) -> OpPlan:
     rule = rule_for(op.name)
     in_types = [v.type for v in op.operands]
     out_types = [r.type for r in op.results]
