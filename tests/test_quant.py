@@ -225,6 +225,41 @@ def test_quantized_as_it_loads_never_holds_the_f32_model(tmp_path, dtype):
     assert peak <= 1.3 * resident, (peak / 2**20, resident / 2**20)
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "bf16"])
+def test_module_save_and_load_keep_a_quantized_model_quantized(tmp_path, dtype):
+    """Module.save writes q8_0 / q4_0 weights as their blocks, listed in the metadata, and
+    Module.load (read or mapped) gives a quantized model the same bits: no f32 on the way.
+    f32 weights loaded into a quantized model are quantized as dtm.quant.quantize does; a
+    quantized file into an f32 model is E0408 (it used to take the block bytes as floats'
+    shape); dtm.load gives the quantized tensors back as such."""
+    dtm.manual_seed(0)
+    saved = dtm.quant.quantize(GPT2(TINY).eval(), dtype)
+    path = str(tmp_path / "q.safetensors")
+    saved.save(path)
+    ids = np.arange(8)[None]
+    for mmap in (False, True):
+        back = dtm.quant.quantize(GPT2(TINY, init=False).eval(), dtype)
+        back.load(path, mmap=mmap)
+        for (name, a), (_, b) in zip(saved.state_dict().items(), back.state_dict().items()):
+            assert a.dtype == b.dtype and np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), name
+        assert np.array_equal(saved(ids).numpy(), back(ids).numpy())
+    if dtype != "bf16":  # (a bf16 file is a file of bf16 tensors, which a float model casts)
+        with pytest.raises(DTMError) as e:
+            GPT2(TINY, init=False).load(path)
+        assert e.value.code == ErrorCode.QUANTIZED_MISUSE and f"{dtype}[" in str(e.value)
+        assert dtm.load(path)["wte.weight"].dtype.name == dtype
+    f32 = GPT2(TINY)
+    f32.save(str(tmp_path / "f32.safetensors"))
+    want = dtm.quant.quantize(GPT2(TINY, init=False).eval(), dtype)
+    want.load_state_dict({k: v.numpy() for k, v in f32.state_dict().items()})
+    got = dtm.quant.quantize(GPT2(TINY, init=False).eval(), dtype)
+    got.load(str(tmp_path / "f32.safetensors"))
+    dtm.quant.quantize(f32, dtype)
+    for (name, a), (_, b), (_, c) in zip(f32.state_dict().items(), got.state_dict().items(), want.state_dict().items()):
+        assert np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), name
+        assert np.array_equal(a.numpy().view(np.uint8), c.numpy().view(np.uint8)), name
+
+
 ON_DISK_JOB = """
 import sys
 from dtm.models.gpt2 import GPT2, GPT2Config

@@ -226,12 +226,35 @@ class Module:
                 if v._placements == t._placements and v.shape == t.shape:  # its pieces, no gather
                     t._set_value(v._buffer)
                     continue
+            if is_narrow(t) or (isinstance(v, Tensor) and v.dtype.is_quant):
+                self._load_narrow(k, t, v, assign)
+                continue
             arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
             if tuple(arr.shape) != t.shape:
                 raise error(ErrorCode.SHAPE_MISMATCH, f"load_state_dict: {k} is {t._type} here, {arr.shape} in the state")
             own = t.numpy().dtype
             # (a copy: a weight read often goes on huge pages)
             t._set_value(arr if assign and arr.dtype == own else buffers.copy(arr, own))
+
+    @staticmethod
+    def _load_narrow(k: str, t: Tensor, v: Any, assign: bool) -> None:
+        """load_state_dict for a narrow weight (dtm.quant) or from a quantized value: the
+        same dtype and shape take the value's storage; float values into a narrow weight are
+        quantized (the reference quantizer, as dtm.quant.quantize); anything else, a
+        quantized value into a float tensor among them, is E0408 (no silent bytes)."""
+        if isinstance(v, Tensor) and v._type == t._type:
+            storage = v.numpy()
+            t._set_value(storage if assign else buffers.copy(storage))
+            return
+        arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
+        source = v._type if isinstance(v, Tensor) else f"{arr.dtype}{list(arr.shape)}"
+        if is_narrow(t) and tuple(arr.shape) == t.shape and arr.dtype.kind == "f" and not \
+                (isinstance(v, Tensor) and v.dtype.is_quant):
+            t._set_value(buffers.copy(quant.quantize_weight(arr, t.dtype, k)))
+            return
+        hint = ("; make the model narrow first (dtm.quant.quantize(model, ...)) to load quantized weights"
+                if not is_narrow(t) else "")
+        raise error(ErrorCode.QUANTIZED_MISUSE, f"load_state_dict: {k} is {t._type} here, {source} in the state{hint}")
 
     def save(self, path: str) -> None:
         save_safetensors(self.state_dict(), path)

@@ -16,8 +16,10 @@ from typing import Mapping
 import numpy as np
 from safetensors.numpy import save
 
+from .. import quant
 from ..errors import DTMError, ErrorCode
 from ..ir.dtypes import DTYPES, from_numpy, numpy_dtype
+from ..ir.types import TensorType
 from ..tensor import Tensor
 
 # safetensors dtype names <-> DTM dtype names
@@ -30,7 +32,15 @@ MAX_HEADER = 100 * 1024 * 1024
 
 def save_safetensors(state: Mapping[str, Tensor | np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:
     """Write `state` to `path`: to a temporary name, fsync, then rename, so a crash never
-    leaves a half-written file under `path`."""
+    leaves a half-written file under `path`. A q8_0 or q4_0 tensor (a quantized model's
+    weight) is written as its block bytes and listed in the metadata (dtm.quant.pack), so
+    read_safetensors gives it back as the same quantized tensor."""
+    blocks = {name: (t.numpy(), t.dtype, t.shape) for name, t in state.items()
+              if isinstance(t, Tensor) and t.dtype.is_quant}
+    if blocks:
+        packed, listed = quant.pack(blocks)
+        state = {**state, **packed}
+        metadata = {**(metadata or {}), **listed}
     arrays = {name: np.asarray(t.numpy() if isinstance(t, Tensor) else t, order="C")
               for name, t in state.items()}  # not np.ascontiguousarray: it makes 0-d arrays 1-d
     for name, arr in arrays.items():
@@ -163,6 +173,18 @@ def load_safetensors(path: str, mmap: bool = False) -> dict[str, Tensor]:
 
 
 def read_safetensors(path: str, mmap: bool = False) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """load_safetensors, and the string metadata saved with the tensors."""
+    """load_safetensors, and the string metadata saved with the tensors. The tensors the
+    metadata lists as quantized (save_safetensors, GPT2.save_pretrained) come back as such:
+    their block bytes, checked against the listed dtype and shape, as a q8_0 or q4_0 tensor."""
     with SafetensorsFile(path) as f:
-        return {name: Tensor.from_numpy(f.map(name) if mmap else f.read(name)) for name in f.names}, f.metadata
+        listed = quant.unpack(f.metadata)
+        out = {}
+        for name in f.names:
+            value = f.map(name) if mmap else f.read(name)
+            if name in listed and listed[name][0].is_quant:
+                dt, shape = listed[name]
+                quant.check_storage(name, value, dt, shape)
+                out[name] = Tensor(TensorType(dt, shape), buffer=value)
+            else:
+                out[name] = Tensor.from_numpy(value)
+        return out, f.metadata
