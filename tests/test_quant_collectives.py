@@ -216,6 +216,22 @@ def run_mesh(n: int, scenario: str, env: dict | None = None, timeout: float = 90
 
 # --- the tests ---------------------------------------------------------------------------------
 
+def test_the_native_codec_and_compressed_pump_build_where_there_is_a_compiler():
+    """A build error in quant_codec.c or ring_pump.c falls back to numpy and the Python ring
+    (the same bits, tens of times slower) with a log line only: where a C compiler is, the
+    native ones must be the ones in use."""
+    from dtm.comm import pump
+    from dtm.compiler.build import compiler
+    try:
+        compiler()
+    except DTMError:
+        pytest.skip("no C compiler here")
+    if os.environ.get("DTM_QUANT_CODEC") == "numpy":
+        pytest.skip("DTM_QUANT_CODEC=numpy asks for numpy")
+    assert codec_for("q8_0").lib is not None
+    assert pump.compressed_ring_pump() is not None
+
+
 def test_codec_is_the_reference_quantizer_bit_for_bit():
     rng = np.random.default_rng(0)
     for name in ("q8_0", "bf16"):
@@ -224,7 +240,7 @@ def test_codec_is_the_reference_quantizer_bit_for_bit():
             x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 6, n)).astype(np.float32)
             if n > 300:  # (scales: NaN, inf, zero, subnormal in f16, near f16's largest, past it)
                 x[5], x[70], x[140:172], x[200:232] = np.nan, np.inf, 0, 1e-7
-                x[240:256], x[300], x[333] = 1e-40, 8.3e6, 9e6
+                x[240:256], x[300], x[333], x[608:640] = 1e-40, 8.3e6, 9e6, 4e-37  # (4e-37: a subnormal scale, finite 1/d)
             a, b = np.empty(fast.chunk_bytes(n), np.uint8), np.empty(ref.chunk_bytes(n), np.uint8)
             fast.encode(x, a)
             ref.encode(x, b)

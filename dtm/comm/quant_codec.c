@@ -126,6 +126,36 @@ static inline __m512 max_pair(__m512 x, __m512 y, __m512i ia, __m512i ib) {
     return _mm512_max_ps(_mm512_permutex2var_ps(x, ia, y), _mm512_permutex2var_ps(x, ib, y));
 }
 
+/* q = roundf(x * id), half away from zero (|p - trunc(p)| is exact in f32), as int32; with
+ * `checked`, NaN -> 0 and clamped to [-128, 127] as q8_block does. */
+static inline __attribute__((always_inline)) __m512i q8_round16(__m512 x, __m512 vid, int checked) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const __m512i signbit = _mm512_set1_epi32((int)0x80000000u);
+    __m512 p = _mm512_mul_ps(x, vid);
+    __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(p, t), absmask), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    __m512 step = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), signbit)));
+    t = _mm512_mask_add_ps(t, up, t, step);
+    if (checked) {
+        t = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), t);  /* NaN -> 0 */
+        t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
+    }
+    return _mm512_cvttps_epi32(t);
+}
+
+/* The 16 blocks' bytes: each scale's f16, then its 32 values rounded (q8_round16). */
+static inline __attribute__((always_inline)) void q8_store16(const float *restrict v, uint8_t *restrict out,
+                                                             const uint16_t *hs, const float *ids, int checked) {
+    for (int l = 0; l < 16; l++) {
+        uint8_t *o = out + 34 * l;
+        memcpy(o, hs + l, 2);
+        __m512 vid = _mm512_set1_ps(ids[l]);
+        for (int k = 0; k < 2; k++)
+            _mm_storeu_si128((__m128i *)(o + 2 + 16 * k),
+                             _mm512_cvtepi32_epi8(q8_round16(_mm512_loadu_ps(v + 32 * l + 16 * k), vid, checked)));
+    }
+}
+
 /* Sixteen blocks (512 values) at once, q8_block's arithmetic to the bit. The blocks' maxima
  * are reduced together, halving the lanes each block holds four times (lane l of the last
  * vector: block l), so the scale's division, its reciprocal and its f16 rounding (vcvtps2ph,
@@ -160,24 +190,13 @@ static void q8_blocks16(const float *restrict v, uint8_t *restrict out) {
     uint16_t hs[16];
     _mm512_storeu_ps(ids, id);
     _mm256_storeu_si256((__m256i *)hs, _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
-    const __m512 lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
-    const __m512i signbit = _mm512_set1_epi32((int)0x80000000u);
-    for (int l = 0; l < 16; l++) {
-        uint8_t *o = out + 34 * l;
-        memcpy(o, hs + l, 2);
-        __m512 vid = _mm512_set1_ps(ids[l]);
-        for (int k = 0; k < 2; k++) {
-            __m512 p = _mm512_mul_ps(_mm512_loadu_ps(v + 32 * l + 16 * k), vid);
-            __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __mmask16 up = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(p, t), absmask), half, _CMP_GE_OQ);
-            __m512 step = _mm512_or_ps(one, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), signbit)));
-            t = _mm512_mask_add_ps(t, up, t, step);
-            t = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), t);  /* NaN -> 0 */
-            t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
-            _mm_storeu_si128((__m128i *)(o + 2 + 16 * k), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
-        }
-    }
+    /* Blocks whose scale and its reciprocal are finite and that hold no NaN (all but
+     * blocks with a NaN, an infinity or a subnormal scale) give finite products within
+     * +-127.00002, so neither the NaN -> 0 step nor the clamp can change them: skipped. */
+    int plain = !nan && _mm512_cmp_ps_mask(d, _mm512_set1_ps(3.402823466e38f), _CMP_LE_OQ) == 0xffff
+                && _mm512_cmp_ps_mask(id, _mm512_set1_ps(3.402823466e38f), _CMP_LE_OQ) == 0xffff;
+    if (plain) q8_store16(v, out, hs, ids, 0);
+    else q8_store16(v, out, hs, ids, 1);
 }
 #endif
 

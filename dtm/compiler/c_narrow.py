@@ -344,9 +344,10 @@ static inline float total16_512(__m512 s) {
 
 /* C[mr, nr] (at most 4 x 4) of rows of A at ap (rows ng groups apart) and rows of W at wp.
    The 16 block sums of each output stay in registers for a group's eight steps; its float
-   partial sums are read and written once per group, from memory (L1), which leaves the
-   registers to the sums. A last group of 8 blocks or fewer runs on 256-bit vectors (its
-   lanes 8..15 are padding): on K = 768 (24 blocks) a quarter of the work fewer. */
+   partial sums are touched once per group (the compiler keeps them in L1 where registers
+   run out: 16 sums, 16 partial sums and the loaded operands are more than 32). A last group
+   of 8 blocks or fewer runs on 256-bit vectors (its lanes 8..15 are padding): on K = 768
+   (24 blocks) a quarter of the work fewer. */
 static inline __attribute__((always_inline)) void tile(int mr, int nr, int64_t nb, int64_t ng, const int8_t *ap,
     const int32_t *ca, const float *dsa, const uint8_t *wp, const float *dsw, float *c, int64_t ldc) {
   __m512 f[4][4];
