@@ -113,6 +113,27 @@ def test_many_rows_give_each_rows_bits(dtype):
     assert np.isnan(got[~finite]).all()
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_weights_of_other_sizes_are_not_one_dynamic_family(dtype):
+    """Functions that differ only in sizes share a symbolic program (automatic dynamic
+    shapes), but a quantized weight of another size is another weight: two jitted products
+    of one code over weights of 1 and 5 rows (and the first again at more rows) all read
+    their weights narrow, as spec 2.2.1 states for any row count. (They used to fall into
+    one family whose symbolic weight was widened to f32 first: another result.)"""
+    x = np.random.default_rng(8).standard_normal((8, 64), dtype=np.float32)
+    first = None
+    for n in (1, 5):
+        w, wf = _weight(dtype, n, 64, seed=n)
+        f = _linear(w, np.zeros(n, np.float32))
+        got = f(dtm.tensor(x)).numpy()
+        np.testing.assert_allclose(got, _q8_rows(x) @ wf.T, rtol=1e-5, atol=1e-5)
+        assert not np.allclose(got, x @ wf.T, rtol=1e-5, atol=1e-5)  # (the f32 product is another number)
+        first = first or (f, wf)
+    f, wf = first
+    x12 = np.random.default_rng(9).standard_normal((12, 64), dtype=np.float32)
+    np.testing.assert_allclose(f(dtm.tensor(x12)).numpy(), _q8_rows(x12) @ wf.T, rtol=1e-5, atol=1e-5)
+
+
 def test_portable_path_gives_the_same_bits():
     """DTM_NARROW_PORTABLE=1 forces the portable C; the integer dots are exact, so the SIMD
     paths (where the CPU has them: few rows and many) agree to the bit."""

@@ -14,7 +14,10 @@ the input shapes at each run, dtm.runtime.cpu):
 How sizes become symbols. A parameter dim that differs between the two functions is a
 symbol; dims that differ by the same pair of values share one (torch's "duck sizing": the
 [B, T] ids and the [B, T] mask are one B and one T), and one that is a multiple of a symbol
-or of a product of two in both is that (the [B*T] targets beside the [B, T] ids). Every other size that differs, in a
+or of a product of two in both is that (the [B*T] targets beside the [B, T] ids). A quantized
+(q8_0, q4_0) parameter whose sizes differ is another model's weight, not a size that varies:
+no symbolic function is made (its products read a weight narrow only at static sizes, spec
+2.2.1). Every other size that differs, in a
 value's type or in an attribute (a reshape's shape, a slice's stop, an iota's length), is
 written as the first expression over those symbols that gives both values: a dim of an
 operand, a product of adjacent operand dims (a flatten), a dim seen earlier, that plus a
@@ -169,6 +172,8 @@ class _Fitter:
 def generalize(a: Func, b: Func) -> Func | None:
     """A symbolic function of which `a` and `b` (equal skeletons) are both instances, typechecked;
     None when the sizes that differ cannot all be written over the parameters' symbols."""
+    if any(pa.type.dtype.is_quant and pa.type.shape != pb.type.shape for pa, pb in zip(a.params, b.params)):
+        return None  # a quantized weight of another size is another weight: its products read it narrow only at static sizes
     fit = _Fitter()
     values: dict[int, Value] = {}
     params = []
