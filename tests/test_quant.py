@@ -293,19 +293,25 @@ print(int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 
 """
 
 
-@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
-def test_quantize_a_model_still_on_disk(tmp_path, dtype):
+def test_quantize_a_model_still_on_disk_peaks_under_1_3x(tmp_path):
     """dtm.quant.quantize on a model whose weights are mapped from a file (Module.load with
-    mmap=True): each weight is converted in blocks of rows whose pages are given back, so
-    the peak is at most 1.3x what the quantized model holds (a read-then-quantize peaks at
-    about 3.5x on these shapes); and the weights are those of quantize after a plain load."""
+    mmap=True), in a fresh process: each weight is converted in blocks of rows whose pages
+    are given back, so the peak is at most 1.3x what the quantized model holds (a
+    read-then-quantize peaks at about 4.6x on these shapes). q8_0 only: q4_0 and bf16 take
+    the same path (quantize_weight's blocks)."""
     dtm.manual_seed(0)
     path = str(tmp_path / "gpt2.safetensors")
     GPT2(GPT2Config(n_layer=2)).save(path)
-    r = subprocess.run([sys.executable, "-c", ON_DISK_JOB, path, dtype], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", ON_DISK_JOB, path, "q8_0"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     resident, peak = map(int, r.stdout.split())
     assert peak <= 1.3 * resident, (peak / 2**20, resident / 2**20)
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_quantize_a_model_still_on_disk_gives_the_weights_of_a_plain_load(tmp_path, dtype):
+    dtm.manual_seed(0)
     tiny = str(tmp_path / "tiny.safetensors")
     GPT2(TINY).save(tiny)
     mapped, read = GPT2(TINY, init=False), GPT2(TINY, init=False)
