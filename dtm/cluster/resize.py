@@ -243,6 +243,11 @@ class ElasticCoordinator(Coordinator):
         self.view, self.axes, self.world_size = view, axes, size
         self.views.append(view)
         self._slots = {r: c for r, c in enumerate(chosen)}
+        # recorded before any rank has the view, so whoever watches the coordinator (the
+        # launcher's report, a test) knows of the resize before a rank can act on it
+        moved = ", ".join(f"{old[id(c)]}->{r}" if id(c) in old else f"new->{r}" for r, c in enumerate(chosen))
+        said = f"epoch {self.epoch}: {dict(axes) or size} ({moved})" + (f"; {len(spare)} spare ended" if spare else "")
+        self.resizes.append(said)
         now = time.monotonic()
         for r, c in enumerate(chosen):
             c.join, c.rank, c.state, c.last_heard = self._address(c), r, MEMBER, now
@@ -251,9 +256,6 @@ class ElasticCoordinator(Coordinator):
         for c in spare:
             self._say_and_close(c, DTMError(E.JOIN_REFUSED, f"the mesh of epoch {self.epoch} ({dict(axes)}) has no "
                                             f"place for {c.name}: {len(members)} ranks for {size} places; it ends"))
-        moved = ", ".join(f"{old[id(c)]}->{r}" if id(c) in old else f"new->{r}" for r, c in enumerate(chosen))
-        said = f"epoch {self.epoch}: {dict(axes) or size} ({moved})" + (f"; {len(spare)} spare ended" if spare else "")
-        self.resizes.append(said)
         log.warning("coordinator: the mesh resized to %s", said)
         self._waiting.clear()
         self._rejoined.clear()
