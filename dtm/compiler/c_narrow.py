@@ -255,13 +255,14 @@ static void rows4_simd(int q4, const uint8_t *w, int64_t row_bytes, const int8_t
    lane l is partial sum l, as row_portable's block 16g + l adds into acc[l]. The weights go
    unsigned (q8_0: w + 128; q4_0: the nibble, w + 8), and each lane starts from minus that
    offset times the activation block's sum, so the sums are exactly those of w * a.
-   Blocks past the row's end are zero with scale 0: fma(0, 0, s) leaves s as it is. */
+   Blocks past the row's end hold zero activations and scale 0: fma(0, 0, s) leaves s as it is. */
 #define PACK_MIN_ROWS 8  /* fewer rows of A: rows4_simd, which reads W once without re-laying it */
 #define NBP 64           /* rows of W packed at a time: 64 rows of K = 3072 are 192 KB, kept in L2 */
 
 static const int64_t GROUP = 512;  /* bytes of a packed group: 16 blocks of 32 */
 
-/* lane l: the 32-bit word at base + l * stride, for the lanes below `blocks` (else 0) */
+/* lane l: the 32-bit word at base + l * stride, for the lanes below `blocks` (else 0): the
+   weights' f16 scales, 34 or 18 bytes apart */
 static inline __m512i gather16(const void *base, int64_t stride, int64_t blocks) {
   __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                    _mm512_set1_epi32((int)stride));
