@@ -248,8 +248,7 @@ class Module:
             return
         arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
         source = v._type if isinstance(v, Tensor) else f"{arr.dtype}{list(arr.shape)}"
-        if is_narrow(t) and tuple(arr.shape) == t.shape and arr.dtype.kind == "f" and not \
-                (isinstance(v, Tensor) and v.dtype.is_quant):
+        if is_narrow(t) and tuple(arr.shape) == t.shape and arr.dtype.kind == "f":  # (block storage is uint8)
             t._set_value(buffers.copy(quant.quantize_weight(arr, t.dtype, k)))
             return
         hint = ("; make the model narrow first (dtm.quant.quantize(model, ...)) to load quantized weights"
