@@ -65,6 +65,31 @@ def rank_main(store_dir: str) -> None:
     got = st.get("b", mesh=mesh, placements=[dtm.Shard(1)])
     assert got.local_shards()[pg.rank].numpy().tobytes() == b[:, 2 * pg.rank:2 * pg.rank + 2].tobytes()
 
+    # get_many: both keys as their gets give them, the ranks agreeing in two all_gathers in all
+    gathers = []
+    all_gather = pg.all_gather
+    pg.all_gather = lambda *a, **k: gathers.append(1) or all_gather(*a, **k)
+    many = st.get_many([("a", mesh, [dtm.Shard(1)]), ("b", mesh, [dtm.Shard(0)])])
+    assert len(gathers) == 2, gathers
+    np.testing.assert_array_equal(many[0].local_shards()[pg.rank].numpy(), x[:, 3 * pg.rank:3 * pg.rank + 3])
+    assert many[1].local_shards()[pg.rank].numpy().tobytes() == b[2 * pg.rank:2 * pg.rank + 2].tobytes()
+    # a chunk of "b" damaged for rank 1 alone: both ranks fail naming "b", rank 0 naming rank 1 too
+    read_box = Store._read_box
+    if pg.rank == 1:
+        def damaged(store, entry, layout, box):
+            if entry.key == "b":
+                raise dtm.store.ChecksumError("b", "c/0/0", "damaged on purpose")
+            return read_box(store, entry, layout, box)
+        Store._read_box = damaged
+    try:
+        st.get_many([("a", mesh, [dtm.Shard(0)]), ("b", mesh, [dtm.Replicate()])])
+        raise AssertionError("the get should have failed")
+    except dtm.DTMError as e:
+        assert e.code is dtm.ErrorCode.STORE_CHUNK_CORRUPT and "'b'" in e.message, e
+        assert pg.rank == 1 or "process rank 1" in e.message, e
+    Store._read_box = read_box
+    pg.all_gather = all_gather
+
     # rank 1's disk fails: both ranks fail the put (rank 0 naming rank 1), and "a" keeps its tensor;
     # rank 0 writes after rank 1 failed: rank 1 must not remove the version rank 0 is writing into
     if pg.rank == 1:

@@ -25,6 +25,7 @@ and optimizers are duck-typed (`shape`, `dtype`, `numpy()`, `device_mesh`, `plac
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import os
 import re
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -591,17 +592,18 @@ def load(state: dict, path: str | os.PathLike, step: int | None = None, strict: 
             raise CheckpointTypeError(ErrorCode.DTYPE_MISMATCH, tname, as_store_dtype(x.dtype).name, t["dtype"],
                                       step_dir)
     dropped = set(unexpected)
-    read: dict[str, Any] = {}
+    wanted: dict[str, tuple[dict, Any]] = {}  # {tensor name: (its manifest entry, the live tensor to lay it out like)}
+    for n in names:
+        for tname in _tensor_names(saved[n]["tree"], step_dir):
+            if tname in wanted or any(tname == d or tname.startswith(d + "/") for d in dropped):
+                continue
+            t = by_name.get(tname)
+            if t is None:
+                raise CheckpointInvalid(f"{step_dir}/{mf.MANIFEST}: {tname!r} is in the state but not among "
+                                        "the tensors", step_dir)
+            wanted[tname] = (t, live_tensors.get(tname, layouts.get(tname)))
     try:
-        for n in names:
-            for tname in _tensor_names(saved[n]["tree"], step_dir):
-                if tname in read or any(tname == d or tname.startswith(d + "/") for d in dropped):
-                    continue
-                t = by_name.get(tname)
-                if t is None:
-                    raise CheckpointInvalid(f"{step_dir}/{mf.MANIFEST}: {tname!r} is in the state but not among "
-                                            "the tensors", step_dir)
-                read[tname] = source.read(t, live_tensors.get(tname, layouts.get(tname)))
+        read = dict(zip(wanted, source.read_many(_list(wanted.values()))))
     finally:
         source.close()
     values = {}
@@ -649,17 +651,32 @@ def _layouts(state: dict, names: _list[str], by_name: dict, live: dict) -> dict[
 
 class _Directory:
     """A complete checkpoint on disk chosen for a load: `where` (its step directory), `doc`
-    (its manifest), `read(t, like)` (saved tensor `t` laid out like the live `like`)."""
+    (its manifest), `read_many([(t, like), ...])` (saved tensors `t` laid out like the live
+    `like`s)."""
 
     def __init__(self, path: str | os.PathLike, step: int | None):
         self.where = _find(path, step)
         self.doc = mf.read(self.where)
         self._store: Any = None
 
-    def read(self, t: dict, like: Any) -> Any:
+    def read_many(self, todo: _list[tuple[dict, Any]]) -> _list[Any]:
+        """Each saved tensor `t` of `todo` laid out like its live `like`, in order: whole
+        numpy arrays one by one, distributed tensors got together (the ranks agree once
+        for them all, not once per tensor: spec 9.2.10's status rows)."""
         if self._store is None:
             self._store = _store.open(self.where)
-        return _read_tensor(self._store, self.where, t, like)
+        out: _list[Any] = [None] * len(todo)
+        spread: dict[int, _list[int]] = {}  # {id of a process group (0: local devices): [index in todo]}
+        for i, (t, like) in enumerate(todo):
+            mesh = getattr(like, "device_mesh", None) if like is not None else None
+            if mesh is None:
+                out[i] = _read_tensor(self._store, self.where, t)
+            else:
+                spread.setdefault(id(mesh.process) if mesh.process is not None else 0, []).append(i)
+        for group in spread.values():
+            for i, value in zip(group, _read_spread(self._store, self.where, [todo[i] for i in group])):
+                out[i] = value
+        return out
 
     def close(self) -> None:
         if self._store is not None:
@@ -687,35 +704,60 @@ def _tensor_names(node: Any, where: str) -> _list[str]:
     return out
 
 
-def _read_tensor(st: Any, step_dir: str, t: dict, like: Any) -> Any:
-    """Saved tensor `t`, laid out like the live tensor `like` (a distributed tensor on its
-    mesh with its placements; else a whole numpy array); store errors named for the checkpoint."""
-    name, key = t["name"], t["key"]
-    try:
-        info = st.info(key)
-        if info.dir != t["dir"] or info.checksum != t.get("checksum"):
-            raise CheckpointInvalid(f"{step_dir}: tensor {name!r}: the store's version of {key!r} ({info.dir}, "
-                                    f"checksum {info.checksum}) is not the manifest's ({t['dir']}, checksum "
-                                    f"{t.get('checksum')})", step_dir)
-        mesh = getattr(like, "device_mesh", None) if like is not None else None
-        if mesh is not None:  # its pieces checked against the checksum of the frozen copy (spec 9.4.9)
-            return st.get(key, mesh=mesh, placements=tuple(like.placements))
-        value = np.array(st.get_array(key))
+def _read_tensor(st: Any, step_dir: str, t: dict) -> np.ndarray:
+    """Saved tensor `t` as a whole numpy array, checked against the manifest's version and
+    checksum; store errors named for the checkpoint."""
+    with _named_errors(step_dir, {t["key"]: t}):
+        _check_version(st, step_dir, t)
+        value = np.array(st.get_array(t["key"]))
         if checksums.enabled():  # the copy the state receives, against the frozen copy's checksum
-            checksums.verify(value, int(t["checksum"], 16), what=f"key {key!r}", op="load", peer="the store")
+            checksums.verify(value, int(t["checksum"], 16), what=f"key {t['key']!r}", op="load", peer="the store")
         return value
+
+
+def _read_spread(st: Any, step_dir: str, todo: _list[tuple[dict, Any]]) -> _list[Any]:
+    """Saved tensors `t`, each laid out like its live distributed tensor `like` (every
+    mesh of one process group), each rank reading only the chunks its pieces overlap; their
+    pieces checked against the frozen copy's checksum (spec 9.4.9)."""
+    by_key = {t["key"]: t for t, _ in todo}
+    with _named_errors(step_dir, by_key):
+        for t, _ in todo:
+            _check_version(st, step_dir, t)
+        return st.get_many([(t["key"], like.device_mesh, tuple(like.placements)) for t, like in todo])
+
+
+def _check_version(st: Any, step_dir: str, t: dict) -> None:
+    """CheckpointInvalid unless the store's version of `t` is the one the manifest names."""
+    info = st.info(t["key"])
+    if info.dir != t["dir"] or info.checksum != t.get("checksum"):
+        raise CheckpointInvalid(f"{step_dir}: tensor {t['name']!r}: the store's version of {t['key']!r} ({info.dir}, "
+                                f"checksum {info.checksum}) is not the manifest's ({t['dir']}, checksum "
+                                f"{t.get('checksum')})", step_dir)
+
+
+@contextlib.contextmanager
+def _named_errors(step_dir: str, by_key: dict[str, dict]) -> Iterator[None]:
+    """Store errors inside the block raised as checkpoint errors that name the tensor (of
+    `by_key`, {store key: manifest entry}) and its file."""
+    def tensor(e: Any) -> dict:
+        return by_key.get(getattr(e, "key", None)) or next(iter(by_key.values()))
+    try:
+        yield
     except checksums.TensorChecksumMismatch as e:
-        raise checksums.TensorChecksumMismatch(f"tensor {name!r} of checkpoint {step_dir}", "load",
+        t = tensor(e)
+        raise checksums.TensorChecksumMismatch(f"tensor {t['name']!r} of checkpoint {step_dir}", "load",
                                                os.path.join(step_dir, t["dir"]), e.expected, e.found,
                                                "nothing in the state was changed") from None
     except ChecksumError as e:
-        why = e.message.split(": ", 1)[-1]
-        raise CheckpointChunkError(name, e.chunk, os.path.join(step_dir, t["dir"], e.chunk), why) from None
+        t, why = tensor(e), e.message.split(": ", 1)[-1]
+        raise CheckpointChunkError(t["name"], e.chunk, os.path.join(step_dir, t["dir"], e.chunk), why) from None
     except StoreCorrupt as e:
-        raise CheckpointChunkError(name, "zarr.json", os.path.join(step_dir, t["dir"], "zarr.json"),
+        t = tensor(e)
+        raise CheckpointChunkError(t["name"], "zarr.json", os.path.join(step_dir, t["dir"], "zarr.json"),
                                    e.message) from None
-    except KeyMissing:
-        raise CheckpointInvalid(f"{step_dir}: tensor {name!r} ({key!r}) is in the manifest but not in the "
+    except KeyMissing as e:
+        t = tensor(e)
+        raise CheckpointInvalid(f"{step_dir}: tensor {t['name']!r} ({t['key']!r}) is in the manifest but not in the "
                                 "checkpoint's store", step_dir) from None
 
 
@@ -742,7 +784,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, step: int | None = N
             if not names:
                 continue
             arrays = {n.split("/", 1)[1].replace("/", ".") if "/" in n else n:
-                      np.ascontiguousarray(_read_tensor(st, step_dir, by_name[n], None)) for n in names}
+                      np.ascontiguousarray(_read_tensor(st, step_dir, by_name[n])) for n in names}
             file = os.path.join(out, f"{group}.safetensors")
             save_file(arrays, file + ".tmp", metadata={"format": "pt", "dtm_step": str(doc["step"])})
             os.replace(file + ".tmp", file)

@@ -477,7 +477,8 @@ def _get_blob(slot: int, owner: int, ranks: list[int], hopeless: Callable[[], bo
 
 class Reader:
     """A complete snapshot chosen for a load: `where` names it, `doc` is its manifest,
-    `read(t, like)` gives tensor entry `t` laid out like the live tensor `like`."""
+    `read(t, like)` gives tensor entry `t` laid out like the live tensor `like` (`read_many`
+    a list of them)."""
 
     def __init__(self, snap: _Held, pg: Any):
         self.snap, self.pg = snap, pg
@@ -503,6 +504,10 @@ class Reader:
             if mesh.process is None or r == mesh.rank:
                 pieces[r] = self._assemble(t, dt, box)
         return as_distributed(TensorType(dt, shape), Shards(mesh, placements, pieces))
+
+    def read_many(self, todo: list[tuple[dict, Any]]) -> list[Any]:
+        """`read` of each (t, like), in order (no collective: each rank assembles its own)."""
+        return [self.read(t, like) for t, like in todo]
 
     def _assemble(self, t: dict, dt: DType, box: Box) -> np.ndarray:
         """The box of tensor `t` from the saved pieces that overlap it."""
@@ -549,7 +554,7 @@ def find(step: int | None = None) -> Reader:
     held = ses.held if ses is not None else []
     chosen = [h for h in held if step is None or h.step == step]
     if not chosen:
-        raise NoSnapshot(f"this process holds no complete in-memory snapshot"
+        raise NoSnapshot("this process holds no complete in-memory snapshot"
                          + (f" of step {step}; it holds steps {[h.step for h in held]}" if step is not None and held
                             else " (take one with dtm.checkpoint.snapshot(state) on every rank)"))
     gone = _gone(pg)

@@ -29,16 +29,17 @@ class TensorChecksumMismatch(DTMError):
     """E1008: a tensor whose CRC32C where it is consumed differs from the one computed where
     it was produced; `what` names the tensor or transfer, `op` the operation, `peer` the
     rank, store or directory it came from (a put's: went to), `expected` and `found` the
-    two CRCs, `outcome` what became of the value."""
+    two CRCs, `outcome` what became of the value, `key` the store key when it came from one."""
 
     def __init__(self, what: str, op: str, peer: str, expected: int, found: int,
-                 outcome: str = "the value is not returned"):
+                 outcome: str = "the value is not returned", key: str | None = None):
         toward = "to" if op == "put" else "from"
         super().__init__(ErrorCode.TENSOR_CHECKSUM_MISMATCH,
                          f"{op} of {what} {toward} {peer}: the tensor's CRC32C is {found:08x} where it arrived, "
                          f"{expected:08x} where it was produced: its bytes changed in memory on the way (the frames' "
                          f"and chunks' own CRCs passed); {outcome}")
         self.what, self.op, self.peer, self.expected, self.found = what, op, peer, expected, found
+        self.key = key
 
 
 def array_crc(a: np.ndarray) -> int:

@@ -159,56 +159,100 @@ def get(store: "Store", key: str, dtype: Any, shape: tuple[int, ...] | None, mes
         placements: Any) -> tuple[TensorType, Shards]:
     """The type of the tensor under `key` and its pieces on `mesh` laid out by `placements`
     (None: replicated), those of this process's ranks read."""
-    if not isinstance(mesh, DeviceMesh):
-        raise StoreError(ErrorCode.INVALID_MESH, f"get {key!r}: placements {placements!r} need mesh=, a dtm.Mesh, "
-                         f"not {type(mesh).__name__}", key)
-    pg = mesh.process
+    return get_many(store, [(key, dtype, shape, mesh, placements)])[0]
+
+
+def get_many(store: "Store", requests: Sequence[tuple[str, Any, tuple[int, ...] | None, Any, Any]]
+             ) -> list[tuple[TensorType, Shards]]:
+    """`get` of each (key, dtype, shape, mesh, placements), in order, the ranks agreeing in
+    two all_gathers for all the keys rather than two per key (a checkpoint's load of hundreds
+    of tensors). Every mesh shares one process group (or none: local devices). The first
+    key that fails on any rank fails the call on every rank; keys whose version changed
+    between the ranks' lookups or under a read are looked up and read again."""
+    for _, _, _, mesh, placements in requests:
+        if not isinstance(mesh, DeviceMesh):
+            raise StoreError(ErrorCode.INVALID_MESH, f"get {requests[0][0]!r}: placements {placements!r} need mesh=, "
+                             f"a dtm.Mesh, not {type(mesh).__name__}", requests[0][0])
+    pg = requests[0][3].process if requests else None
+    if any(mesh.process is not pg for _, _, _, mesh, _ in requests):
+        raise StoreError(ErrorCode.INVALID_MESH, "get_many: the meshes do not share one process group",
+                         requests[0][0])
+    out: list[Any] = [None] * len(requests)
+    todo = list(range(len(requests)))
     for _ in range(GET_ATTEMPTS):
-        entry, version, code, err = None, 0, 0, None
-        try:
-            entry = store._tensor_entry(key, dtype, shape)
-            t = TensorType(entry.dtype, entry.shape)
-            pl = mesh.placements(Replicate() if placements is None else placements, t, f"get({key!r})")
-            if any(p.kind == "partial" for p in pl):
-                raise StoreError(ErrorCode.INVALID_PLACEMENT, f"get {key!r}: {list(pl)} on {mesh}: a stored tensor "
-                                 "is got whole, shard or replicate it; partial values are not stored", key)
-            version = entry.version
-        except DTMError as e:
-            code, err = _code(e), e
-        rows = _rows(pg, [code, version])
-        if rows[:, 0].any():
-            raise err or _failed(rows, key, "get", "could not look the key up")
-        if (rows[:, 1] != version).any():
-            continue  # a put committed between the ranks' lookups: look again
-        code, part, pieces = 0, 0, [None] * mesh.size
-        check = checksums.enabled()
-        try:
-            layout = store._layout(entry)
-            got = boxes(entry.shape, mesh, pl)
-            counted = set(writers(got))  # the lowest rank of each distinct piece: the tensor once
-            for r, box in enumerate(got):
-                if pg is None or r == mesh.rank:
-                    data = store._read_box(entry, layout, box)
-                    if check and r in counted:  # the piece as assembled, after its chunks' copies
-                        part ^= crc.box_crc(data, box, layout.storage_shape)
-                    pieces[r] = fmt.from_storage(data, entry.dtype)
-        except (ChecksumError, StoreCorrupt) as e:
-            code, err = (_RACED if _replaced(store, entry) else _code(e)), e
-        except DTMError as e:
-            code, err = _code(e), e
-        rows = _rows(pg, [code, part, int(check)])  # the status rows carry the CRC parts: no extra round
-        if (rows[:, 0] > 0).any():  # a rank failed: every rank fails
-            raise err if code > 0 else _failed(rows, key, "get", "could not read its piece")
-        if not rows[:, 0].any():
-            if rows[:, 2].all():  # every process checks, or none does (DTM_CHECKSUMS=0 on one)
-                found = crc.tensor_crc(rows[:, 1], layout.nbytes)
+        looked = [_look_up(store, *requests[i]) for i in todo]
+        rows = _rows(pg, [v for entry, pl, code, err in looked for v in (code, entry.version if entry else 0)])
+        for n, i in enumerate(todo):  # (rows of a key: columns 2n and 2n + 1)
+            if rows[:, 2 * n].any():
+                raise looked[n][3] or _failed(rows[:, 2 * n:], requests[i][0], "get", "could not look the key up")
+        same = [n for n in range(len(todo)) if not (rows[:, 2 * n + 1] != rows[0, 2 * n + 1]).any()]
+        read = [_read_pieces(store, looked[n][0], requests[todo[n]][3], looked[n][1]) for n in same]
+        rows = _rows(pg, [v for pieces, part, check, code, err in read for v in (code, part, check)])
+        kept = set(same)
+        again = [todo[n] for n in range(len(todo)) if n not in kept]
+        for m, n in enumerate(same):  # (rows of a key: columns 3m to 3m + 2)
+            i, entry, pl = todo[n], looked[n][0], looked[n][1]
+            code, status = read[m][3], rows[:, 3 * m:3 * m + 3]
+            key, mesh = requests[i][0], requests[i][3]
+            if (status[:, 0] > 0).any():  # a rank failed: every rank fails
+                raise read[m][4] if code > 0 else _failed(status, key, "get", "could not read its piece")
+            if status[:, 0].any():  # a rank read a version that a put or delete replaced under it
+                again.append(i)
+                continue
+            if status[:, 2].all():  # every process checks, or none does (DTM_CHECKSUMS=0 on one)
+                found = crc.tensor_crc(status[:, 1], store._layout(entry).nbytes)
                 if f"{found:08x}" != entry.checksum:
                     raise TensorChecksumMismatch(f"key {key!r} laid out as {list(pl)} on {mesh}", "get",
-                                                 f"the store at {store.url}", int(entry.checksum, 16), found)
-            return t, Shards(mesh, pl, pieces)
-        # a rank read a version that a put or delete replaced under it: look again
-    raise StoreIOError(f"get {key!r}: the key changed under every one of {GET_ATTEMPTS} reads (puts in between)",
-                       store.url, key)
+                                                 f"the store at {store.url}", int(entry.checksum, 16), found,
+                                                 key=key)
+            out[i] = (TensorType(entry.dtype, entry.shape), Shards(mesh, pl, read[m][0]))
+        if not again:
+            return out
+        todo = sorted(again)
+    raise StoreIOError(f"get {requests[todo[0]][0]!r}: the key changed under every one of {GET_ATTEMPTS} reads "
+                       "(puts in between)", store.url, requests[todo[0]][0])
+
+
+def _look_up(store: "Store", key: str, dtype: Any, shape: tuple[int, ...] | None, mesh: DeviceMesh,
+             placements: Any) -> tuple[Entry | None, Any, int, DTMError | None]:
+    """A get's first step on this rank: the key's entry and the placements checked against
+    its type; (entry, placements, 0, None), or (.., error code, the error)."""
+    entry = None
+    try:
+        entry = store._tensor_entry(key, dtype, shape)
+        pl = mesh.placements(Replicate() if placements is None else placements,
+                             TensorType(entry.dtype, entry.shape), f"get({key!r})")
+        if any(p.kind == "partial" for p in pl):
+            raise StoreError(ErrorCode.INVALID_PLACEMENT, f"get {key!r}: {list(pl)} on {mesh}: a stored tensor "
+                             "is got whole, shard or replicate it; partial values are not stored", key)
+        return entry, pl, 0, None
+    except DTMError as e:
+        return entry, None, _code(e), e
+
+
+def _read_pieces(store: "Store", entry: Entry, mesh: DeviceMesh, pl: Any
+                 ) -> tuple[list[Any], int, int, int, DTMError | None]:
+    """A get's second step on this rank: the pieces of this process's mesh ranks read, the
+    CRC part of those it counts (each distinct piece once over the mesh), whether it checks
+    CRCs; then 0 and None, or an error code (_RACED: the version was replaced under the
+    read) and the error."""
+    part, pieces, check = 0, [None] * mesh.size, checksums.enabled()
+    pg = mesh.process
+    try:
+        layout = store._layout(entry)
+        got = boxes(entry.shape, mesh, pl)
+        counted = set(writers(got))  # the lowest rank of each distinct piece: the tensor once
+        for r, box in enumerate(got):
+            if pg is None or r == mesh.rank:
+                data = store._read_box(entry, layout, box)
+                if check and r in counted:  # the piece as assembled, after its chunks' copies
+                    part ^= crc.box_crc(data, box, layout.storage_shape)
+                pieces[r] = fmt.from_storage(data, entry.dtype)
+    except (ChecksumError, StoreCorrupt) as e:
+        return pieces, part, int(check), (_RACED if _replaced(store, entry) else _code(e)), e
+    except DTMError as e:
+        return pieces, part, int(check), _code(e), e
+    return pieces, part, int(check), 0, None
 
 
 def _chunk_of(layout: fmt.Layout, box: Box) -> tuple[int, ...]:

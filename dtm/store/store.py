@@ -351,6 +351,13 @@ class Store:
             return as_distributed(*sharded.get(self, key, dtype, shape, mesh, placements))
         return as_tensor(key, self._checked(key, dtype, shape).dtype, self.get_array(key, dtype, shape))
 
+    def get_many(self, requests: Sequence[tuple[str, Any, Any]]) -> list[Any]:
+        """`get(key, mesh=mesh, placements=placements)` of each (key, mesh, placements), the
+        ranks agreeing once for them all rather than once per key (every mesh of one
+        process group); on a mesh of processes every rank calls it with the same keys."""
+        got = sharded.get_many(self, [(key, None, None, mesh, placements) for key, mesh, placements in requests])
+        return [as_distributed(t, shards) for t, shards in got]
+
     def _tensor_entry(self, key: str, dtype: Any, shape: tuple[int, ...] | None) -> Entry:
         """The key's entry, checked as `_checked` does, and refused (E0408) when its dtype is
         one a dtm.Tensor cannot hold."""
