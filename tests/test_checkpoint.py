@@ -151,6 +151,20 @@ def test_values_copied_before_save_returns(tmp_path):
     assert state["v"].numpy().tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_background_writer_runs_on_idle_cpu_time(tmp_path, monkeypatch):
+    import threading
+    from dtm.ckpt import manifest
+
+    seen = []
+    write = manifest.write
+    monkeypatch.setattr(manifest, "write", lambda *a: seen.append(
+        (threading.current_thread().name, os.sched_getscheduler(0))) or write(*a))
+    dtm.checkpoint.save({"v": dtm.ones(2)}, tmp_path, step=1).wait()
+    assert seen == [("dtm-checkpoint-1", os.SCHED_IDLE)]  # the manifest, written on the writer thread
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER     # the caller's thread keeps its policy
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 @pytest.fixture
