@@ -312,5 +312,61 @@ def test_survivors_of_a_sigkill_load_the_lost_ranks_pieces_from_their_replicas(t
         assert d["holders"] == {"0": [0, 1], "1": [1, 2], "2": [2, 0]}, d
 
 
+def mirrors_main() -> None:
+    """Three ranks (elastic), data parallel: a model (on no mesh: every process holds it),
+    its AdamW state and w, all replicated. Each writer's blob is mirrored by the next rank, which packs it from its
+    own replica: no blob goes over the wire. Rank 2 SIGKILLs itself after snapshot 2; the
+    survivors load snapshot 2, rank 2's pieces from rank 0's mirror (published into rank
+    0's part on the loss, where rank 1 reads them)."""
+    import dtm
+    snapshots = importlib.import_module("dtm.ckpt.snapshot")  # (dtm.ckpt.snapshot is the function)
+
+    pg = dtm.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S, elastic=True)
+    r = pg.rank
+    mesh = dtm.Mesh({"dp": 3})
+    m = _model(0)
+    opt = dtm.optim.AdamW(m.parameters(), lr=1e-2)
+    puts = []
+    put = snapshots._put
+    snapshots._put = lambda *a: puts.append(1) or put(*a)
+    want = {}
+    for step in (1, 2):
+        _train(m, opt, step)
+        state = {"w": dtm.distribute(W * step, mesh, [dtm.Replicate()]), "model": m, "optim": opt, "step": step}
+        dtm.checkpoint.snapshot(state, step=step).wait()
+        want = _values(m, opt)
+    if r == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + PG_TIMEOUT_S
+    while 2 not in pg.membership.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    snap = snapshots.find().snap
+    fresh = _model(9)
+    state = {"w": dtm.zeros(9, 6), "model": fresh, "optim": dtm.optim.AdamW(fresh.parameters(), lr=1.0),
+             "step": None}
+    dtm.checkpoint.load(state, "mem://")
+    owned_by_2 = sorted(t["name"] for t in snap.doc["tensors"] for p in t["pieces"] if p["owner"] == 2)
+    ok = [state["step"] == 2, np.array_equal(state["w"].numpy(), W * 2), _equal(fresh, state["optim"], want) == []]
+    _report(rank=r, ok=ok, puts=len(puts), holders=snap.holders, kept=sorted(snap.blobs), owned_by_2=owned_by_2)
+    done = pathlib.Path(sys.argv[2])
+    (done / f"rank-{r}").touch()
+    while not all((done / f"rank-{s}").exists() for s in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(0)  # the mesh lost a rank: no orderly shutdown to wait for
+
+
+def test_replicated_state_is_mirrored_in_memory_not_put_and_survives_a_loss(tmp_path):
+    proc, res = _launch(3, ["mirrors", str(tmp_path)], "--grace", "2")
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 128 + signal.SIGKILL, out  # rank 2's status
+    assert sorted(res) == [0, 1], out
+    for r, d in res.items():
+        assert d["ok"] == [True] * 3, (r, d)
+        assert d["puts"] == 0, d  # every blob mirrored, none put
+        assert d["owned_by_2"], d  # rank 2 wrote pieces, which its mirror (rank 0) gave back
+        assert d["holders"] == {"0": [0, 1], "1": [1, 2], "2": [2, 0]}, d
+        assert d["kept"] == sorted({r, (r - 1) % 3}), d  # its own blob and the previous rank's mirror
+
+
 if __name__ == "__main__":
-    {"two": two_ranks_main, "three": three_ranks_main}[sys.argv[1]]()
+    {"two": two_ranks_main, "three": three_ranks_main, "mirrors": mirrors_main}[sys.argv[1]]()

@@ -11,9 +11,11 @@ the live ranks hold, laid out as the live tensors are now.
     dtm.checkpoint.load(state, "mem://")          # after a rank was lost: from the survivors
 
 A snapshot costs each rank one copy of the pieces it writes, into one byte array (its blob,
-which it keeps), before `snapshot` returns; a background thread then puts the blob, under
-`snapshot/SLOT/rank-R`, on the next `replicas` ranks of the ring, while the next training
-step runs. When a rank is lost, every survivor publishes its own blobs into its own part of
+which it keeps), before `snapshot` returns. A rank that holds every piece of another
+writer's blob (data-parallel replicas) packs that blob too, from its own pieces: a replica
+for a copy in memory (`_mirrors`). What is not mirrored `replicas` times, a background
+thread puts, under `snapshot/SLOT/rank-R`, on the next ranks of the ring, while the next
+training step runs. When a rank is lost, every survivor publishes its own blobs into its own part of
 the store (its replicas may have been on the lost rank). Every rank computes the same layout (which pieces each rank
 writes, where in its blob) from the state alone, so no layout travels. The commit is one
 all_gather of a status row per snapshot, in the caller's thread (the training's collectives
@@ -116,7 +118,8 @@ class Handle:
 @dataclass
 class _Pending:
     """A snapshot whose pieces are being put on a background thread: what its commit
-    compares (its layout's digest, its slot) and what the thread reports (`took`: the
+    compares (its layout's digest, its slot), the replicas of other ranks' blobs this rank
+    packed from its own pieces (`copies`, by writer), and what the thread reports (`took`: the
     ranks holding this rank's blob, `error`)."""
 
     handle: Handle
@@ -125,8 +128,10 @@ class _Pending:
     digest: int
     width: int
     blob: np.ndarray | None
+    copies: dict[int, np.ndarray]
     error: BaseException | None = None
     took: list[int] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)  # the ranks of `took` that the blob was put on
     put: threading.Event = field(default_factory=threading.Event)  # set when the puts are done
 
 
@@ -195,12 +200,14 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
     world, me = (1, 0) if pg is None else (pg.world_size, pg.rank)
     # the slot no kept snapshot uses: a put into it replaces the blobs of one already dropped
     slot = min(set(range(KEEP + 1)) - {h.slot for h in ses.held})
+    width = min(replicas, world - 1)
     err: DTMError | None = None
-    digest, doc, blob = 0, None, None
+    digest, doc, blob, mirrors, copies = 0, None, None, {}, {}
     try:
         entries, tensors, sources = _walk(state)
-        doc, sizes, digest = _plan(tensors, sources, world, handle.step, entries)
-        blob = _pack(doc["tensors"], sources, me, sizes[me])
+        doc, sizes, digest, mirrors = _plan(tensors, sources, world, handle.step, entries, width)
+        copies = _pack(doc["tensors"], sources, me, [me] + [o for o, ranks in mirrors.items() if me in ranks], sizes)
+        blob = copies.pop(me)
     except DTMError as e:
         err = e
     except (TypeError, ValueError) as e:  # a value a checkpoint does not hold
@@ -212,8 +219,8 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
         handle._done = True
         return handle
     # the other ranks hear of this rank's error at the commit: every rank fails it there
-    pending = _Pending(handle, slot, doc, digest, min(replicas, world - 1), blob, error=err)
-    if err is None and blob.size:
+    pending = _Pending(handle, slot, doc, digest, width, blob, copies, error=err, took=[me] + mirrors.get(me, []))
+    if err is None and blob.size and len(pending.took) < width + 1:
         ses.puts.put((_put, (pending, blob, me, world)))
     else:
         pending.put.set()
@@ -254,7 +261,7 @@ def _finish(ses: _Session, pg: Any) -> None:
     failed = [] if rows is None else np.flatnonzero(rows[:, 0]).tolist()
     differ = [] if rows is None else np.flatnonzero((rows[:, 1:3] != rows[0, 1:3]).any(axis=1)).tolist()
     if rows is None or failed or differ:
-        _discard(p.slot, me, p.took)
+        _discard(p.slot, me, [me] + p.sent)
         if err is None and failed:
             codes = ", ".join(f"rank {r}: E{int(rows[r, 0]):04d}" for r in failed)
             err = SnapshotFailed(f"snapshot {step}: {codes} failed, so it is not complete; the earlier snapshots "
@@ -269,7 +276,7 @@ def _finish(ses: _Session, pg: Any) -> None:
         p.handle._done = True
         raise err
     holders = {o: [int(h) for h in rows[o, 3:] if h >= 0] for o in range(pg.world_size)}
-    ses.held = (ses.held + [_Held(step, p.slot, p.doc, holders, {me: p.blob})])[-KEEP:]
+    ses.held = (ses.held + [_Held(step, p.slot, p.doc, holders, {me: p.blob, **p.copies})])[-KEEP:]
     p.handle._done = True
     if pg.membership is not None and pg.membership.lost:
         _publish(ses, me)  # (a rank was lost before: the others may need this one's blob now)
@@ -292,21 +299,33 @@ def _walk(state: dict) -> tuple[dict, list[dict], list[Any]]:
     return mf.encode_state(state, take), tensors, sources
 
 
-def _plan(tensors: list[dict], sources: list[Any], world: int, step: int,
-          entries: dict) -> tuple[dict, list[int], int]:
-    """The snapshot's manifest, the size of each rank's blob and a digest of the layout
-    (which the ranks compare). The layout of a state whose tensors have the names, types,
-    meshes and placements of the previous snapshot's is that snapshot's (every step's)."""
-    shape_of = (world, tuple((t["name"], t["dtype"], tuple(t["shape"]), _placed(x)) for t, x in zip(tensors, sources)))
+def _plan(tensors: list[dict], sources: list[Any], world: int, step: int, entries: dict,
+          width: int) -> tuple[dict, list[int], int, dict[int, list[int]]]:
+    """The snapshot's manifest, the size of each rank's blob, a digest of the layout (which
+    the ranks compare) and the mirrors of each writer's blob (`_mirrors`, for `width`
+    replicas). The layout of a state whose tensors have the names, types, meshes and
+    placements of the previous snapshot's is that snapshot's (every step's)."""
+    shape_of = (world, width,
+                tuple((t["name"], t["dtype"], tuple(t["shape"]), _placed(x)) for t, x in zip(tensors, sources)))
     if _last_plan and _last_plan[0] == shape_of:
-        layouts, sizes, meshes, digest = _last_plan[1]
+        layouts, sizes, meshes, digest, mirrors = _last_plan[1]
     else:
-        layouts, sizes, meshes = _layout(tensors, sources, world)
+        layouts, sizes, meshes, holding = _layout(tensors, sources, world)
+        mirrors = _mirrors(holding, world, width)
         digest = crc32c(json.dumps([shape_of, layouts], sort_keys=True).encode())
-        _last_plan[:] = [shape_of, (layouts, sizes, meshes, digest)]
+        _last_plan[:] = [shape_of, (layouts, sizes, meshes, digest, mirrors)]
     for t, layout in zip(tensors, layouts):
         t.update(layout)
-    return mf.new(step, entries, tensors, meshes, time.time()), sizes, digest
+    return mf.new(step, entries, tensors, meshes, time.time()), sizes, digest, mirrors
+
+
+def _mirrors(holding: dict[int, set[int]], world: int, width: int) -> dict[int, list[int]]:
+    """{writer: the ranks, at most `width`, that pack a replica of its blob from their own
+    pieces}: those of the ranks that hold every piece the writer writes (`holding`), in the
+    order of the ring after it. Replicated state (data parallel) is so held: its replicas
+    cost a copy in memory each, not a put over the wire and a write on the peer."""
+    return {o: [r for r in ((o + k) % world for k in range(1, world)) if r in ranks][:width]
+            for o, ranks in holding.items()}
 
 
 _last_plan: list = []  # [what a state's layout depends on, its layout]: the one of the last snapshot
@@ -320,13 +339,16 @@ def _placed(x: Any) -> tuple | None:
     return tuple(mesh.axes), mesh.process is not None, tuple(str(p) for p in x.placements)
 
 
-def _layout(tensors: list[dict], sources: list[Any], world: int) -> tuple[list[dict], list[int], list[dict]]:
+def _layout(tensors: list[dict], sources: list[Any], world: int
+            ) -> tuple[list[dict], list[int], list[dict], dict[int, set[int]]]:
     """Each tensor's distinct pieces, each with the process rank that writes it (the least
     loaded so far of those that hold it) and its place in that rank's blob; the size of
-    each rank's blob; the meshes. Every rank computes the same."""
+    each rank's blob; the meshes; {writer: the other ranks that hold every piece it writes}.
+    Every rank computes the same."""
     layouts: list[dict] = []
     sizes = [0] * world
     meshes: list[dict] = []
+    holding: dict[int, set[int]] = {}
     for t, x in zip(tensors, sources):
         itemsize = as_store_dtype(t["dtype"]).itemsize
         mesh = getattr(x, "device_mesh", None)
@@ -355,18 +377,22 @@ def _layout(tensors: list[dict], sources: list[Any], world: int) -> tuple[list[d
         for box, (procs, src) in held_by.items():
             nbytes = math.prod(b - a for a, b in box) * itemsize
             owner = min(procs, key=lambda p: (sizes[p], p))
+            holding[owner] = holding.get(owner, set(range(world)) - {owner}) & set(procs)
             layout["pieces"].append({"box": [list(b) for b in box], "owner": owner, "offset": sizes[owner],
                                      "nbytes": nbytes, "source": src})
             sizes[owner] += -(-nbytes // ALIGN) * ALIGN
         layouts.append(layout)
-    return layouts, sizes, meshes
+    return layouts, sizes, meshes, holding
 
 
-def _pack(tensors: list[dict], sources: list[Any], me: int, size: int) -> np.ndarray:
-    """This rank's blob: the bytes of every piece it writes, each at its offset."""
-    blob = np.empty(size, np.uint8)
+def _pack(tensors: list[dict], sources: list[Any], me: int, owners: list[int],
+          sizes: list[int]) -> dict[int, np.ndarray]:
+    """The blobs of writers `owners` packed by this rank (`me`) from its own pieces, in one
+    pass over the state: the bytes of every piece each writes, at its offset (this rank
+    holds each of them: its own blob, and those it mirrors, see `_mirrors`)."""
+    blobs = {o: np.empty(sizes[o], np.uint8) for o in owners}
     for t, x in zip(tensors, sources):
-        mine = [p for p in t["pieces"] if p["owner"] == me]
+        mine = [p for p in t["pieces"] if p["owner"] in blobs]
         if not mine:
             continue
         npd = numpy_dtype(as_store_dtype(t["dtype"]))
@@ -379,8 +405,8 @@ def _pack(tensors: list[dict], sources: list[Any], me: int, size: int) -> np.nda
             if arr.shape != shape:
                 raise DTMError(ErrorCode.SHAPE_MISMATCH, f"snapshot: tensor {t['name']!r}: this rank's piece is "
                                f"{list(arr.shape)}, its placements say {list(shape)}")
-            np.copyto(_view(blob, p, npd, shape), arr, casting="same_kind")
-    return blob
+            np.copyto(_view(blobs[p["owner"]], p, npd, shape), arr, casting="same_kind")
+    return blobs
 
 
 def _view(blob: np.ndarray, p: dict, npd: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -402,11 +428,12 @@ def _put(p: _Pending, blob: np.ndarray, me: int, world: int) -> None:
     st = _store.mesh()
     key = blob_key(p.slot, me)
     try:
-        p.took.append(me)
         for k in range(1, world):
             if len(p.took) == p.width + 1:
                 break
             r = (me + k) % world
+            if r in p.took:  # (a mirror: it packed this blob itself)
+                continue
             try:
                 st.put_array(key, blob, ranks=[r])
             except DTMError as e:
@@ -414,6 +441,7 @@ def _put(p: _Pending, blob: np.ndarray, me: int, world: int) -> None:
                     raise
                 continue
             p.took.append(r)
+            p.sent.append(r)
         if len(p.took) < p.width + 1:
             raise DTMError(ErrorCode.PEER_LOST, f"{key}: only ranks {p.took[1:]} of the {world - 1} others could "
                            f"take this rank's pieces, {p.width} were asked for")
@@ -430,16 +458,18 @@ def _publish_soon(ses: _Session, me: int) -> None:
 
 
 def _publish(ses: _Session, me: int) -> None:
-    """Put this rank's own blob of each kept snapshot into its own part of the mesh's store:
-    while every rank lives it stays in this process's memory alone (a rank that needs it
-    reads a replica), but once a rank is lost a survivor's only replica may have been on
-    it, and the other survivors read the blob here."""
+    """Put the blobs this rank keeps in its memory of each kept snapshot (its own, and the
+    mirrors it packed of other writers') into its own part of the mesh's store: while every
+    rank lives they stay in this process's memory alone (a rank that needs one reads a
+    replica), but once a rank is lost a survivor's only replica may have been on it, and
+    the other survivors read the blob here."""
     for snap in list(ses.held):
-        blob = snap.blobs.get(me)
-        if blob is None or blob.size == 0 or snap.step in ses.published:
+        if snap.step in ses.published:
             continue
         try:
-            _store.mesh().put_array(blob_key(snap.slot, me), blob, ranks=[me])
+            for owner, blob in snap.blobs.items():
+                if blob.size:
+                    _store.mesh().put_array(blob_key(snap.slot, owner), blob, ranks=[me])
             ses.published.add(snap.step)
         except DTMError:
             pass  # (its readers wait for it, bounded, then name the missing blob)
