@@ -286,8 +286,13 @@ def three_ranks_main() -> None:
           _equal(fresh, state["optim"], want) == []]
     _report(rank=r, ok=ok, failed=failed, owned_by_2=owned_by_2, held=snapshots.snapshots(), holders=holders,
             lost=sorted(pg.membership.lost))
-    # a survivor's part goes with its process: each stays until both have read (no barrier
-    # without rank 2 on this mesh; files in the test's directory instead)
+    _survivor_exit(r)
+
+
+def _survivor_exit(r: int) -> None:
+    """End survivor `r` of ranks 0 and 1 once both have read: a survivor's part of the store
+    goes with its process (no barrier without rank 2 on this mesh; files in the test's
+    directory instead)."""
     done = pathlib.Path(sys.argv[2])
     (done / f"rank-{r}").touch()
     deadline = time.monotonic() + PG_TIMEOUT_S
@@ -348,11 +353,7 @@ def mirrors_main() -> None:
     owned_by_2 = sorted(t["name"] for t in snap.doc["tensors"] for p in t["pieces"] if p["owner"] == 2)
     ok = [state["step"] == 2, np.array_equal(state["w"].numpy(), W * 2), _equal(fresh, state["optim"], want) == []]
     _report(rank=r, ok=ok, puts=len(puts), holders=snap.holders, kept=sorted(snap.blobs), owned_by_2=owned_by_2)
-    done = pathlib.Path(sys.argv[2])
-    (done / f"rank-{r}").touch()
-    while not all((done / f"rank-{s}").exists() for s in (0, 1)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os._exit(0)  # the mesh lost a rank: no orderly shutdown to wait for
+    _survivor_exit(r)
 
 
 def test_replicated_state_is_mirrored_in_memory_not_put_and_survives_a_loss(tmp_path):
