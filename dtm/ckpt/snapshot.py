@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -144,6 +144,10 @@ class _Session:
     pending: _Pending | None = None
     puts: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (its thread's work: _putter)
     published: set[int] = field(default_factory=set)  # the steps whose own blob is in this rank's part
+    # the blobs of the snapshot that last dropped out, by writer, for the next one to pack
+    # into: memory already mapped (a fresh array costs its page faults at every snapshot),
+    # and no more than the peak (the kept snapshots and the one being packed) held anyway
+    spare: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 _sessions: dict[str | None, _Session] = {}  # by the mesh's session (None: this process alone)
@@ -205,8 +209,9 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
     digest, doc, blob, mirrors, copies = 0, None, None, {}, {}
     try:
         entries, tensors, sources = _walk(state)
-        doc, sizes, digest, mirrors = _plan(tensors, sources, world, handle.step, entries, width)
-        copies = _pack(doc["tensors"], sources, me, [me] + [o for o, ranks in mirrors.items() if me in ranks], sizes)
+        doc, sizes, digest, mirrors, moves = _plan(tensors, sources, world, handle.step, entries, width)
+        spare, ses.spare = ses.spare, {}
+        copies = _pack(moves, sources, me, [me] + [o for o, ranks in mirrors.items() if me in ranks], sizes, spare)
         blob = copies.pop(me)
     except DTMError as e:
         err = e
@@ -215,7 +220,7 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
     if pg is None:
         if err is not None:
             raise err
-        ses.held = (ses.held + [_Held(handle.step, slot, doc, {0: [0]}, {0: blob})])[-KEEP:]
+        _keep(ses, _Held(handle.step, slot, doc, {0: [0]}, {0: blob}), spare=True)
         handle._done = True
         return handle
     # the other ranks hear of this rank's error at the commit: every rank fails it there
@@ -276,10 +281,21 @@ def _finish(ses: _Session, pg: Any) -> None:
         p.handle._done = True
         raise err
     holders = {o: [int(h) for h in rows[o, 3:] if h >= 0] for o in range(pg.world_size)}
-    ses.held = (ses.held + [_Held(step, p.slot, p.doc, holders, {me: p.blob, **p.copies})])[-KEEP:]
+    # (after a loss, a dropped snapshot's blobs may still be being published: none reused)
+    _keep(ses, _Held(step, p.slot, p.doc, holders, {me: p.blob, **p.copies}),
+          spare=pg.membership is None or not pg.membership.lost)
     p.handle._done = True
     if pg.membership is not None and pg.membership.lost:
         _publish(ses, me)  # (a rank was lost before: the others may need this one's blob now)
+
+
+def _keep(ses: _Session, snap: _Held, spare: bool) -> None:
+    """Keep the complete snapshot `snap`, the KEEP newest kept; with `spare`, the blobs of
+    the one that drops out are the next snapshot's to pack into."""
+    kept = ses.held + [snap]
+    ses.held = kept[-KEEP:]
+    if spare and len(kept) > KEEP:
+        ses.spare = kept[-KEEP - 1].blobs
 
 
 def _walk(state: dict) -> tuple[dict, list[dict], list[Any]]:
@@ -300,23 +316,49 @@ def _walk(state: dict) -> tuple[dict, list[dict], list[Any]]:
 
 
 def _plan(tensors: list[dict], sources: list[Any], world: int, step: int, entries: dict,
-          width: int) -> tuple[dict, list[int], int, dict[int, list[int]]]:
+          width: int) -> tuple[dict, list[int], int, dict[int, list[int]], list[list[_Move]]]:
     """The snapshot's manifest, the size of each rank's blob, a digest of the layout (which
-    the ranks compare) and the mirrors of each writer's blob (`_mirrors`, for `width`
-    replicas). The layout of a state whose tensors have the names, types, meshes and
-    placements of the previous snapshot's is that snapshot's (every step's)."""
+    the ranks compare), the mirrors of each writer's blob (`_mirrors`, for `width`
+    replicas) and each tensor's moves into the blobs (`_moves`). The layout of a state whose
+    tensors have the names, types, meshes and placements of the previous snapshot's is that
+    snapshot's (every step's)."""
     shape_of = (world, width,
                 tuple((t["name"], t["dtype"], tuple(t["shape"]), _placed(x)) for t, x in zip(tensors, sources)))
     if _last_plan and _last_plan[0] == shape_of:
-        layouts, sizes, meshes, digest, mirrors = _last_plan[1]
+        layouts, sizes, meshes, digest, mirrors, moves = _last_plan[1]
     else:
         layouts, sizes, meshes, holding = _layout(tensors, sources, world)
         mirrors = _mirrors(holding, world, width)
-        digest = crc32c(json.dumps([shape_of, layouts], sort_keys=True).encode())
-        _last_plan[:] = [shape_of, (layouts, sizes, meshes, digest, mirrors)]
+        digest = crc32c(json.dumps([shape_of, layouts], sort_keys=True, default=str).encode())
+        moves = [_moves(t, layout, x) for t, layout, x in zip(tensors, layouts, sources)]
+        _last_plan[:] = [shape_of, (layouts, sizes, meshes, digest, mirrors, moves)]
     for t, layout in zip(tensors, layouts):
         t.update(layout)
-    return mf.new(step, entries, tensors, meshes, time.time()), sizes, digest, mirrors
+    return mf.new(step, entries, tensors, meshes, time.time()), sizes, digest, mirrors, moves
+
+
+class _Move(NamedTuple):
+    """One piece of tensor `name` into a blob: its writer, its bytes' place in the blob, its
+    shape and numpy dtype, and which of the tensor's local shards holds it (None: the
+    tensor is on no mesh, the whole value; -1: this rank's own, on a process mesh)."""
+
+    name: str
+    owner: int
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    npd: np.dtype
+    shard: int | None
+
+
+def _moves(t: dict, layout: dict, x: Any) -> list[_Move]:
+    """The moves of the pieces of tensor `t` (`layout`'s; the live tensor `x`) into their
+    writers' blobs."""
+    npd = numpy_dtype(as_store_dtype(t["dtype"]))
+    mesh = layout["mesh"]
+    own = mesh is not None and x.device_mesh.process is not None  # a process mesh: this rank's piece
+    return [_Move(t["name"], p["owner"], p["offset"], p["offset"] + p["nbytes"], tuple(b - a for a, b in p["box"]), npd,
+                  None if mesh is None else -1 if own else p["source"]) for p in layout["pieces"]]
 
 
 def _mirrors(holding: dict[int, set[int]], world: int, width: int) -> dict[int, list[int]]:
@@ -336,7 +378,7 @@ def _placed(x: Any) -> tuple | None:
     mesh = getattr(x, "device_mesh", None)
     if mesh is None:
         return None
-    return tuple(mesh.axes), mesh.process is not None, tuple(str(p) for p in x.placements)
+    return tuple(mesh.axes), mesh.process is not None, tuple(x.placements)
 
 
 def _layout(tensors: list[dict], sources: list[Any], world: int
@@ -385,27 +427,28 @@ def _layout(tensors: list[dict], sources: list[Any], world: int
     return layouts, sizes, meshes, holding
 
 
-def _pack(tensors: list[dict], sources: list[Any], me: int, owners: list[int],
-          sizes: list[int]) -> dict[int, np.ndarray]:
+def _pack(moves: list[list[_Move]], sources: list[Any], me: int, owners: list[int], sizes: list[int],
+          spare: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """The blobs of writers `owners` packed by this rank (`me`) from its own pieces, in one
-    pass over the state: the bytes of every piece each writes, at its offset (this rank
-    holds each of them: its own blob, and those it mirrors, see `_mirrors`)."""
-    blobs = {o: np.empty(sizes[o], np.uint8) for o in owners}
-    for t, x in zip(tensors, sources):
-        mine = [p for p in t["pieces"] if p["owner"] in blobs]
+    pass over the state (`sources`, each tensor's `moves`): the bytes of every piece each
+    writes, at its offset (this rank holds each of them: its own blob, and those it mirrors,
+    see `_mirrors`); each into its `spare` blob when that has the size."""
+    blobs = {o: spare[o] if o in spare and spare[o].size == sizes[o] else np.empty(sizes[o], np.uint8)
+             for o in owners}
+    for x, todo in zip(sources, moves):
+        mine = [m for m in todo if m.owner in blobs]
         if not mine:
             continue
-        npd = numpy_dtype(as_store_dtype(t["dtype"]))
-        shards = x.local_shards() if t["mesh"] is not None else None
-        own = shards is not None and x.device_mesh.process is not None  # a process mesh: this rank's piece
-        whole = None if shards is not None else x.numpy() if callable(getattr(x, "numpy", None)) else x
-        for p in mine:
-            arr = np.asarray(shards[me if own else p["source"]] if shards is not None else whole)
-            shape = tuple(b - a for a, b in p["box"])
-            if arr.shape != shape:
-                raise DTMError(ErrorCode.SHAPE_MISMATCH, f"snapshot: tensor {t['name']!r}: this rank's piece is "
-                               f"{list(arr.shape)}, its placements say {list(shape)}")
-            np.copyto(_view(blobs[p["owner"]], p, npd, shape), arr, casting="same_kind")
+        if mine[0].shard is None:  # (on no mesh: the whole value)
+            shards = [x.numpy() if callable(getattr(x, "numpy", None)) else x]
+        else:
+            shards = x.local_shards()
+        for m in mine:
+            arr = np.asarray(shards[0 if m.shard is None else me if m.shard < 0 else m.shard])
+            if arr.shape != m.shape:
+                raise DTMError(ErrorCode.SHAPE_MISMATCH, f"snapshot: tensor {m.name!r}: this rank's piece is "
+                               f"{list(arr.shape)}, its placements say {list(m.shape)}")
+            np.copyto(blobs[m.owner][m.start:m.stop].view(m.npd).reshape(m.shape), arr, casting="same_kind")
     return blobs
 
 
