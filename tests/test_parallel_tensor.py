@@ -155,6 +155,21 @@ def test_distribute_redistribute_round_trips_with_uneven_dims(m2):
     np.testing.assert_array_equal(whole.numpy(), x)
 
 
+def test_local_arrays_are_the_pieces_read_only_without_a_copy(m2):
+    x = np.arange(5 * 3, dtype=np.float32).reshape(5, 3)
+    t = dtm.distribute(dtm.tensor(x), m2, [S0, S1])
+    arrays = t.local_arrays()
+    for got, want in zip(arrays, pieces(x, (S0, S1), (2, 2))):
+        np.testing.assert_array_equal(got, want)
+        assert not got.flags.writeable  # (a view of the tensor's own memory: the tensor stays as it is)
+    assert all(np.shares_memory(a, s) for a, s in zip(t.local_arrays(), arrays))  # no copy
+    plain = dtm.tensor(x)
+    [whole] = plain.local_arrays()
+    np.testing.assert_array_equal(whole, x)
+    with pytest.raises(ValueError):
+        whole[0, 0] = 1
+
+
 def test_partial_pieces_add_up(m1):
     x = np.arange(6, dtype=np.float32)
     t = dtm.distribute(dtm.tensor(x), m1, [P])

@@ -86,7 +86,7 @@ class _Frozen:
         self.device_mesh = x.device_mesh
         self.placements = tuple(x.placements)
         self.dtype, self.shape = x.dtype, tuple(x.shape)
-        self._pieces = [None if s is None else np.array(np.asarray(s), copy=True) for s in x.local_shards()]
+        self._pieces = [None if s is None else np.array(s, copy=True) for s in mf.local_arrays(x)]
 
     def local_shards(self) -> _list:
         return self._pieces

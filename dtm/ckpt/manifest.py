@@ -33,6 +33,17 @@ def is_tensor(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and callable(getattr(x, "numpy", None))
 
 
+def local_arrays(x: Any) -> list:
+    """A distributed tensor's pieces as numpy arrays (None where another process holds one):
+    its `local_arrays()` (no Tensor around each piece) when it has that, else its
+    `local_shards()` as arrays."""
+    import numpy as np
+
+    if callable(getattr(x, "local_arrays", None)):
+        return x.local_arrays()
+    return [None if s is None else np.asarray(s) for s in x.local_shards()]
+
+
 def is_object(v: Any) -> bool:
     """An object saved through its state dict (a model, an optimizer, a loader), not a tensor."""
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)) \
@@ -60,6 +71,8 @@ def encode(x: Any, name: str, tensor: Callable[[str, Any], None], depth: int = 0
     """The tree node of value `x` at path `name`; `tensor(name, x)` is called for each tensor."""
     if depth > MAX_DEPTH:
         raise TypeError(f"{name}: nested deeper than {MAX_DEPTH}")
+    if type(x) is dict:  # (first: most nodes of a state dict are dicts, and a dict is never a tensor)
+        return _encode_dict(x, name, tensor, depth)
     if is_tensor(x):
         tensor(name, x)
         return {"tensor": name}
@@ -74,14 +87,19 @@ def encode(x: Any, name: str, tensor: Callable[[str, Any], None], depth: int = 0
         return {"list" if isinstance(x, list) else "tuple":
                 [encode(v, f"{name}/{i}", tensor, depth + 1) for i, v in enumerate(x)]}
     if isinstance(x, dict):
-        items = []
-        for k, v in x.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"{name}: a dict key is a string or an int, not {type(k).__name__}")
-            items.append([k, encode(v, f"{name}/{k}", tensor, depth + 1)])
-        return {"dict": items}
+        return _encode_dict(x, name, tensor, depth)
     raise TypeError(f"{name}: a {type(x).__name__} is not saved (a checkpoint holds tensors, objects with "
                     "state_dict(), and None, bool, int, float, str, list, tuple and dict)")
+
+
+def _encode_dict(x: dict, name: str, tensor: Callable[[str, Any], None], depth: int) -> dict:
+    """encode's node of the dict `x`: its items in order, keys strings or ints."""
+    items = []
+    for k, v in x.items():
+        if not isinstance(k, (str, int)) or isinstance(k, bool):
+            raise TypeError(f"{name}: a dict key is a string or an int, not {type(k).__name__}")
+        items.append([k, encode(v, f"{name}/{k}", tensor, depth + 1)])
+    return {"dict": items}
 
 
 def decode(node: Any, tensor: Callable[[str], Any], where: str, depth: int = 0) -> Any:

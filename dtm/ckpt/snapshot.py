@@ -442,7 +442,7 @@ def _pack(moves: list[list[_Move]], sources: list[Any], me: int, owners: list[in
         if mine[0].shard is None:  # (on no mesh: the whole value)
             shards = [x.numpy() if callable(getattr(x, "numpy", None)) else x]
         else:
-            shards = x.local_shards()
+            shards = mf.local_arrays(x)
         for m in mine:
             arr = np.asarray(shards[0 if m.shard is None else me if m.shard < 0 else m.shard])
             if arr.shape != m.shape:

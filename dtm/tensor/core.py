@@ -417,6 +417,20 @@ class Tensor:
             return [Tensor.from_numpy(self._buffer)]
         return [Tensor.from_numpy(p) if p is not None else None for p in self._buffer.pieces]
 
+    def local_arrays(self) -> list[np.ndarray | None]:
+        """`local_shards()` as read-only numpy arrays over the tensor's own memory (no copy,
+        no Tensor around each): what a checkpoint or snapshot copies from, where wrapping
+        each of a model's pieces in a Tensor cost as much as copying it."""
+        self.realize()
+        pieces = self._buffer.pieces if type(self._buffer) is Shards else [self._buffer]
+        out: list[np.ndarray | None] = []
+        for p in pieces:
+            if p is not None:
+                p = p.view()
+                p.flags.writeable = False
+            out.append(p)
+        return out
+
     def _describe(self) -> str:
         """"tensor f32[8, 4]", with the placements of a distributed tensor when known."""
         layout = f" {list(self._placements)}" if self._placements is not None else ""
