@@ -26,9 +26,10 @@ demo: $(DEMO_STAMP)
 
 # The op table (half the suite: every op on both backends, the `cpu` one compiling its C
 # kernels) runs on two workers; the rest runs serially, since its process tests time waits.
+# The serial phase prints its 25 slowest tests: the suite must stay under 15 minutes in CI.
 test: $(STAMP)
 	$(BIN)/python -m pytest -x -p no:cacheprovider -n 2 tests/test_tensor_ops.py
-	$(BIN)/python -m pytest -x -p no:cacheprovider --ignore=tests/test_tensor_ops.py tests
+	$(BIN)/python -m pytest -x -p no:cacheprovider --durations=25 --ignore=tests/test_tensor_ops.py tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ir_bench.py
