@@ -496,7 +496,7 @@ func @f(%x: f32[4, 2]) -> (f32[4, 2], f32[4, 2], f32[4, 2], f32[4, 2], f32[4, 2]
 def test_check():
     """A check passes its operand through, fused or not, and stops the run with the same
     error on both backends when a fault is set."""
-    m = parse("""dtm 1.0
+    m = parse("""dtm 1.1
 
 func @f(%x: i64[2, 3], %y: f32[2, 3]) -> (i64[2, 3], f32[2, 3]) {
   %k = full {value = 5} : i64[]

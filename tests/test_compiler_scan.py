@@ -118,7 +118,7 @@ def test_cumsum_inside_larger_programs():
 def test_cumsum_over_symbolic_dims():
     """One plan for every [B, T]: the cpu backend's results equal the reference's to the bit,
     down the columns and along the rows, empty and size-1 dims included."""
-    m = parse("""dtm 1.0
+    m = parse("""dtm 1.1
 
 func @f(%x: f32[B, T], %y: i32[B, T]) -> (f32[B, T], f32[B, T], i32[B, T]) {
   %a = cumsum %x {axis = 0} : f32[B, T]

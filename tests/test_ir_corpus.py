@@ -96,7 +96,7 @@ func @binary(%x: f32[2, 1, 3], %y: f32[4, 1], %i: i64[3], %j: i64[2, 3], %p: boo
 }
 """,
     "reduce": """\
-dtm 1.0
+dtm 1.1
 func @reduce(%x: f32[B, 3, 4], %i: i32[5, 6]) -> (f32[B], i64[B, 1, 4]) {
   %a = reduce_sum %x {axes = [1, 2]} : f32[B]
   %b = reduce_prod %x {axes = [0], keepdims = true} : f32[1, 3, 4]
@@ -159,7 +159,7 @@ func @comp(%x: f32[B, S, 8], %w: f32[8], %bias: f32[8], %q: f32[B, 2, S, 8], %k:
 }
 """,
     "state_store": """\
-dtm 1.0
+dtm 1.1
 func @sgd(%w: f32[4, 4], %g: f32[4, 4], %lr: f32[]) -> (f32[4, 4]) {
   %s = mul %g, %lr : f32[4, 4]
   %n = sub %w, %s : f32[4, 4]

@@ -144,7 +144,9 @@ class Enc:
 def spec_encode(m: Module, version=None) -> bytes:
     e = Enc()
     e.b += b"DTMIR\x01"
-    e.u((version or m.version)[0]).u((version or m.version)[1])
+    # a module built in code (no version) is written as the lowest version its ops need (spec 6)
+    v = version or m.version or max([(1, 0)] + [REGISTRY[op.name].since for f in m.funcs.values() for op in f.ops])
+    e.u(v[0]).u(v[1])
     e.u(len(m.meshes))
     for name in sorted(m.meshes):
         e.str(name).u(len(m.meshes[name].axes))

@@ -106,7 +106,7 @@ def test_two_peers_with_one_token_agree():
     wire = Wire(conn, acc)
     wire.run()
     assert conn.done and acc.done and conn.failure is None and acc.failure is None
-    assert conn.version == acc.version == (1, 0)
+    assert conn.version == acc.version == (1, 1)
     assert wire.log == [("accept", MsgType.HELLO), ("connect", MsgType.HELLO), ("accept", MsgType.HELLO)]
     assert conn.peer.max_payload == 1 << 20 and acc.peer.rank == 1 and acc.peer.name == "connect"
     assert (conn.next_seq, acc.next_seq) == (2, 1)  # later control frames go on from here

@@ -14,7 +14,6 @@ from typing import Any
 from .encoding import encode
 from .printer import format as format_module
 from .types import Mesh, Sharding, TensorType
-from .version import SPEC_VERSION
 
 Loc = tuple[int, int]  # (line, col), 1-based; None for IR built from Python
 
@@ -101,7 +100,10 @@ class Module:
     __slots__ = ("version", "meshes", "funcs", "tasks")
 
     def __init__(self, version: tuple[int, int] | None = None):
-        self.version: tuple[int, int] = version or SPEC_VERSION[:2]
+        # None (a module built in code): written as the lowest version its ops need
+        # (versioning.lowest), so that a module of 1.0 ops reads on every 1.x reader and
+        # keeps its hash; a parsed module keeps its header's version
+        self.version: tuple[int, int] | None = version
         self.meshes: dict[str, Mesh] = {}
         self.funcs: dict[str, Func] = {}
         self.tasks: dict[str, Task] = {}

@@ -157,9 +157,10 @@ for _name, _doc in [("argmax", "index of the first maximum along `axis`"),
     _op(_name, C.REDUCE, ("x",), R.arg_rule, _doc, (A("axis", K.INT), A("keepdims", K.BOOL, False)))
 _op("argsort", C.REDUCE, ("x",), R.argsort_rule,
     "the indices that sort x along `axis` (stable; NaN above every number)",
-    (A("axis", K.INT), A("descending", K.BOOL, False)))
+    (A("axis", K.INT), A("descending", K.BOOL, False)), since=(1, 1))
 _op("cumsum", C.REDUCE, ("x",), R.scan_rule,
-    "running sum along `axis` (floats accumulate in f64, each element rounded once)", (A("axis", K.INT),))
+    "running sum along `axis` (floats accumulate in f64, each element rounded once)", (A("axis", K.INT),),
+    since=(1, 1))
 
 # --- movement --------------------------------------------------------------------------
 _op("reshape", C.MOVEMENT, ("x",), R.reshape_rule, "the same elements in row-major order, in a new shape",
@@ -248,7 +249,7 @@ _op("call", C.CALL, ("*args",), R.call_rule, "call function `callee`; results ar
 _op("check", C.CHECK, ("x", "fault"), R.check_rule,
     "x itself; a run-time error with `code` when any element of `fault` is true (a front end's check of "
     "values computed in the program: indices, divisors)",
-    (A("code", K.STRING), A("message", K.STRING), A("where", K.STRING, "")))
+    (A("code", K.STRING), A("message", K.STRING), A("where", K.STRING, "")), since=(1, 1))
 
 # The collectives (barrier included), in registry order: every layer that runs or names them
 # (the reference, L0, L1, the wire's CollectiveStart) reads this tuple.

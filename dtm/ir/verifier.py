@@ -169,7 +169,7 @@ class _Checker:
         key = (op.name, op.attrs_key, tuple(map(_TYPE, operands)), declared)
         if key not in self.memo:
             # Only a signature that checks out is memoised, so a hit needs no comparison.
-            if opdef.since > self.module.version:
+            if self.module.version is not None and opdef.since > self.module.version:
                 v = self.module.version
                 self.fail(E.OP_NEWER_THAN_TARGET, f"{op.name} was added in spec {opdef.since[0]}.{opdef.since[1]}; "
                           f"this module declares version {v[0]}.{v[1]}", loc)

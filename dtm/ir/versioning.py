@@ -26,10 +26,18 @@ def check_readable(version: tuple[int, int]) -> None:
                       f"{ours[0]}.{ours[1]} and reads {ours[0]}.0 to {ours[0]}.{ours[1]}")
 
 
+def lowest(module: Module) -> tuple[int, int]:
+    """The lowest version whose ops express `module`: what a module built in code (no
+    version of its own) is written as."""
+    since = [REGISTRY[op.name].since for f in module.funcs.values() for op in f.ops if op.name in REGISTRY]
+    return max([(SPEC_VERSION[0], 0), *since])
+
+
 def check_target(module: Module, target: tuple[int, int] | None) -> tuple[int, int]:
-    """The version to write `module` as; IRError when `target` cannot express it."""
+    """The version to write `module` as (default: its own, else `lowest`); IRError when
+    `target` cannot express it."""
     if target is None:
-        target = module.version
+        target = module.version or lowest(module)
     target = tuple(target[:2])
     check_readable(target)
     for f in module.funcs.values():

@@ -75,6 +75,20 @@ class MsgType(enum.IntEnum):
     STORE_REPLY = 12
 
 
+# The protocol version that added each message type after 1.0 (spec 11, docs/spec/versions.json):
+# a frame of an older version never carries it, in either direction (E0903)
+MESSAGE_SINCE: dict[MsgType, tuple[int, int]] = {MsgType.STORE_REQUEST: (1, 1), MsgType.STORE_REPLY: (1, 1)}
+
+
+def check_known(msg_type: MsgType, version: tuple[int, int]) -> None:
+    """E0903 when protocol `version` has no message `msg_type` (one added later)."""
+    since = MESSAGE_SINCE.get(msg_type)
+    if since is not None and since > tuple(version):
+        raise ProtocolError(E.UNKNOWN_MESSAGE, f"{msg_type.name} is a message of protocol {since[0]}.{since[1]} "
+                                               f"and later; this frame is {version[0]}.{version[1]} (the version "
+                                               "the connection negotiated)")
+
+
 # Never stale (spec 9.1.7): Hello and JoinMesh come before the sender knows an epoch, and an
 # Error, sent before a connection closes, is always heard.
 EPOCH_EXEMPT = frozenset({MsgType.HELLO, MsgType.JOIN_MESH, MsgType.ERROR})
@@ -119,6 +133,7 @@ def encode_header(msg_type: MsgType, payload: Payload, *, epoch: int, stream: in
     """The 40 header bytes of a frame carrying `payload` (one buffer, or several sent back
     to back, e.g. a Data chunk header and a memoryview of the tensor)."""
     length = sum(_nbytes(b) for b in _buffers(payload))
+    check_known(msg_type, version)  # (a peer of an older minor cannot read it: never sent)
     try:
         crc = frame_crc(_covered(version, msg_type, flags, epoch, length, stream), payload)
         return _HEADER.pack(MAGIC, version[0], version[1], int(msg_type), flags, epoch, length, stream, crc, seq)
@@ -156,6 +171,7 @@ def decode_header(buf: Buffer, *, max_payload: int = MAX_PAYLOAD, expected_epoch
         msg_type = MsgType(mtype)
     except ValueError:
         raise ProtocolError(E.UNKNOWN_MESSAGE, f"unknown message type {mtype} (known: 1 to {max(MsgType)})") from None
+    check_known(msg_type, (major, minor))
     if length > max_payload:
         raise ProtocolError(E.FRAME_TOO_LARGE, f"{msg_type.name} frame announces a {length}-byte payload; "
                                                f"the limit is {max_payload} bytes")
@@ -264,5 +280,5 @@ class FrameDecoder:
 
 
 __all__ = ["MAGIC", "HEADER_SIZE", "MAX_PAYLOAD", "PROTOCOL_VERSION", "CRC_OFFSET", "FLAG_LAST", "FLAG_RELAYED",
-           "END_TO_END_FLAGS", "HOP_FLAGS", "EPOCH_EXEMPT", "MsgType", "FrameHeader", "frame_crc",
+           "END_TO_END_FLAGS", "HOP_FLAGS", "EPOCH_EXEMPT", "MESSAGE_SINCE", "check_known", "MsgType", "FrameHeader", "frame_crc",
            "encode_header", "encode_frame", "decode_header", "verify_payload", "FrameDecoder"]

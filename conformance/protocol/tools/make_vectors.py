@@ -39,7 +39,7 @@ from dtm.protocol import (FLAG_COMPRESSED, FLAG_LAST, FLAG_RELAYED, PROTOCOL_VER
                           encode_frame, encode_message, hmac_answer, level_caps)
 from dtm.protocol.messages import FLAG_EXPECT_SHAPE, StoreReply, StoreRequest, WorkerRow, int_to_json  # noqa: E402
 from dtm.protocol.conformance import header_to_json, run_protocol_vectors, summary  # noqa: E402
-from dtm.protocol.frame import FrameDecoder  # noqa: E402
+from dtm.protocol.frame import MESSAGE_SINCE, FrameDecoder  # noqa: E402
 
 
 def fixed_bytes(label: str, n: int = 32) -> bytes:
@@ -95,6 +95,8 @@ RESIZE_SPARE = Error("E1004", "the mesh of epoch 4 ({'dp': 1, 'tp': 2}) has no p
 # the handshake has seq 2 and 1. Requests are numbered 0, 1, 2, ...; a tensor's Data frames
 # carry the request's id as their `seq`.
 STORE_EPOCH = 1
+STORE_V = (1, 1)  # the store's messages are 1.1's: a store connection between current peers speaks 1.1
+V1_0 = (1, 0)
 W_BYTES = struct.pack("<2f", 1.0, -2.0)  # f32[2] of layer0/w
 W_CHECKSUM = f"{crc32c(W_BYTES):08x}"
 WRITTEN = 1767225600.25  # 2026-01-01T00:00:00.25Z, seconds since the Unix epoch
@@ -120,16 +122,21 @@ def store_request_bytes(id_: int, op: bytes, key: bytes, dtype: bytes, shape: tu
     return out + struct.pack("<BQ", flags, nbytes)
 
 
-def frame(msg, *, epoch=0, stream=0, seq=0, flags=0, version=PROTOCOL_VERSION) -> dict:
-    """A frame as the vectors hold it: its bytes and the JSON it was built from."""
+def frame(msg, *, epoch=0, stream=0, seq=0, flags=0, version=None) -> dict:
+    """A frame as the vectors hold it: its bytes and the JSON it was built from; by default
+    of the lowest protocol version that has its message (a 1.0 message: 1.0, which every
+    1.x receiver reads)."""
+    version = version or MESSAGE_SINCE.get(type(msg).TYPE, V1_0)
     data = encode_message(msg, epoch=epoch, stream=stream, seq=seq, flags=flags, version=version)
     header = FrameDecoder().feed(data)[0][0]  # length and crc as the encoder wrote them
     return {"bytes": data, "json": {"header": header_to_json(header), "message_type": type(msg).__name__,
                                     "message": msg.to_json()}}
 
 
-def raw(msg_type: int, payload: bytes, *, epoch=0, stream=0, seq=0, flags=0, version=PROTOCOL_VERSION) -> bytes:
-    """A frame around any payload, with a correct CRC (for payload faults)."""
+def raw(msg_type: int, payload: bytes, *, epoch=0, stream=0, seq=0, flags=0, version=None) -> bytes:
+    """A frame around any payload, with a correct CRC (for payload faults), of the lowest
+    version that has its message by default."""
+    version = version or MESSAGE_SINCE.get(msg_type, V1_0)
     return encode_frame(msg_type, payload, epoch=epoch, stream=stream, seq=seq, flags=flags, version=version)
 
 
@@ -258,7 +265,7 @@ VALID = {
                   "(its Hellos took seq 0 and 1), then the tensor's 8 bytes in one Data frame whose seq is the "
                   "request's id (9.2.11)",
                   [frame(PUT_W, epoch=STORE_EPOCH, seq=2),
-                   frame(Data(PUT_W.id, 0, 0, 0, W_BYTES), epoch=STORE_EPOCH, seq=3)],
+                   frame(Data(PUT_W.id, 0, 0, 0, W_BYTES), epoch=STORE_EPOCH, seq=3, version=STORE_V)],
                   {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 2}}),
     "store_put_empty": ("a put of f32[0, 4]: nbytes 0, and no Data frame follows (9.2.11)",
                         [frame(PUT_EMPTY, epoch=STORE_EPOCH, seq=7)],
@@ -279,7 +286,7 @@ VALID = {
     "store_reply_get": ("the reply to the get of layer0/w, then the tensor's bytes in one Data frame whose seq is "
                         "the request's id",
                         [frame(REPLY_GET_W, epoch=STORE_EPOCH, seq=2),
-                         frame(Data(REPLY_GET_W.id, 0, 0, 0, W_BYTES), epoch=STORE_EPOCH, seq=3)],
+                         frame(Data(REPLY_GET_W.id, 0, 0, 0, W_BYTES), epoch=STORE_EPOCH, seq=3, version=STORE_V)],
                         {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 2}}),
     "store_reply_keys": ("the reply to a keys request: two keys with their stored bytes",
                          [frame(REPLY_KEYS, epoch=STORE_EPOCH, seq=5)],
@@ -425,6 +432,10 @@ INVALID = {
                                  JoinMesh(-1, 4, "h", 1, "n", 1))[11:]), {}, "E0910"),
     "error_rank_below_minus_one": ("an Error from rank -2", raw(MsgType.ERROR, _payload(Error("E0001", ""))[:-4]
                                                                  + struct.pack("<i", -2)), {}, "E0910"),
+    "store_request_of_1_0": ("a StoreRequest in a frame of protocol 1.0, which has no such message (added in 1.1; "
+                             "its type is checked before its CRC, 9.1.3)",
+                             patch(raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"get", b"layer0/w", b"", (), 0,
+                                                                                  0)), 5, b"\x00"), {}, "E0903"),
     "store_unknown_op": ("a StoreRequest of op move (9.1.5: get, put, info, keys or delete)",
                          raw(MsgType.STORE_REQUEST, store_request_bytes(0, b"move", b"layer0/w", b"", (), 0, 0)), {},
                          "E0910"),
@@ -472,7 +483,7 @@ def _three_hellos(connect_versions=((1, 0),)) -> tuple[Handshake, Handshake, lis
     hs_c = Handshake("connect", TOKEN, level=1, caps=L1_CAPS, rank=-1, name="127.0.0.1:4242", max_payload=1 << 30,
                      challenge=C_CONNECT, versions=connect_versions)
     hs_a = Handshake("accept", TOKEN, level=1, caps=L1_CAPS, rank=0, name="coordinator", max_payload=1 << 26,
-                     challenge=C_ACCEPT)
+                     challenge=C_ACCEPT, versions=(V1_0,))  # (a 1.0 accepting peer: the transcripts of 1.0)
     to_a, to_c = FrameDecoder(check_seq=True), FrameDecoder(check_seq=True)
     f1 = hs_c.start()[0]
     f2 = hs_a.receive(*to_a.feed(f1)[0])[0]
@@ -526,19 +537,23 @@ def _handshake_doc() -> dict:
         ],
         "refusals": [
             {**accepting, "name": "wrong_token",
-             "receive": [fmt(f1), fmt(encode_message(hello_c_wrong, epoch=0, stream=0, seq=1))], "code": "E0909"},
+             "receive": [fmt(f1), fmt(encode_message(hello_c_wrong, epoch=0, stream=0, seq=1, version=V1_0))],
+             "code": "E0909"},
             {**accepting, "name": "no_answer",
-             "receive": [fmt(f1), fmt(encode_message(HELLO_C, epoch=0, stream=0, seq=1))], "code": "E0909"},
+             "receive": [fmt(f1), fmt(encode_message(HELLO_C, epoch=0, stream=0, seq=1, version=V1_0))],
+             "code": "E0909"},
             {**accepting, "name": "answer_before_challenge",
-             "receive": [fmt(encode_message(hello_c_answered_early, epoch=0, stream=0, seq=0))], "code": "E0911"},
+             "receive": [fmt(encode_message(hello_c_answered_early, epoch=0, stream=0, seq=0, version=V1_0))],
+             "code": "E0911"},
             {**accepting, "name": "data_before_hello",
-             "receive": [fmt(encode_message(Heartbeat(1, 0.0, 0, 0, 0, 0, ""), epoch=0, stream=0, seq=0))],
+             "receive": [fmt(encode_message(Heartbeat(1, 0.0, 0, 0, 0, 0, ""), epoch=0, stream=0, seq=0,
+                                            version=V1_0))],
              "code": "E0911"},
             {**accepting, "name": "no_common_version", "params": {**_params(hs_a.hello), "versions": [[2, 0]]},
              "receive": [fmt(f1)], "code": "E0902"},
             {"role": "connect", "token": TOKEN.hex(), "params": _params(hs_c.hello), "name": "accepting_peer_refuses",
              "receive": [fmt(encode_message(Error("E0902", "no protocol version in common"), epoch=0, stream=0,
-                                            seq=0))], "code": "E0902"},
+                                            seq=0, version=V1_0))], "code": "E0902"},
         ],
     }
 
