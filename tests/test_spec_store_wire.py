@@ -92,6 +92,16 @@ def test_placement_worked_example_is_the_code_s():
 STORE_VALID = sorted(n for n in load_manifest()["valid"] if n.startswith("store_"))
 
 
+def test_every_key_a_valid_vector_names_is_a_valid_store_key():
+    from dtm.store.keys import check_key
+
+    keys = [f["message"]["key"] for n in STORE_VALID for f in _vector("valid", n)["frames"]
+            if f["message_type"] == "StoreRequest" and f["message"]["op"] != "keys"]
+    assert len(keys) >= 5 and max(len(k.encode()) for k in keys) == 1024  # (the longest a key may be, 9.2.1)
+    for k in keys:
+        check_key(k)  # 9.2.1's rules, segments of at most 255 bytes included: no vector contradicts them
+
+
 def test_every_store_message_has_vectors_both_ways():
     manifest = load_manifest()
     invalid = {n: v["code"] for n, v in manifest["invalid"].items() if n.startswith("store_")}

@@ -95,6 +95,8 @@ RESIZE_SPARE = Error("E1004", "the mesh of epoch 4 ({'dp': 1, 'tp': 2}) has no p
 # the handshake has seq 2 and 1. Requests are numbered 0, 1, 2, ...; a tensor's Data frames
 # carry the request's id as their `seq`.
 STORE_EPOCH = 1
+KEY_1024 = "/".join(["é" * 127] * 4 + ["é" * 2])  # a valid store key (9.2.1) of the most bytes a key holds
+assert len(KEY_1024.encode()) == 1024
 STORE_V = (1, 1)  # the store's messages are 1.1's: a store connection between current peers speaks 1.1
 V1_0 = (1, 0)
 W_BYTES = struct.pack("<2f", 1.0, -2.0)  # f32[2] of layer0/w
@@ -277,8 +279,9 @@ VALID = {
     "store_keys_request": ("a keys request for every key: the empty prefix (only a keys request may name an "
                            "empty key)", [frame(KEYS_ALL, epoch=STORE_EPOCH, seq=6)],
                            {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 6}}),
-    "store_key_1024_bytes": ("a get whose key is 512 two-byte characters: 1024 UTF-8 bytes, the most a key holds",
-                             [frame(StoreRequest(5, "get", "é" * 512, "", (), 0, 0), epoch=STORE_EPOCH, seq=8)],
+    "store_key_1024_bytes": ("a get whose key is 1024 UTF-8 bytes, the most a key holds, in segments of at most "
+                             "255 bytes (9.2.1): four of 127 two-byte characters and one of 2, joined by /",
+                             [frame(StoreRequest(5, "get", KEY_1024, "", (), 0, 0), epoch=STORE_EPOCH, seq=8)],
                              {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 8}}),
     "store_reply_put": ("the service's reply to the put of store_put: the stored entry, version 1, its checksum "
                         "(the CRC32C of its bytes) and time written", [frame(REPLY_PUT_W, epoch=STORE_EPOCH, seq=1)],
