@@ -283,6 +283,10 @@ VALID = {
                              "255 bytes (9.2.1): four of 127 two-byte characters and one of 2, joined by /",
                              [frame(StoreRequest(5, "get", KEY_1024, "", (), 0, 0), epoch=STORE_EPOCH, seq=8)],
                              {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 8}}),
+    "store_info_with_dtype": ("an info request that names a dtype, which info ignores (9.1.5: only put and get read "
+                              "it; it must still name a dtype)",
+                              [frame(StoreRequest(6, "info", "layer0/w", "f32", (), 0, 0), epoch=STORE_EPOCH, seq=9)],
+                              {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 9}}),
     "store_reply_put": ("the service's reply to the put of store_put: the stored entry, version 1, its checksum "
                         "(the CRC32C of its bytes) and time written", [frame(REPLY_PUT_W, epoch=STORE_EPOCH, seq=1)],
                         {"expected_epoch": STORE_EPOCH, "next_seq": {"0": 1}}),
