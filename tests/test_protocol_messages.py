@@ -82,10 +82,12 @@ def store_requests(draw):
 
 @st.composite
 def store_replies(draw):
+    code = draw(st.one_of(st.just(""), st.from_regex(r"E[0-9]{4}", fullmatch=True)))
+    if code:  # an error reply carries no tensor (spec 9.1.5)
+        return StoreReply(draw(u64), code, draw(text), "", (), 0, 0, "", 0.0, ())
     dtype = draw(st.one_of(st.just(""), dtypes))
-    return StoreReply(draw(u64), draw(st.one_of(st.just(""), st.from_regex(r"E[0-9]{4}", fullmatch=True))),
-                      draw(text), dtype, draw(shapes) if dtype else (), draw(u64), draw(u64), draw(text),
-                      draw(st.floats(allow_nan=False, allow_infinity=False)),
+    return StoreReply(draw(u64), code, draw(text), dtype, draw(shapes) if dtype else (), draw(u64), draw(u64),
+                      draw(text), draw(st.floats(allow_nan=False, allow_infinity=False)),
                       tuple(draw(st.lists(st.tuples(store_keys, u64), max_size=4))))
 
 

@@ -751,6 +751,9 @@ class StoreReply(Message):
 
     def _check(self) -> str | None:
         return _first(self.code and not _CODE.fullmatch(self.code) and f"code {self.code!r} is not E and four digits",
+                      self.code and (self.dtype or self.shape or self.nbytes or self.version or self.checksum
+                                     or self.written or self.keys)
+                      and f"an error reply ({self.code}) carries a tensor's fields; it carries none",
                       _str_ok("message", self.message), _str_ok("checksum", self.checksum),
                       self.dtype and _shape_ok(self.dtype, self.shape),
                       not self.dtype and self.shape and "a shape without a dtype",

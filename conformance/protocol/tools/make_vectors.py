@@ -469,6 +469,10 @@ INVALID = {
     "store_reply_bad_code": ("a StoreReply whose code is E804 (a code is E and four digits, or empty)",
                              raw(MsgType.STORE_REPLY, _payload(REPLY_MISSING).replace(b"\x05\x00E0804",
                                                                                       b"\x04\x00E804")), {}, "E0910"),
+    "store_reply_error_with_tensor": ("an error reply (E0804) that also names a dtype and nbytes: an error reply "
+                                      "carries no tensor (9.1.5)",
+                                      raw(MsgType.STORE_REPLY, _payload(REPLY_PUT_W).replace(
+                                          b"\x00\x00\x00\x00\x03\x00f32", b"\x05\x00E0804\x00\x00\x03\x00f32", 1)), {}, "E0910"),
     "store_reply_written_inf": ("a StoreReply whose written time is +inf",
                                 raw(MsgType.STORE_REPLY, patch(_payload(REPLY_PUT_W), WRITTEN_AT,
                                                                struct.pack("<d", float("inf")))), {}, "E0910"),
