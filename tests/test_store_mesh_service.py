@@ -189,6 +189,17 @@ def test_a_data_frame_with_a_bad_crc_is_refused_with_an_error_frame(two_ranks):
     assert "crc/x" not in two_ranks[1].local  # nothing was stored
 
 
+def test_a_quantized_put_of_partial_blocks_is_refused_not_cut(two_ranks):
+    """q8_0 [2, 33] is not whole blocks (spec 2.2): it has no storage size, where the floor
+    of 33 / 32 used to make one of 68 bytes and store the tensor as if it were [2, 32]."""
+    conn = _raw_conn(two_ranks)
+    conn.send(StoreRequest(0, "put", "q/x", "q8_0", (2, 33), 0, 68), memoryview(bytes(68)))
+    reply = conn.receive(time.monotonic() + 10, "test")
+    assert reply.code == "E0408" and "multiple of 32" in reply.message, reply
+    conn.close()
+    assert "q/x" not in two_ranks[1].local  # nothing was stored
+
+
 def test_a_put_whose_size_disagrees_with_its_type_is_refused(two_ranks):
     conn = _raw_conn(two_ranks)
     conn.send(StoreRequest(0, "put", "size/x", "f32", (8,), 0, 1 << 40))  # 2^40 bytes for 8 floats
