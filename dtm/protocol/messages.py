@@ -820,7 +820,10 @@ def decode_message(header: FrameHeader, payload: Buffer) -> Message:
     cls = MESSAGES[header.msg_type]
     newer = header.version[0] == PROTOCOL_VERSION[0] and header.version[1] > PROTOCOL_VERSION[1]
     msg = cls.decode(payload, allow_trailing=cls is Hello and newer)
-    if isinstance(msg, Data) and header.flags & FLAG_COMPRESSED:
+    if header.flags & FLAG_COMPRESSED:
+        if not isinstance(msg, Data):  # (only a Data frame's data can be a compressed chunk, spec 9.5.1)
+            raise ProtocolError(E.BAD_PAYLOAD, f"{header.msg_type.name} frame with the COMPRESSED flag: only a Data "
+                                               "frame carries a compressed chunk")
         check_chunk(msg.data)
     if isinstance(msg, MeshView) and msg.epoch != header.epoch:
         raise ProtocolError(E.BAD_PAYLOAD, f"MeshView payload: epoch {msg.epoch} differs from its frame's "

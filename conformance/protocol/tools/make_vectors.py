@@ -202,6 +202,13 @@ VALID = {
                              "holding 0, 1, ..., 39 and 24 zeros",
                              [frame(Data(17, 0, 0, 0, Q8_CHUNK), epoch=7, stream=2, flags=FLAG_LAST | FLAG_COMPRESSED)],
                              {}),
+    "data_compressed_empty": ("a compressed chunk of count 0 (an empty chunk of an uneven split, 9.5.1): the "
+                              "head alone, no body", [frame(Data(17, 2, 0, 0, struct.pack("<BBHI", 1, 0, 0, 0)),
+                                                            epoch=7, stream=2, flags=FLAG_COMPRESSED)], {}),
+    "data_compressed_padding_ignored": ("data_compressed_q8_0 with its last block's 24 values past count 40 not 0: "
+                                        "a receiver ignores them (a sender writes 0, 9.5.1)",
+                                        [frame(Data(17, 0, 0, 0, Q8_CHUNK[:-24] + bytes([5] * 24)), epoch=7,
+                                               stream=2, flags=FLAG_LAST | FLAG_COMPRESSED)], {}),
     "data_compressed_bf16": ("a compressed chunk (spec 9.5.1): head (encoding 2 = bf16, count 4), then the 4 bf16 "
                              "values of `data`", [frame(Data(17, 1, 0, 0, BF16_CHUNK), epoch=7, stream=2,
                                                         flags=FLAG_COMPRESSED)], {}),
@@ -418,6 +425,9 @@ INVALID = {
                                          raw(MsgType.DATA, _payload(Data(1, 0, 0, 0, struct.pack("<BBHI", 3, 0, 0, 4)
                                                                          + BF16_BYTES)), flags=FLAG_COMPRESSED),
                                          {}, "E0910"),
+    "compressed_flag_on_leave": ("a Leave frame with the COMPRESSED flag: only a Data frame carries a compressed "
+                                 "chunk (9.5.1)", raw(MsgType.LEAVE, _payload(Leave(2, "done")), flags=FLAG_COMPRESSED),
+                                 {}, "E0910"),
     "data_compressed_short": ("a compressed Data frame of 5 data bytes, shorter than the 8-byte chunk head",
                               raw(MsgType.DATA, _payload(Data(1, 0, 0, 0, b"\x01\x00\x00\x00\x00")),
                                   flags=FLAG_COMPRESSED), {}, "E0910"),
