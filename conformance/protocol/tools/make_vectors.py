@@ -166,6 +166,10 @@ VALID = {
     "hello_accept": ("the accepting peer's Hello, answering the connecting peer's challenge", [frame(HELLO_A)], {}),
     "hello_newer_minor": ("a Hello of protocol 1.7 with a field 1.0 does not know at its end: ignored",
                           [_hello_newer_minor()], {}),
+    "hello_l1_with_quant": ("a collective connection's Hello that takes compressed chunks: level L1 with CAP_QUANT "
+                            "and CAP_CHECKSUMS named one by one (8.2: the level of what the connection offers)",
+                            [frame(Hello(((1, 0),), 1, L1_CAPS | int(Cap.QUANT | Cap.CHECKSUMS), 1 << 30, 1,
+                                         "127.0.0.1:4243", C_CONNECT))], {}),
     "hello_all_caps": ("a level-3 Hello with every capability bit and an unknown bit 63 (ignored)",
                        [frame(Hello(((1, 0),), 3, int(level_caps(3)) | 1 << 63, 1 << 16, 5, "", C_ACCEPT))], {}),
     "join_mesh": ("a rank asks to join as any rank of 4",
@@ -396,6 +400,10 @@ INVALID = {
     "hello_level_without_its_caps": ("a Hello of level L1 whose caps lack CAP_P2P",
                                      raw(MsgType.HELLO, patch(_payload(HELLO_C), 4, struct.pack(
                                          "<Q", L1_CAPS & ~int(Cap.P2P)))), {}, "E0910"),
+    "hello_l2_without_quant": ("a Hello of level L2 whose caps lack CAP_QUANT: L2 implies it, so a peer that takes "
+                               "no compressed chunks announces L1 with the capabilities it has (8.2)",
+                               raw(MsgType.HELLO, patch(_payload(HELLO_C), 3, struct.pack(
+                                   "<BQ", 2, int(level_caps(2)) & ~int(Cap.QUANT)))), {}, "E0910"),
     "hello_answer_length": ("a Hello whose answer is 31 bytes",
                             raw(MsgType.HELLO, _payload(HELLO_C)[:-1] + b"\x1f" + b"\x00" * 31), {}, "E0910"),
     "collective_unknown_dtype": ("a CollectiveStart of dtype f33",
