@@ -306,6 +306,17 @@ def test_encode_is_deterministic_and_decodes_to_equal_module(name):
     assert re.fullmatch(r"[0-9a-f]{64}", m.hash())
 
 
+def test_unnamed_values_take_the_smallest_number_no_earlier_value_has():
+    """Spec 4.5 rule 13: names go in order of definition; only earlier values count."""
+    m = ir.parse("dtm 1.0\n\nfunc @f(%a: f32[4]) -> (f32[4]) {\n  %x = neg %a : f32[4]\n"
+                 "  %0 = neg %x : f32[4]\n  return %0\n}\n")
+    object.__setattr__(m.funcs["f"].ops[0].results[0], "name", None)  # (as a module built in code may have it)
+    assert ir.format(m).splitlines()[3:5] == ["  %0 = neg %a : f32[4]", "  %1 = neg %0 : f32[4]"]
+    decoded = ir.decode(ir.encode(m))  # no names at all: numbers in order, the parameter first
+    assert ir.format(decoded).splitlines()[2:5] == ["func @f(%0: f32[4]) -> (f32[4]) {", "  %1 = neg %0 : f32[4]",
+                                                     "  %2 = neg %1 : f32[4]"]
+
+
 def test_module_equality_is_encoding_equality():
     a, b = ir.parse(T1), ir.parse(T1)
     assert a == b and a is not b
