@@ -252,11 +252,8 @@ def three_ranks_main() -> None:
     snapshots = importlib.import_module("dtm.ckpt.snapshot")  # (dtm.ckpt.snapshot is the function)
     from dtm.errors import DTMError
 
-    pg = dtm.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S, elastic=True)
+    pg, mesh, m, opt = _three_ranks()
     r = pg.rank
-    mesh = dtm.Mesh({"dp": 3})
-    m = _model(0)
-    opt = dtm.optim.AdamW(m.parameters(), lr=1e-2)
     want = {}
     for step in (1, 2, 3):
         _train(m, opt, step)
@@ -278,15 +275,33 @@ def three_ranks_main() -> None:
             failed = [e.code.value, str(e)]
     doc, holders = snapshots.find().doc, snapshots.find().snap.holders
     owned_by_2 = sorted(t["name"] for t in doc["tensors"] for p in t["pieces"] if p["owner"] == 2)
-    fresh = _model(9)
-    state = {"w": dtm.zeros(9, 6), "model": fresh, "optim": dtm.optim.AdamW(fresh.parameters(), lr=1.0),
-             "step": None}
-    dtm.checkpoint.load(state, "mem://")
+    fresh, state = _loaded_on_no_mesh()
     ok = [state["step"] == 2, state["w"].device_mesh is None, np.array_equal(state["w"].numpy(), W * 2),
           _equal(fresh, state["optim"], want) == []]
     _report(rank=r, ok=ok, failed=failed, owned_by_2=owned_by_2, held=snapshots.snapshots(), holders=holders,
             lost=sorted(pg.membership.lost))
     _survivor_exit(r)
+
+
+def _three_ranks():
+    """This rank's process group (elastic) of three, its mesh dp=3, and a model with AdamW."""
+    import dtm
+
+    pg = dtm.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S, elastic=True)
+    m = _model(0)
+    return pg, dtm.Mesh({"dp": 3}), m, dtm.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def _loaded_on_no_mesh():
+    """A fresh model and the state {w, model, optim, step} on no mesh, loaded from the newest
+    complete in-memory snapshot."""
+    import dtm
+
+    fresh = _model(9)
+    state = {"w": dtm.zeros(9, 6), "model": fresh, "optim": dtm.optim.AdamW(fresh.parameters(), lr=1.0),
+             "step": None}
+    dtm.checkpoint.load(state, "mem://")
+    return fresh, state
 
 
 def _survivor_exit(r: int) -> None:
@@ -319,18 +334,15 @@ def test_survivors_of_a_sigkill_load_the_lost_ranks_pieces_from_their_replicas(t
 
 def mirrors_main() -> None:
     """Three ranks (elastic), data parallel: a model (on no mesh: every process holds it),
-    its AdamW state and w, all replicated. Each writer's blob is mirrored by the next rank, which packs it from its
-    own replica: no blob goes over the wire. Rank 2 SIGKILLs itself after snapshot 2; the
+    its AdamW state and w, all replicated. Each writer's blob is mirrored by the next rank,
+    which packs it from its own replica: no blob goes over the wire. Rank 2 SIGKILLs itself after snapshot 2; the
     survivors load snapshot 2, rank 2's pieces from rank 0's mirror (published into rank
     0's part on the loss, where rank 1 reads them)."""
     import dtm
     snapshots = importlib.import_module("dtm.ckpt.snapshot")  # (dtm.ckpt.snapshot is the function)
 
-    pg = dtm.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S, elastic=True)
+    pg, mesh, m, opt = _three_ranks()
     r = pg.rank
-    mesh = dtm.Mesh({"dp": 3})
-    m = _model(0)
-    opt = dtm.optim.AdamW(m.parameters(), lr=1e-2)
     puts = []
     put = snapshots._put
     snapshots._put = lambda *a: puts.append(1) or put(*a)
@@ -346,10 +358,7 @@ def mirrors_main() -> None:
     while 2 not in pg.membership.lost and time.monotonic() < deadline:
         time.sleep(0.05)
     snap = snapshots.find().snap
-    fresh = _model(9)
-    state = {"w": dtm.zeros(9, 6), "model": fresh, "optim": dtm.optim.AdamW(fresh.parameters(), lr=1.0),
-             "step": None}
-    dtm.checkpoint.load(state, "mem://")
+    fresh, state = _loaded_on_no_mesh()
     owned_by_2 = sorted(t["name"] for t in snap.doc["tensors"] for p in t["pieces"] if p["owner"] == 2)
     ok = [state["step"] == 2, np.array_equal(state["w"].numpy(), W * 2), _equal(fresh, state["optim"], want) == []]
     _report(rank=r, ok=ok, puts=len(puts), holders=snap.holders, kept=sorted(snap.blobs), owned_by_2=owned_by_2)

@@ -15,8 +15,9 @@ which it keeps), before `snapshot` returns. A rank that holds every piece of ano
 writer's blob (data-parallel replicas) packs that blob too, from its own pieces: a replica
 for a copy in memory (`_mirrors`). What is not mirrored `replicas` times, a background
 thread puts, under `snapshot/SLOT/rank-R`, on the next ranks of the ring, while the next
-training step runs. When a rank is lost, every survivor publishes its own blobs into its own part of
-the store (its replicas may have been on the lost rank). Every rank computes the same layout (which pieces each rank
+training step runs. When a rank is lost, every survivor publishes the blobs it holds (its
+own and its mirrors) into its own part of the store (their replicas may have been on the
+lost rank). Every rank computes the same layout (which pieces each rank
 writes, where in its blob) from the state alone, so no layout travels. The commit is one
 all_gather of a status row per snapshot, in the caller's thread (the training's collectives
 are never met from another thread), at the handle's `wait()` or the next `snapshot`: it
@@ -448,13 +449,13 @@ def _pack(moves: list[list[_Move]], sources: list[Any], me: int, owners: list[in
             if arr.shape != m.shape:
                 raise DTMError(ErrorCode.SHAPE_MISMATCH, f"snapshot: tensor {m.name!r}: this rank's piece is "
                                f"{list(arr.shape)}, its placements say {list(m.shape)}")
-            np.copyto(blobs[m.owner][m.start:m.stop].view(m.npd).reshape(m.shape), arr, casting="same_kind")
+            np.copyto(_view(blobs[m.owner], m.start, m.stop, m.npd, m.shape), arr, casting="same_kind")
     return blobs
 
 
-def _view(blob: np.ndarray, p: dict, npd: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """Piece `p`'s bytes of `blob` as an array of its dtype and shape."""
-    return blob[p["offset"]:p["offset"] + p["nbytes"]].view(npd).reshape(shape)
+def _view(blob: np.ndarray, start: int, stop: int, npd: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A piece's bytes `start:stop` of `blob` as an array of its dtype and shape."""
+    return blob[start:stop].view(npd).reshape(shape)
 
 
 def _putter(work: queue.SimpleQueue) -> None:
@@ -591,7 +592,8 @@ class Reader:
             inter = [(max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, p["box"])]
             if any(a >= b for a, b in inter):
                 continue
-            src = _view(self._blob(p["owner"]), p, npd, tuple(b - a for a, b in p["box"]))
+            src = _view(self._blob(p["owner"]), p["offset"], p["offset"] + p["nbytes"], npd,
+                        tuple(b - a for a, b in p["box"]))
             out[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(inter, box))] = \
                 src[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(inter, p["box"]))]
             filled += math.prod(b - a for a, b in inter)

@@ -19,15 +19,14 @@ from functools import lru_cache
 import numpy as np
 from crc32c import crc32c
 
-_POLY = np.uint32(0x82F63B78)  # CRC32C's polynomial, bit-reflected
-_ONE = 1 << 31                 # the polynomial 1 (bit-reflected: x^k is bit 31 - k)
+_POLY = 0x82F63B78  # CRC32C's polynomial, bit-reflected
+_ONE = 1 << 31      # the polynomial 1 (bit-reflected: x^k is bit 31 - k)
 
 
-def _mul(a: int, b: np.ndarray) -> np.ndarray:
-    """a(x) * b(x) modulo the polynomial, for each element of b (zlib's multmodp)."""
-    b = np.asarray(b, np.uint32)
-    p = np.zeros_like(b)
-    m = _ONE
+def _mul(a: int, b):
+    """a(x) * b(x) modulo the polynomial (zlib's multmodp), for `b` one Python int or each
+    element of a uint32 array: a Python int's step is a tenth of a numpy step per bit."""
+    p, m = b * 0, _ONE
     while a:
         if a & m:
             p ^= b
@@ -37,21 +36,9 @@ def _mul(a: int, b: np.ndarray) -> np.ndarray:
     return p
 
 
-def _mul1(a: int, b: int) -> int:
-    """_mul of one value, on Python ints: a tenth of the time of a numpy step per bit."""
-    p, m, poly = 0, _ONE, int(_POLY)
-    while a:
-        if a & m:
-            p ^= b
-            a ^= m
-        m >>= 1
-        b = (b >> 1) ^ (poly if b & 1 else 0)
-    return p
-
-
 _X2K = [_ONE >> 1]  # x^(2^k) modulo the polynomial, k = 0, 1, ...: x, x^2, x^4, ...
 for _ in range(66):
-    _X2K.append(_mul1(_X2K[-1], _X2K[-1]))
+    _X2K.append(_mul(_X2K[-1], _X2K[-1]))
 
 
 @lru_cache(maxsize=256)
@@ -60,7 +47,7 @@ def _x8n(n: int) -> int:
     p, k = _ONE, 3
     while n:
         if n & 1:
-            p = _mul1(_X2K[k], p)
+            p = _mul(_X2K[k], p)
         n >>= 1
         k += 1
     return p
@@ -68,14 +55,14 @@ def _x8n(n: int) -> int:
 
 def shift(h: np.ndarray, n: int) -> np.ndarray:
     """h (see the module doc) of messages followed by n zero bytes more, elementwise."""
-    if np.ndim(h) == 0:  # (one value: on Python ints)
-        return np.uint32(_mul1(_x8n(n), int(h)))
-    return _mul(_x8n(n), h)
+    if np.ndim(h) == 0:  # (one value: on a Python int)
+        return np.uint32(_mul(_x8n(n), int(h)))
+    return _mul(_x8n(n), np.asarray(h, np.uint32))
 
 
 def combine(first: int, second: int, second_bytes: int) -> int:
     """The CRC32C of A then B from crc(A), crc(B) and B's length (zlib's crc32_combine)."""
-    return _mul1(_x8n(second_bytes), int(first)) ^ second
+    return _mul(_x8n(second_bytes), int(first)) ^ second
 
 
 PARALLEL_BYTES = 32 << 20  # below this a checksum is one call: threads would cost more than they save
@@ -108,4 +95,4 @@ def checksum(buf: memoryview | np.ndarray) -> int:
 @lru_cache(maxsize=256)
 def zeros(n: int) -> int:
     """The CRC32C of n zero bytes (cached: a tensor's pieces and chunks have few lengths)."""
-    return _mul1(_x8n(n), 0xFFFFFFFF) ^ 0xFFFFFFFF
+    return _mul(_x8n(n), 0xFFFFFFFF) ^ 0xFFFFFFFF

@@ -60,7 +60,7 @@ def quantize_weight(x: np.ndarray, dtype: str | DType, name: str = "weight") -> 
     if x.dtype.kind not in "f" and x.dtype != numpy_dtype(DTYPES["bf16"]):
         raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} has dtype {x.dtype}; only float tensors are "
                        f"quantized (to {dt})")
-    if dt.is_quant and (x.ndim == 0 or x.shape[-1] % dt.block):
+    if not refquant.whole_blocks(dt, x.shape):
         raise DTMError(E.QUANTIZED_MISUSE, f"dtm.quant: {name} of shape {list(x.shape)} cannot be {dt}: its last "
                        f"dim must be a multiple of {dt.block} (blocks of {dt.block} elements)")
     if x.ndim < 2:
@@ -146,7 +146,7 @@ def unpack(metadata: Mapping[str, str]) -> dict[str, tuple[DType, tuple[int, ...
         for name, info in listed.items():
             dt = narrow_dtype(info["dtype"])
             shape = tuple(int(d) for d in info["shape"])
-            if not shape or shape[-1] % dt.block or min(shape) < 0:
+            if not shape or not refquant.whole_blocks(dt, shape) or min(shape) < 0:
                 raise ValueError(f"{name}: {info}")
             out[name] = (dt, shape)
         return out

@@ -35,6 +35,13 @@ QUANT_DTYPES = tuple(d for d in DTYPES.values() if d.is_quant)
 _F16 = np.dtype("<f2")
 
 
+def whole_blocks(dtype: DType, shape: tuple[int, ...]) -> bool:
+    """Whether a static `shape` of `dtype` is whole blocks (spec 2.2): always for the
+    unblocked dtypes; a quantized shape has a last dim that is a multiple of the block. A
+    shape that is not has no storage size (`storage_shape` would round it down)."""
+    return not dtype.is_quant or (len(shape) > 0 and shape[-1] % dtype.block == 0)
+
+
 def storage_shape(t: TensorType) -> tuple[int, ...]:
     """The shape of the numpy array holding a value of static type `t`."""
     if not t.dtype.is_quant:

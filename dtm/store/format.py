@@ -24,7 +24,7 @@ from crc32c import crc32c
 from ..errors import DTMError, ErrorCode
 from ..ir.dtypes import DTYPES, DType, numpy_dtype
 from ..ir.types import TensorType
-from ..ref.quant import storage_shape as _quant_storage_shape
+from ..ref.quant import storage_shape as _quant_storage_shape, whole_blocks
 from .crc import checksum
 
 FORMAT_VERSION = 1
@@ -108,7 +108,7 @@ def storage_numpy_dtype(dtype: DType) -> np.dtype:
 def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The storage shape of a tensor of `dtype` and logical `shape` (spec 9.2.4); E0408 for
     a quantized shape whose last dim is not whole blocks (spec 2.2), which has none."""
-    if dtype.is_quant and (not shape or shape[-1] % dtype.block):
+    if not whole_blocks(dtype, shape):
         raise DTMError(ErrorCode.QUANTIZED_MISUSE, f"a {dtype.name} tensor of shape {list(shape)}: its last dim must "
                        f"be a multiple of {dtype.block} (whole blocks, spec 2.2), so it has no storage size")
     return _quant_storage_shape(TensorType(dtype, shape))

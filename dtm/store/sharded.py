@@ -20,7 +20,7 @@ DeviceMesh, and a get returns the runtime's Shards for the store's factory to wr
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -169,10 +169,10 @@ def get_many(store: "Store", requests: Sequence[tuple[str, Any, tuple[int, ...] 
     of tensors). Every mesh shares one process group (or none: local devices). The first
     key that fails on any rank fails the call on every rank; keys whose version changed
     between the ranks' lookups or under a read are looked up and read again."""
-    for _, _, _, mesh, placements in requests:
+    for key, _, _, mesh, placements in requests:
         if not isinstance(mesh, DeviceMesh):
-            raise StoreError(ErrorCode.INVALID_MESH, f"get {requests[0][0]!r}: placements {placements!r} need mesh=, "
-                             f"a dtm.Mesh, not {type(mesh).__name__}", requests[0][0])
+            raise StoreError(ErrorCode.INVALID_MESH, f"get {key!r}: placements {placements!r} need mesh=, a dtm.Mesh, "
+                             f"not {type(mesh).__name__}", key)
     pg = requests[0][3].process if requests else None
     if any(mesh.process is not pg for _, _, _, mesh, _ in requests):
         raise StoreError(ErrorCode.INVALID_MESH, "get_many: the meshes do not share one process group",
@@ -181,21 +181,20 @@ def get_many(store: "Store", requests: Sequence[tuple[str, Any, tuple[int, ...] 
     todo = list(range(len(requests)))
     for _ in range(GET_ATTEMPTS):
         looked = [_look_up(store, *requests[i]) for i in todo]
-        rows = _rows(pg, [v for entry, pl, code, err in looked for v in (code, entry.version if entry else 0)])
+        rows = _rows(pg, [v for lk in looked for v in (lk.code, lk.entry.version if lk.entry else 0)])
         for n, i in enumerate(todo):  # (rows of a key: columns 2n and 2n + 1)
             if rows[:, 2 * n].any():
-                raise looked[n][3] or _failed(rows[:, 2 * n:], requests[i][0], "get", "could not look the key up")
-        same = [n for n in range(len(todo)) if not (rows[:, 2 * n + 1] != rows[0, 2 * n + 1]).any()]
-        read = [_read_pieces(store, looked[n][0], requests[todo[n]][3], looked[n][1]) for n in same]
-        rows = _rows(pg, [v for pieces, part, check, code, err in read for v in (code, part, check)])
-        kept = set(same)
-        again = [todo[n] for n in range(len(todo)) if n not in kept]
+                raise looked[n].error or _failed(rows[:, 2 * n:], requests[i][0], "get", "could not look the key up")
+        same = [n for n in range(len(todo)) if (rows[:, 2 * n + 1] == rows[0, 2 * n + 1]).all()]
+        read = [_read_pieces(store, looked[n].entry, requests[todo[n]][3], looked[n].placements) for n in same]
+        rows = _rows(pg, [v for rd in read for v in (rd.code, rd.part, rd.check)])
+        again = [todo[n] for n in sorted(set(range(len(todo))) - set(same))]
         for m, n in enumerate(same):  # (rows of a key: columns 3m to 3m + 2)
-            i, entry, pl = todo[n], looked[n][0], looked[n][1]
-            code, status = read[m][3], rows[:, 3 * m:3 * m + 3]
+            i, entry, pl, rd = todo[n], looked[n].entry, looked[n].placements, read[m]
+            status = rows[:, 3 * m:3 * m + 3]
             key, mesh = requests[i][0], requests[i][3]
             if (status[:, 0] > 0).any():  # a rank failed: every rank fails
-                raise read[m][4] if code > 0 else _failed(status, key, "get", "could not read its piece")
+                raise rd.error if rd.code > 0 else _failed(status, key, "get", "could not read its piece")
             if status[:, 0].any():  # a rank read a version that a put or delete replaced under it
                 again.append(i)
                 continue
@@ -205,7 +204,7 @@ def get_many(store: "Store", requests: Sequence[tuple[str, Any, tuple[int, ...] 
                     raise TensorChecksumMismatch(f"key {key!r} laid out as {list(pl)} on {mesh}", "get",
                                                  f"the store at {store.url}", int(entry.checksum, 16), found,
                                                  key=key)
-            out[i] = (TensorType(entry.dtype, entry.shape), Shards(mesh, pl, read[m][0]))
+            out[i] = (TensorType(entry.dtype, entry.shape), Shards(mesh, pl, rd.pieces))
         if not again:
             return out
         todo = sorted(again)
@@ -213,10 +212,32 @@ def get_many(store: "Store", requests: Sequence[tuple[str, Any, tuple[int, ...] 
                        "(puts in between)", store.url, requests[todo[0]][0])
 
 
+class _Looked(NamedTuple):
+    """A get's first step on this rank: the key's entry and its placements checked against
+    its type, or the error (`code` its number, 0 for none)."""
+
+    entry: Entry | None
+    placements: Any
+    code: int
+    error: DTMError | None
+
+
+class _Read(NamedTuple):
+    """A get's second step on this rank: the pieces of this process's mesh ranks, the CRC
+    part of those it counts (each distinct piece once over the mesh), whether it checks CRCs
+    (0/1), and the error (`code` its number, _RACED: the version was replaced under the read;
+    0 for none)."""
+
+    pieces: list[Any]
+    part: int
+    check: int
+    code: int
+    error: DTMError | None
+
+
 def _look_up(store: "Store", key: str, dtype: Any, shape: tuple[int, ...] | None, mesh: DeviceMesh,
-             placements: Any) -> tuple[Entry | None, Any, int, DTMError | None]:
-    """A get's first step on this rank: the key's entry and the placements checked against
-    its type; (entry, placements, 0, None), or (.., error code, the error)."""
+             placements: Any) -> _Looked:
+    """A get's first step on this rank (see _Looked)."""
     entry = None
     try:
         entry = store._tensor_entry(key, dtype, shape)
@@ -225,17 +246,13 @@ def _look_up(store: "Store", key: str, dtype: Any, shape: tuple[int, ...] | None
         if any(p.kind == "partial" for p in pl):
             raise StoreError(ErrorCode.INVALID_PLACEMENT, f"get {key!r}: {list(pl)} on {mesh}: a stored tensor "
                              "is got whole, shard or replicate it; partial values are not stored", key)
-        return entry, pl, 0, None
+        return _Looked(entry, pl, 0, None)
     except DTMError as e:
-        return entry, None, _code(e), e
+        return _Looked(entry, None, _code(e), e)
 
 
-def _read_pieces(store: "Store", entry: Entry, mesh: DeviceMesh, pl: Any
-                 ) -> tuple[list[Any], int, int, int, DTMError | None]:
-    """A get's second step on this rank: the pieces of this process's mesh ranks read, the
-    CRC part of those it counts (each distinct piece once over the mesh), whether it checks
-    CRCs; then 0 and None, or an error code (_RACED: the version was replaced under the
-    read) and the error."""
+def _read_pieces(store: "Store", entry: Entry, mesh: DeviceMesh, pl: Any) -> _Read:
+    """A get's second step on this rank (see _Read)."""
     part, pieces, check = 0, [None] * mesh.size, checksums.enabled()
     pg = mesh.process
     try:
@@ -249,10 +266,10 @@ def _read_pieces(store: "Store", entry: Entry, mesh: DeviceMesh, pl: Any
                     part ^= crc.box_crc(data, box, layout.storage_shape)
                 pieces[r] = fmt.from_storage(data, entry.dtype)
     except (ChecksumError, StoreCorrupt) as e:
-        return pieces, part, int(check), (_RACED if _replaced(store, entry) else _code(e)), e
+        return _Read(pieces, part, int(check), _RACED if _replaced(store, entry) else _code(e), e)
     except DTMError as e:
-        return pieces, part, int(check), _code(e), e
-    return pieces, part, int(check), 0, None
+        return _Read(pieces, part, int(check), _code(e), e)
+    return _Read(pieces, part, int(check), 0, None)
 
 
 def _chunk_of(layout: fmt.Layout, box: Box) -> tuple[int, ...]:

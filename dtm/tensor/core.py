@@ -412,24 +412,25 @@ class Tensor:
         """Each mesh rank's piece, as plain tensors, in rank order. On a process mesh
         (runtime L1) a process holds only its own rank's piece: the others are None
         (full_tensor() or numpy() gathers the whole value, every rank calling it)."""
-        self.realize()
-        if type(self._buffer) is not Shards:
-            return [Tensor.from_numpy(self._buffer)]
-        return [Tensor.from_numpy(p) if p is not None else None for p in self._buffer.pieces]
+        return [Tensor.from_numpy(p) if p is not None else None for p in self._pieces()]
 
     def local_arrays(self) -> list[np.ndarray | None]:
         """`local_shards()` as read-only numpy arrays over the tensor's own memory (no copy,
         no Tensor around each): what a checkpoint or snapshot copies from, where wrapping
         each of a model's pieces in a Tensor cost as much as copying it."""
-        self.realize()
-        pieces = self._buffer.pieces if type(self._buffer) is Shards else [self._buffer]
         out: list[np.ndarray | None] = []
-        for p in pieces:
+        for p in self._pieces():
             if p is not None:
                 p = p.view()
                 p.flags.writeable = False
             out.append(p)
         return out
+
+    def _pieces(self) -> list[np.ndarray | None]:
+        """The realized value's arrays, one per mesh rank (None: another process holds it);
+        a plain tensor's one array."""
+        self.realize()
+        return self._buffer.pieces if type(self._buffer) is Shards else [self._buffer]
 
     def _describe(self) -> str:
         """"tensor f32[8, 4]", with the placements of a distributed tensor when known."""
