@@ -26,11 +26,25 @@ MAX_DEPTH = 64
 def is_tensor(x: Any) -> bool:
     """A dtm.Tensor (plain or distributed), a numpy array or anything array-like with a
     dtype and shape and `numpy()`: saved as a tensor, not a value (duck-typed, layer 8)."""
+    known = _KNOWN_CLASSES.get(type(x))
+    if known is not None:
+        return known
     import numpy as np
 
     if isinstance(x, np.ndarray):
+        _KNOWN_CLASSES[type(x)] = True
         return True
-    return hasattr(x, "shape") and hasattr(x, "dtype") and callable(getattr(x, "numpy", None))
+    found = hasattr(x, "shape") and hasattr(x, "dtype") and callable(getattr(x, "numpy", None))
+    cls = type(x)
+    if found and hasattr(cls, "shape") and hasattr(cls, "dtype") and callable(getattr(cls, "numpy", None)):
+        _KNOWN_CLASSES[cls] = True  # (the class itself has them: so has every instance)
+    return found
+
+
+# The classes whose every instance is_tensor answers alike, with the answer: a snapshot
+# walks a state of hundreds of nodes every training step. Plain values have no attributes
+# of their own; a class is added once its own attributes make an instance a tensor.
+_KNOWN_CLASSES: dict[type, bool] = {t: False for t in (type(None), bool, int, float, str, list, tuple, dict)}
 
 
 def local_arrays(x: Any) -> list:

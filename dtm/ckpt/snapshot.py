@@ -88,6 +88,7 @@ class _Held:
     doc: dict
     holders: dict[int, list[int]]
     blobs: dict[int, np.ndarray]
+    packing: "_Packing | None" = None  # how this rank packed its blobs (for a later snapshot to reuse)
 
 
 class Handle:
@@ -130,6 +131,7 @@ class _Pending:
     width: int
     blob: np.ndarray | None
     copies: dict[int, np.ndarray]
+    packing: "_Packing | None"
     error: BaseException | None = None
     took: list[int] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)  # the ranks of `took` that the blob was put on
@@ -145,10 +147,10 @@ class _Session:
     pending: _Pending | None = None
     puts: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (its thread's work: _putter)
     published: set[int] = field(default_factory=set)  # the steps whose own blob is in this rank's part
-    # the blobs of the snapshot that last dropped out, by writer, for the next one to pack
-    # into: memory already mapped (a fresh array costs its page faults at every snapshot),
-    # and no more than the peak (the kept snapshots and the one being packed) held anyway
-    spare: dict[int, np.ndarray] = field(default_factory=dict)
+    # the blobs of the snapshot that last dropped out, for the next one to pack into: memory
+    # already mapped (a fresh array costs its page faults at every snapshot), and no more
+    # than the peak (the kept snapshots and the one being packed) held anyway
+    spare: "_Packing | None" = None
 
 
 _sessions: dict[str | None, _Session] = {}  # by the mesh's session (None: this process alone)
@@ -207,12 +209,13 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
     slot = min(set(range(KEEP + 1)) - {h.slot for h in ses.held})
     width = min(replicas, world - 1)
     err: DTMError | None = None
-    digest, doc, blob, mirrors, copies = 0, None, None, {}, {}
+    digest, doc, blob, mirrors, copies, packing = 0, None, None, {}, {}, None
     try:
-        entries, tensors, sources = _walk(state)
-        doc, sizes, digest, mirrors, moves = _plan(tensors, sources, world, handle.step, entries, width)
-        spare, ses.spare = ses.spare, {}
-        copies = _pack(moves, sources, me, [me] + [o for o, ranks in mirrors.items() if me in ranks], sizes, spare)
+        entries, kinds, sources = _walk(state)
+        doc, sizes, digest, mirrors, moves = _plan(kinds, sources, world, handle.step, entries, width)
+        spare, ses.spare = ses.spare, None
+        packing = _pack(moves, sources, me, [me] + [o for o, ranks in mirrors.items() if me in ranks], sizes, spare)
+        copies = dict(packing.blobs)
         blob = copies.pop(me)
     except DTMError as e:
         err = e
@@ -221,11 +224,12 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
     if pg is None:
         if err is not None:
             raise err
-        _keep(ses, _Held(handle.step, slot, doc, {0: [0]}, {0: blob}), spare=True)
+        _keep(ses, _Held(handle.step, slot, doc, {0: [0]}, {0: blob}, packing), spare=True)
         handle._done = True
         return handle
     # the other ranks hear of this rank's error at the commit: every rank fails it there
-    pending = _Pending(handle, slot, doc, digest, width, blob, copies, error=err, took=[me] + mirrors.get(me, []))
+    pending = _Pending(handle, slot, doc, digest, width, blob, copies, packing, error=err,
+                       took=[me] + mirrors.get(me, []))
     if err is None and blob.size and len(pending.took) < width + 1:
         ses.puts.put((_put, (pending, blob, me, world)))
     else:
@@ -283,7 +287,7 @@ def _finish(ses: _Session, pg: Any) -> None:
         raise err
     holders = {o: [int(h) for h in rows[o, 3:] if h >= 0] for o in range(pg.world_size)}
     # (after a loss, a dropped snapshot's blobs may still be being published: none reused)
-    _keep(ses, _Held(step, p.slot, p.doc, holders, {me: p.blob, **p.copies}),
+    _keep(ses, _Held(step, p.slot, p.doc, holders, {me: p.blob, **p.copies}, p.packing),
           spare=pg.membership is None or not pg.membership.lost)
     p.handle._done = True
     if pg.membership is not None and pg.membership.lost:
@@ -296,45 +300,50 @@ def _keep(ses: _Session, snap: _Held, spare: bool) -> None:
     kept = ses.held + [snap]
     ses.held = kept[-KEEP:]
     if spare and len(kept) > KEEP:
-        ses.spare = kept[-KEEP - 1].blobs
+        ses.spare = kept[-KEEP - 1].packing
 
 
-def _walk(state: dict) -> tuple[dict, list[dict], list[Any]]:
-    """The manifest's `state` field, each tensor's entry (name, key, dtype, shape) and the
-    live tensors themselves, in the order the state names them."""
+# What the layout of one tensor of the state depends on: (its name, its store dtype's
+# name, its shape, its mesh and placements as `_placed` gives them). A plain tuple: the
+# walk makes one per tensor at every snapshot, and the plan compares them all.
+Kind = tuple[str, str, tuple[int, ...], "tuple | None"]
+
+
+def _walk(state: dict) -> tuple[dict, list[Kind], list[Any]]:
+    """The manifest's `state` field, each tensor's kind and the live tensors themselves, in
+    the order the state names them."""
     if not isinstance(state, dict):
         raise TypeError(f"the state is a dict of named values, not {type(state).__name__}")
-    tensors: list[dict] = []
+    kinds: list[Kind] = []
     sources: list[Any] = []
 
     def take(name: str, x: Any) -> None:
-        dt = as_store_dtype(x.dtype)
-        tensors.append({"name": name, "key": f"t/{len(tensors)}", "dtype": dt.name,
-                        "shape": [int(n) for n in x.shape]})
+        kinds.append((name, as_store_dtype(x.dtype).name, tuple(map(int, x.shape)), _placed(x)))
         sources.append(x)
 
-    return mf.encode_state(state, take), tensors, sources
+    return mf.encode_state(state, take), kinds, sources
 
 
-def _plan(tensors: list[dict], sources: list[Any], world: int, step: int, entries: dict,
+def _plan(kinds: list[Kind], sources: list[Any], world: int, step: int, entries: dict,
           width: int) -> tuple[dict, list[int], int, dict[int, list[int]], list[list[_Move]]]:
     """The snapshot's manifest, the size of each rank's blob, a digest of the layout (which
     the ranks compare), the mirrors of each writer's blob (`_mirrors`, for `width`
-    replicas) and each tensor's moves into the blobs (`_moves`). The layout of a state whose
-    tensors have the names, types, meshes and placements of the previous snapshot's is that
-    snapshot's (every step's)."""
-    shape_of = (world, width,
-                tuple((t["name"], t["dtype"], tuple(t["shape"]), _placed(x)) for t, x in zip(tensors, sources)))
+    replicas) and each tensor's moves into the blobs (`_moves`). A state whose tensors are
+    of the kinds of the previous snapshot's has that snapshot's layout, and its manifest
+    the same tensor entries (every step's: they are not changed once made)."""
+    shape_of = (world, width, tuple(kinds))
     if _last_plan and _last_plan[0] == shape_of:
-        layouts, sizes, meshes, digest, mirrors, moves = _last_plan[1]
+        tensors, sizes, meshes, digest, mirrors, moves = _last_plan[1]
     else:
+        tensors = [{"name": name, "key": f"t/{i}", "dtype": dtype, "shape": list(shape)}
+                   for i, (name, dtype, shape, _) in enumerate(kinds)]
         layouts, sizes, meshes, holding = _layout(tensors, sources, world)
         mirrors = _mirrors(holding, world, width)
         digest = crc32c(json.dumps([shape_of, layouts], sort_keys=True, default=str).encode())
         moves = [_moves(t, layout, x) for t, layout, x in zip(tensors, layouts, sources)]
-        _last_plan[:] = [shape_of, (layouts, sizes, meshes, digest, mirrors, moves)]
-    for t, layout in zip(tensors, layouts):
-        t.update(layout)
+        for t, layout in zip(tensors, layouts):
+            t.update(layout)
+        _last_plan[:] = [shape_of, (tensors, sizes, meshes, digest, mirrors, moves)]
     return mf.new(step, entries, tensors, meshes, time.time()), sizes, digest, mirrors, moves
 
 
@@ -428,29 +437,55 @@ def _layout(tensors: list[dict], sources: list[Any], world: int
     return layouts, sizes, meshes, holding
 
 
+class _Packing(NamedTuple):
+    """A rank's blobs of one snapshot, by writer, and the copies that pack them: for each
+    tensor of the state, (which of its local arrays, the piece's view in its blob, the
+    move), made for the layout's `moves`. A later snapshot of the same layout packs into
+    the same blobs through the same views (`_keep`'s spare): made once, not at every step."""
+
+    moves: list[list[_Move]]
+    blobs: dict[int, np.ndarray]
+    copies: list[list[tuple[int, np.ndarray, _Move]]]
+
+
 def _pack(moves: list[list[_Move]], sources: list[Any], me: int, owners: list[int], sizes: list[int],
-          spare: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+          spare: _Packing | None) -> _Packing:
     """The blobs of writers `owners` packed by this rank (`me`) from its own pieces, in one
     pass over the state (`sources`, each tensor's `moves`): the bytes of every piece each
     writes, at its offset (this rank holds each of them: its own blob, and those it mirrors,
-    see `_mirrors`); each into its `spare` blob when that has the size."""
-    blobs = {o: spare[o] if o in spare and spare[o].size == sizes[o] else np.empty(sizes[o], np.uint8)
-             for o in owners}
-    for x, todo in zip(sources, moves):
-        mine = [m for m in todo if m.owner in blobs]
-        if not mine:
+    see `_mirrors`); into the `spare` blobs where they have the size."""
+    reuse = spare is not None and spare.moves is moves and sorted(spare.blobs) == sorted(owners)
+    packing = spare if reuse else _packing(moves, me, owners, sizes, spare)
+    for x, copies in zip(sources, packing.copies):
+        if not copies:
             continue
-        if mine[0].shard is None:  # (on no mesh: the whole value)
-            shards = [x.numpy() if callable(getattr(x, "numpy", None)) else x]
+        if copies[0][2].shard is None:  # (on no mesh: the whole value)
+            arrays = [x.numpy() if callable(getattr(x, "numpy", None)) else x]
         else:
-            shards = mf.local_arrays(x)
-        for m in mine:
-            arr = np.asarray(shards[0 if m.shard is None else me if m.shard < 0 else m.shard])
-            if arr.shape != m.shape:
+            arrays = mf.local_arrays(x)
+        for i, dst, m in copies:
+            src = np.asarray(arrays[i])
+            if src.shape != m.shape:
                 raise DTMError(ErrorCode.SHAPE_MISMATCH, f"snapshot: tensor {m.name!r}: this rank's piece is "
-                               f"{list(arr.shape)}, its placements say {list(m.shape)}")
-            np.copyto(_view(blobs[m.owner], m.start, m.stop, m.npd, m.shape), arr, casting="same_kind")
-    return blobs
+                               f"{list(src.shape)}, its placements say {list(m.shape)}")
+            if src.dtype == dst.dtype:
+                dst[...] = src  # (a third of np.copyto's call: 156 tensors a step)
+            else:
+                np.copyto(dst, src, casting="same_kind")
+    return packing
+
+
+def _packing(moves: list[list[_Move]], me: int, owners: list[int], sizes: list[int],
+             spare: _Packing | None) -> _Packing:
+    """The blobs of writers `owners` (each the `spare` one when that has its size, else a
+    new array) and the views of `moves`' pieces in them, each with the local array it is
+    copied from (see _Move.shard)."""
+    old = spare.blobs if spare is not None else {}
+    blobs = {o: old[o] if o in old and old[o].size == sizes[o] else np.empty(sizes[o], np.uint8) for o in owners}
+    copies = [[(0 if m.shard is None else me if m.shard < 0 else m.shard,
+                _view(blobs[m.owner], m.start, m.stop, m.npd, m.shape), m) for m in todo if m.owner in blobs]
+              for todo in moves]
+    return _Packing(moves, blobs, copies)
 
 
 def _view(blob: np.ndarray, start: int, stop: int, npd: np.dtype, shape: tuple[int, ...]) -> np.ndarray:

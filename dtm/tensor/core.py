@@ -422,14 +422,15 @@ class Tensor:
         for p in self._pieces():
             if p is not None:
                 p = p.view()
-                p.flags.writeable = False
+                p.setflags(write=False)
             out.append(p)
         return out
 
     def _pieces(self) -> list[np.ndarray | None]:
         """The realized value's arrays, one per mesh rank (None: another process holds it);
         a plain tensor's one array."""
-        self.realize()
+        if self._buffer is None:  # (a snapshot reads every tensor of a state each step: no call when computed)
+            self.realize()
         return self._buffer.pieces if type(self._buffer) is Shards else [self._buffer]
 
     def _describe(self) -> str:
