@@ -2,7 +2,8 @@
 AdamW training step under DP=2, TP=2, DP=2 x TP=2 and FSDP=4 gives the loss and the updated
 weights of the same step on one device. A tensor-parallel MLP's local program has exactly one
 all_reduce, a GPT-2 block's has two (attention split by heads, then the MLP) and no
-all_to_all; DDP's gradient all_reduces merge into flat buckets with the same results."""
+all_to_all; DDP's gradient all_reduces merge into flat buckets with the same results, in an
+eager backward and in a whole step under dtm.jit."""
 
 from __future__ import annotations
 
@@ -136,14 +137,19 @@ def test_gradient_all_reduces_merge_into_buckets():
     b = ir.Builder()
     b.mesh("m", dp=2)
     f = b.func("f")
-    xs = [f.param(t, name=f"g{i}") for i, t in enumerate(["f32[3, 4]", "f32[5]", "f32[2, 2]", "f32[7]"])]
-    red = [f.all_reduce(x, mesh="m", axes=["dp"], op="sum") for x in xs]
-    used = f.neg(red[3])  # not only returned: stays where it is
-    f.ret(*red, used)
+    xs = [f.param(t, name=f"g{i}") for i, t in enumerate(["f32[3, 4]", "f32[5]", "f32[7]"])]
+    red = [f.all_reduce(x, mesh="m", axes=["dp"], op="sum") for x in xs[:2]]
+    used = f.neg(red[1])  # reads a member: held back until its bucket is emitted
+    red.append(f.all_reduce(used, mesh="m", axes=["dp"], op="sum"))  # reads a held value: [g0, g1] first
+    red.append(f.all_reduce(xs[2], mesh="m", axes=["dp"], op="sum"))
+    late = f.neg(red[3])  # (as an optimizer's update of a gradient)
+    f.ret(*red, used, late)
     m = b.build()
     one = bucket_all_reduces(m, "f", 1 << 20)
-    assert [op.name for op in one.funcs["f"].ops].count("all_reduce") == 2  # 3 merged + the used one
-    two = bucket_all_reduces(m, "f", 64)  # 48 + 20 bytes > 64: a new bucket after the first
+    ops = [op.name for op in one.funcs["f"].ops]
+    assert ops.count("all_reduce") == 2  # [g0, g1], then [-g1 reduced, g2]
+    assert ops.index("all_reduce") < ops.index("neg") < len(ops) - 1 - ops[::-1].index("all_reduce")
+    two = bucket_all_reduces(m, "f", 64)  # 48 + 20 bytes > 64: g0 and g1 alone, then the last two (48 bytes)
     assert [op.name for op in two.funcs["f"].ops].count("all_reduce") == 3
     rng = np.random.default_rng(0)
     inputs = [[rng.standard_normal(x.type.shape).astype(np.float32) for x in xs] for _ in range(2)]
@@ -155,3 +161,63 @@ def test_gradient_all_reduces_merge_into_buckets():
             for g, w in zip(got[r], want[r]):
                 np.testing.assert_array_equal(g, w)
     ex.close()
+
+
+def test_collectives_pass_an_open_bucket_and_other_effects_end_it():
+    b = ir.Builder()
+    b.mesh("m", dp=2)
+    f = b.func("f")
+    w, g0, g1, g2 = (f.param("f32[4]", name=n) for n in ("w", "g0", "g1", "g2"))
+    r0 = f.all_reduce(g0, mesh="m", axes=["dp"], op="sum")
+    gathered = f.all_gather(g1, mesh="m", axes=["dp"], dim=0)  # reads nothing held: r0's bucket stays open
+    r1 = f.all_reduce(g1, mesh="m", axes=["dp"], op="sum")
+    f.assign(w, f.neg(r1))  # an effect that is not a collective: the bucket [g0, g1] is emitted before it
+    r2 = f.all_reduce(g2, mesh="m", axes=["dp"], op="sum")
+    r3 = f.all_reduce(r2, mesh="m", axes=["dp"], op="sum")  # reads r2: its bucket first
+    f.ret(r0, gathered, r3)
+    m = b.build()
+    ops = [op.name for op in bucket_all_reduces(m, "f", 1 << 20).funcs["f"].ops]
+    assert [n for n in ops if n in ("all_reduce", "all_gather", "assign")] == \
+        ["all_gather", "all_reduce", "assign", "all_reduce", "all_reduce"]
+    rng = np.random.default_rng(1)
+    inputs = [[rng.standard_normal(4).astype(np.float32) for _ in range(4)] for _ in range(2)]
+    ex = L0Executor(2, timeout=10)
+    want = ex.run([m, m], "f", [list(i) for i in inputs])
+    bucketed = bucket_all_reduces(m, "f", 1 << 20)
+    got = ex.run([bucketed, bucketed], "f", [list(i) for i in inputs])
+    ex.close()
+    for r in range(2):
+        for g_, w_ in zip(got[r], want[r]):
+            np.testing.assert_array_equal(g_, w_)
+
+
+@pytest.mark.parametrize("wrap, buckets", [(dp, [("dp",)]), (dp_tp, [("dp",), ("dp", "tp")])],
+                         ids=["DP=2", "DP=2xTP=2"])
+def test_a_jitted_step_buckets_its_gradients_and_equals_one_device(wrap, buckets, reference):
+    """Under dtm.jit the optimizer's updates read the reduced gradients in the same program
+    (and the traced order reads each right after its all_reduce): the gradients' all_reduces
+    still merge, one per group (the TP-sharded weights' over dp, the replicated ones' over
+    dp and tp), the reads held back until the bucket is reduced, and the tensor-parallel
+    collectives of the backward pass move past them."""
+    want_loss, want = reference
+    m = model()
+    params = list(m.parameters())
+    net = wrap(m)
+    opt = dtm.optim.AdamW(params, lr=1e-2)
+
+    @dtm.jit
+    def step(x, y):
+        loss = cross_entropy(net(x).reshape(-1, CONFIG.vocab_size), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x, y = dtm.tensor(IDS[:, :-1]), dtm.tensor(IDS[:, 1:].reshape(-1))
+    assert abs(step(x, y).item() - want_loss) < 1e-5
+    for name, p in m.state_dict().items():
+        np.testing.assert_allclose(p.numpy(), want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+    for rank in range(params[0].device_mesh.size):
+        local = step.ir(x, y, view="local", rank=rank).funcs["main"]
+        grads = [tuple(op.attrs["axes"]) for op in local.ops if op.name == "all_reduce" and "dp" in op.attrs["axes"]]
+        assert grads == buckets, rank
