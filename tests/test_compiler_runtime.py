@@ -433,6 +433,17 @@ def test_products_of_a_few_rows_match_numpy(a_t, b_t):
         np.testing.assert_allclose(got, (a.T if a_t else a) @ (b.T if b_t else b), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(0, 128, 512), (2, 0, 64), (0, 64, 0), (3, 5, 0)], ids=["M0", "K0", "M0N0", "N0"])
+def test_an_empty_product_with_an_epilogue_gives_numpys_result(shape):
+    """A product with no rows or no columns (a rank's empty shard of a batch smaller than
+    the mesh) is an empty result, and one with no contracted dim is zeros through its
+    epilogue: the library divided by the row count (SIGFPE, the process killed)."""
+    M, K, N = shape
+    a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+    got = dtm.jit(lambda x, y: F.relu(x @ y + 1.0))(dtm.tensor(a), dtm.tensor(b)).numpy()
+    np.testing.assert_array_equal(got, np.maximum(a @ b + 1.0, 0))
+
+
 def test_a_rows_product_by_dot_products_does_not_depend_on_the_other_rows():
     """A Linear's product of one row and of a few (a token, a prompt, a batch) sums each dot
     product in the same order, so a row's result is the same bits in any company; and both

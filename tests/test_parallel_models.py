@@ -221,3 +221,29 @@ def test_a_jitted_step_buckets_its_gradients_and_equals_one_device(wrap, buckets
         local = step.ir(x, y, view="local", rank=rank).funcs["main"]
         grads = [tuple(op.attrs["axes"]) for op in local.ops if op.name == "all_reduce" and "dp" in op.attrs["axes"]]
         assert grads == buckets, rank
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_batch_of_fewer_rows_than_ranks_trains_as_on_one_device(jitted):
+    """One row over DP=2: one device's shard of the batch is empty (its products have no
+    rows: the process was killed by SIGFPE), and the step is the one-device step."""
+    def one_step(wrap):
+        m = model()
+        net = wrap(m)
+        opt = dtm.optim.AdamW(list(m.parameters()), lr=1e-2)
+
+        def step(x, y):
+            loss = cross_entropy(net(x).reshape(-1, CONFIG.vocab_size), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        run = dtm.jit(step) if jitted else step
+        loss = run(dtm.tensor(IDS[:1, :-1]), dtm.tensor(IDS[:1, 1:].reshape(-1))).item()
+        return loss, {k: v.numpy() for k, v in m.state_dict().items()}
+
+    want_loss, want = one_step(lambda m: m)
+    loss, got = one_step(dp)
+    assert abs(loss - want_loss) < 1e-5
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4, err_msg=name)

@@ -351,6 +351,8 @@ void dtm_rt_scatter_add_SUF(int64_t outer, int64_t n, int64_t width, T *out, int
 void dtm_rt_gemm_SUF(int64_t nbatch, const int64_t *offs, int64_t M, int64_t N, int64_t K,
                      const T *A, int64_t rsa, int64_t csa, const T *B, int64_t rsb, int64_t csb,
                      T *C, int64_t ldc, dtm_epilogue_fn epi, const void *ctx) {
+  if (M <= 0 || N <= 0) return;  /* an empty C (a rank's empty shard of an uneven batch): nothing to
+                                    write, and the plans below divide by M */
   double work = (double)M * (double)N * (double)(K > 0 ? K : 1);
   int threads = omp_get_max_threads();
   if (M == 1 && N > 0 && nbatch > 1) {  /* one product per thread (the heads of a decoding step's
