@@ -10,8 +10,10 @@ brought to its parameter's Replicate: an all_reduce, which the partitioner write
 
 Bucketing: `bucket_cap_mb` sets the mesh's bucket size; the runtime runs the compiler's
 `bucket_all_reduces` (dtm/compiler/spmd/bucket.py) on every partitioned program, which
-merges all_reduces whose results are only returned, as gradients are, into one all_reduce
-per flat buffer of up to that many MiB: fewer, larger collectives, as torch's DDP does.
+merges the gradients' all_reduces into one all_reduce per flat buffer of up to that many
+MiB: fewer, larger collectives, as torch's DDP does; in an eager backward (the gradients
+returned) and in a whole step under dtm.jit (the optimizer's updates read them: held back
+until their bucket is reduced).
 
 Compression: `compress="q8_0"` (or "bf16", "auto") makes the gradient buckets' all_reduces
 between processes (L1) travel compressed (spec 9.5.1): every float sum/avg all_reduce of at
