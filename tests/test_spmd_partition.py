@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import dtm.ir as ir
-from dtm.compiler.spmd import (assemble, chunk, local_module, local_type, partition, propagate_shardings,
+from dtm.compiler.spmd import (assemble, local_module, local_type, partition, propagate_shardings,
                                split_array)
 from dtm.compiler.spmd import rules
-from dtm.compiler.spmd.layout import coords
+from dtm.ir.chunks import chunk, coords
 from dtm.errors import DTMError, ErrorCode as E
 from dtm.ir.types import Partial, Replicate, Shard, Sharding
 from dtm.ref.interpreter import run

@@ -19,7 +19,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from ..compiler.spmd import FREE
-from ..compiler.spmd.layout import coords
+from ..ir.chunks import coords
 from ..errors import ErrorCode as E
 from ..ir.types import Partial, Placement, Replicate, Shard
 from ..runtime import l0, process_group

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
-from ..compiler.spmd.layout import coords, local_type
+from ..compiler.spmd.layout import local_type
+from ..ir.chunks import coords
 from ..errors import ErrorCode as E
 from ..ir.types import Placement
 from ..runtime.mesh import Shards

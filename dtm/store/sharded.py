@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
-from ..compiler.spmd.layout import chunk, coords
+from ..ir.chunks import chunk, coords
 from ..errors import DTMError, ErrorCode
 from ..ir.dtypes import DType, numpy_dtype
 from ..ir.types import Placement, Replicate, TensorType

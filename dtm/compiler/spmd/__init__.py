@@ -15,7 +15,7 @@ program per rank with explicit collectives). DESIGN.md, "Two views"; spec 2.7 an
 """
 
 from .bucket import bucket_all_reduces
-from .layout import assemble, chunk, local_type, split_array
+from .layout import assemble, local_type, split_array
 from .partition import local_module, partition, partition_all
 from .propagate import FREE, choose, propagate_shardings, resolve_free
 from .redistribute import Step, plan
@@ -23,4 +23,4 @@ from .rules import RULES, Strategy
 
 __all__ = ["propagate_shardings", "resolve_free", "FREE", "partition", "local_module", "partition_all",
            "bucket_all_reduces", "choose", "plan", "Step",
-           "RULES", "Strategy", "chunk", "local_type", "split_array", "assemble"]
+           "RULES", "Strategy", "local_type", "split_array", "assemble"]

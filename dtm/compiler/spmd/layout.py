@@ -1,10 +1,9 @@
 """Where the pieces of a sharded tensor live (spec 2.7), and checks that a sharding can be
 laid out at all.
 
-Chunking (the spec's convention, the same as torch DTensor's `Shard`): a dim of size `D`
-split `n` ways gives chunk `i` the indices `[i*k, min((i+1)*k, D))` with `k = ceil(D/n)`,
-so the first chunks are full and the last ones smaller, possibly empty (D = 5 over 4 ranks:
-2, 2, 1, 0). Collectives need equal pieces on every rank, so the partitioner pads a piece
+Chunking is spec 2.7's rule (`dtm.ir.chunks`: `chunk`, `block`, `coords`): a dim of size
+`D` split `n` ways gives chunk `i` the indices `[i*k, min((i+1)*k, D))` with `k = ceil(D/n)`,
+so the first chunks are full and the last ones smaller, possibly empty. Collectives need equal pieces on every rank, so the partitioner pads a piece
 to `k` before `all_gather` / `all_to_all` and slices the padding off after; because only
 the tail chunks are short, the gathered, padded blocks sit at their global offsets and one
 slice `[0, D)` recovers the dim. A symbolic dim may be sharded only when the split is exact
@@ -25,35 +24,10 @@ import numpy as np
 
 from ...errors import DTMError, ErrorCode as E
 from ...ir.module import Func, Module
-from ...ir.symbolic import Dim, dim_div_exact, dim_mul, dim_sub, format_dim, is_static
+from ...ir.chunks import block, chunk, coords
+from ...ir.symbolic import dim_sub, format_dim, is_static
 from ...ir.types import REDUCE_OPS, Mesh, Placement, Sharding, TensorType
 from ...ref.reduction import reduce_in_order
-
-
-def coords(mesh: Mesh, rank: int) -> tuple[int, ...]:
-    """The coordinates of mesh rank `rank`, one per axis (row-major, spec 2.6)."""
-    out = []
-    for _, size in reversed(mesh.axes):
-        out.append(rank % size)
-        rank //= size
-    return tuple(reversed(out))
-
-
-def block(size: Dim, n: int) -> Dim | None:
-    """k, the size of a full chunk of a dim of `size` split n ways; None for a symbolic
-    dim that does not split exactly."""
-    if is_static(size):
-        return -(-size // n)
-    return dim_div_exact(size, n)
-
-
-def chunk(size: Dim, n: int, i: int) -> tuple[Dim, Dim]:
-    """[start, stop) of chunk i of a dim of `size` split n ways."""
-    k = block(size, n)
-    assert k is not None, f"{format_dim(size)} does not split {n} ways"
-    if is_static(size):
-        return min(i * k, size), min((i + 1) * k, size)
-    return dim_mul(i, k), dim_mul(i + 1, k)
 
 
 def shardable(t: TensorType, dim: int, n: int) -> bool:

@@ -32,7 +32,8 @@ from ...ir.registry import REGISTRY
 from ...ir.types import Mesh, Sharding, TensorType
 from ...ir.verifier import verify
 from ..irutil import Emitter, with_func
-from .layout import chunk, coords, local_type
+from ...ir.chunks import chunk, coords
+from .layout import local_type
 from .propagate import OpPlan, choose, propagate
 from .redistribute import Lowering, plan
 

@@ -29,7 +29,8 @@ from ...errors import DTMError, ErrorCode as E
 from ...ir.module import Func, Module, Op, Value
 from ...ir.symbolic import SymDim
 from ...ir.types import Mesh, Placement, Replicate, Sharding, TensorType
-from .layout import coords, function_mesh, local_type, replicated, shardable
+from ...ir.chunks import coords
+from .layout import function_mesh, local_type, replicated, shardable
 from .redistribute import transition_cost
 from .rules import LOCAL_VIEW_ONLY, Strategy, rule_for
 

@@ -32,7 +32,8 @@ from ...ir.module import Value
 from ...ir.symbolic import dim_mul, dim_sub, is_static
 from ...ir.types import Mesh, Placement, Replicate, Sharding, TensorType
 from ..irutil import Emitter
-from .layout import PARTIAL_IDENTITY, block, chunk
+from ...ir.chunks import block, chunk
+from .layout import PARTIAL_IDENTITY
 
 R = Replicate()
 
