@@ -142,7 +142,7 @@ def gloo_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
 def floor_worker(kind, rank, n, q_port, q_addrs, q_cmd, q_out, opts):
     import socket
     from dtm.comm.pump import crc32c_routine
-    from dtm.compiler.build import load
+    from dtm.toolchain import load
     ring = load(Path(opts["floor_library"])).floor_all_reduce
     ring.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                      ctypes.c_long, ctypes.c_void_p]
@@ -420,7 +420,7 @@ def main() -> None:
     opts = {"chunk": args.chunk, "slot": args.slot, "op": args.op}
     if any(b.startswith("floor") for b in args.backends):  # built once here, loaded by each rank
         from dtm.comm.pump import FLAGS
-        from dtm.compiler.build import build
+        from dtm.toolchain import build
         opts["floor_library"] = str(build(FLOOR_SOURCE.read_text(), "tcp_floor", FLAGS))
     print(f"host: {os.cpu_count()} cores; {'own network namespace' if os.environ.get('DTM_BENCH_NETNS') else 'host'}"
           f" loopback; DTM chunk {show_size(args.chunk)}, shm slot {show_size(args.slot)}")

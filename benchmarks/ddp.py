@@ -32,8 +32,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 HERE = pathlib.Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 from train import CLIP, LR, MODELS, dtm_model, dtm_train_step, hf_model, weights_and_batches  # noqa: E402

@@ -1,7 +1,7 @@
 """Matrix-vector products on narrow weights: GB/s of weights read, against memory bandwidth.
 
 For a 768x3072 and a 3072x768 weight (a Linear's [out, in], GPT-2's c_fc and mlp c_proj),
-x [1, in] @ W^T in f32, bf16, q8_0 and q4_0, compiled by DTM (dtm/compiler/c_narrow.py
+x [1, in] @ W^T in f32, bf16, q8_0 and q4_0, compiled by DTM (dtm/backends/cpu/c_narrow.py
 for the narrow ones): microseconds per product (best of --runs timings of --reps products
 each) and the weight bytes it reads per second. The limit is memory bandwidth (ANCHORS.md:
 ~23 GB/s read+write traffic on the 2-core EPYC, 11.4 GB/s for a numpy copy), measured here

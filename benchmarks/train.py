@@ -263,7 +263,7 @@ def warm_memory(gib: float) -> None:
 def build_runtime(runtime: str, autocast: str = "none") -> float:
     """Seconds to build DTM's runtime libraries a training step calls (the f32 products, the
     launch loop, the vector-math probe) into directory `runtime`, in a fresh process."""
-    code = ("from dtm.compiler.build import runtime_library, vector_math\n"
+    code = ("from dtm.backends.cpu.build import runtime_library, vector_math\n"
             "runtime_library('f32'); runtime_library('move'); vector_math()"
             + ("; runtime_library('bf16')" if autocast == "bf16" else ""))
     with tempfile.TemporaryDirectory() as cache:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import io
 from typing import Any, Callable
 
-from .compiler.passes import PASSES, compile_func, dump
+from .backends.cpu.passes import PASSES, compile_func
+from .compiler.passes import dump
 from .ir.module import Module
 from .runtime.backend import get_backend
 from .tensor import jit

@@ -1,6 +1,6 @@
 """Issue 30, mixed precision: dtm.autocast("cpu", dtype=dtm.bfloat16) as torch's CPU
 autocast, and the bf16 x bf16 -> f32 products the cpu compiler sends to the CPU's bf16
-instructions (AVX512-BF16's vdpbf16ps; a portable path beside it, dtm.compiler.c_bf16).
+instructions (AVX512-BF16's vdpbf16ps; a portable path beside it, dtm.backends.cpu.c_bf16).
 
 - the dtype of each op's result inside and outside the context equals torch's (torch 2.13);
 - a small MLP and a GPT-2-shaped block under autocast: values and f32 gradients against
@@ -199,7 +199,7 @@ GEMM_SHAPES = [(1, 7, 5), (3, 5, 4), (2, 1, 3), (17, 33, 19), (64, 128, 96), (13
 
 
 def _plan_source(fn, *args) -> str:
-    from dtm.compiler.passes import compile_func
+    from dtm.backends.cpu.passes import compile_func
     module = dtm.jit(fn).ir(*args)
     program = compile_func(module, "main")
     return "\n".join(step.source for step in program.kernels)
@@ -255,10 +255,11 @@ def test_bf16_kernel_selected_and_portable_path_agrees(monkeypatch):
     """Where the CPU has AVX512-BF16 (and the compiler offers it) the library runs
     vdpbf16ps; the portable path, forced, gives the same sums (the products of two bf16 are
     exact in f32, and both paths add the pair of a 32-bit lane in the same order)."""
-    from dtm.compiler import build
+    from dtm import toolchain
+    from dtm.backends.cpu import build
     monkeypatch.setenv("DTM_BACKEND", "cpu")
     native = build.bf16_kernel()
-    if _cpu_has("avx512_bf16") and build.compiler_offers("avx512bf16"):
+    if _cpu_has("avx512_bf16") and toolchain.compiler_offers("avx512bf16"):
         assert native == "avx512bf16"
     else:
         assert native == "portable"

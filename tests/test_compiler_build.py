@@ -12,7 +12,9 @@ import uuid
 
 import pytest
 
-from dtm.compiler import build as B
+from dtm.backends.cpu import build as B
+
+from dtm.toolchain import cc as T
 from dtm.errors import DTMError, ErrorCode as E
 
 SRC = """#include <stdint.h>
@@ -37,37 +39,37 @@ def _call(fn, n: int) -> float:
 def test_second_build_hits_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     src = SRC % uuid.uuid4().hex
-    before = B.STATS["compiles"]
-    so = B.build(src, "k")
-    assert B.STATS["compiles"] == before + 1
+    before = T.STATS["compiles"]
+    so = T.build(src, "k", B.kernel_flags())
+    assert T.STATS["compiles"] == before + 1
     assert so.parent == tmp_path and so.exists() and so.with_suffix(".c").read_text() == src
 
     def no_compiler(*a, **kw):
         raise AssertionError("the compiler ran on a cache hit")
 
-    monkeypatch.setattr(B.subprocess, "run", no_compiler)
-    hits = B.STATS["hits"]
-    assert B.build(src, "k") == so
-    assert B.STATS["hits"] == hits + 1
+    monkeypatch.setattr(T.subprocess, "run", no_compiler)
+    hits = T.STATS["hits"]
+    assert T.build(src, "k", B.kernel_flags()) == so
+    assert T.STATS["hits"] == hits + 1
     assert _call(B.load_kernel(src, "k"), 4) == 10.0
 
 
 def test_flags_and_source_are_part_of_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     src = SRC % uuid.uuid4().hex
-    a = B.build(src, "k")
-    b = B.build(src, "k", flags=B.KERNEL_FLAGS + ("-DDTM_TEST_FLAG",))
-    c = B.build(src + "\n", "k")
+    a = T.build(src, "k", B.kernel_flags())
+    b = T.build(src, "k", flags=B.KERNEL_FLAGS + ("-DDTM_TEST_FLAG",))
+    c = T.build(src + "\n", "k", B.kernel_flags())
     assert len({a, b, c}) == 3
 
 
 def test_gcc_alone_gets_its_own_kernel_flags(monkeypatch):
     """GCC_KERNEL_FLAGS (a --param clang rejects) join the kernel flags only for GCC, told
     apart by its --version text."""
-    cc = B.compiler()
-    monkeypatch.setitem(B._versions, cc, "gcc (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.")
+    cc = T.compiler()
+    monkeypatch.setitem(T._versions, cc, "gcc (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.")
     assert B.kernel_flags() == B.KERNEL_FLAGS + B.GCC_KERNEL_FLAGS
-    monkeypatch.setitem(B._versions, cc, "Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu")
+    monkeypatch.setitem(T._versions, cc, "Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu")
     assert B.kernel_flags() == B.KERNEL_FLAGS
 
 
@@ -75,13 +77,14 @@ def test_concurrent_builds_in_two_processes(tmp_path):
     src = SRC % uuid.uuid4().hex
     script = textwrap.dedent(f"""
         import sys
-        from dtm.compiler import build as B
+        from dtm.backends.cpu import build as B
+        from dtm.toolchain import cc as T
         fn = B.load_kernel({src!r}, "race")
         import ctypes
         out = (ctypes.c_double * 1)()
         fn((ctypes.c_void_p * 1)(ctypes.addressof(out)), (ctypes.c_int64 * 1)(2))
         assert out[0] == 5.0, out[0]
-        print("ok", B.STATS["compiles"] + B.STATS["hits"])
+        print("ok", T.STATS["compiles"] + T.STATS["hits"])
     """)
     env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
@@ -98,7 +101,7 @@ def test_compile_error_names_the_source_file(tmp_path, monkeypatch):
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     src = "void dtm_kernel(void) { this is not C; }\n"
     with pytest.raises(DTMError) as e:
-        B.build(src, "k_bad")
+        T.build(src, "k_bad", B.kernel_flags())
     assert e.value.code is E.BUILD_FAILED
     path = next(tmp_path.glob("*.c"))
     assert str(path) in e.value.message and "k_bad" in e.value.message
@@ -116,7 +119,7 @@ def test_a_killed_compiler_says_it_was_killed(tmp_path, monkeypatch):
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(cc))
     with pytest.raises(DTMError) as e:
-        B.build(SRC % uuid.uuid4().hex, "k_big")
+        T.build(SRC % uuid.uuid4().hex, "k_big", B.kernel_flags())
     assert e.value.code is E.BUILD_FAILED
     assert "k_big" in e.value.message and "killed" in e.value.message and "out of memory" in e.value.message
 
@@ -125,7 +128,7 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(DTMError) as e:
-        B.build(SRC % uuid.uuid4().hex, "k")
+        T.build(SRC % uuid.uuid4().hex, "k", B.kernel_flags())
     assert e.value.code is E.BUILD_FAILED
     assert "no-such-cc" in e.value.message and "install gcc" in e.value.message and "CC" in e.value.message
 
@@ -171,11 +174,12 @@ def test_math_runs_in_vector_versions_where_the_c_library_has_them(tmp_path, mon
 
 _RUN_CACHED = """
 import ctypes, sys
-from dtm.compiler import build as B
+from dtm.backends.cpu import build as B
+from dtm.toolchain import cc as T
 fn = B.load_kernel(sys.argv[1], "cached")
 out = (ctypes.c_double * 1)()
 fn((ctypes.c_void_p * 1)(ctypes.addressof(out)), (ctypes.c_int64 * 1)(2))
-print(out[0], B.STATS["compiles"], B.STATS["hits"])
+print(out[0], T.STATS["compiles"], T.STATS["hits"])
 """
 
 
@@ -209,11 +213,11 @@ def test_an_object_without_a_checksum_is_rebuilt_quietly(tmp_path, monkeypatch):
     """A cache from before checksums: its objects are built again once, without a warning."""
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     src = SRC % uuid.uuid4().hex
-    so = B.build(src, "k")
+    so = T.build(src, "k", B.kernel_flags())
     so.with_suffix(".sha256").unlink()
-    B._intact.discard(so)
-    before = B.STATS["compiles"]
-    assert B.build(src, "k") == so and B.STATS["compiles"] == before + 1
+    T._intact.discard(so)
+    before = T.STATS["compiles"]
+    assert T.build(src, "k", B.kernel_flags()) == so and T.STATS["compiles"] == before + 1
     assert so.with_suffix(".sha256").exists()
 
 
@@ -222,8 +226,9 @@ def test_the_products_library_builds_while_the_passes_run(tmp_path):
     a small program's first run) and the probe of the vector math functions when its passes
     start, on another core; both are then taken from those builds, each compiled once."""
     code = textwrap.dedent("""
-        from dtm.compiler import build as B
-        from dtm.compiler.passes import compile_func
+        from dtm.backends.cpu import build as B
+        from dtm.toolchain import cc as T
+        from dtm.backends.cpu.passes import compile_func
         from dtm.ir import parse
         m = parse("dtm 1.0\\n\\nfunc @f(%a: f32[8, 8], %b: f32[8, 8]) -> (f32[8, 8]) {\\n"
                   "  %c = matmul %a, %b : f32[8, 8]\\n  return %c\\n}\\n")
@@ -231,7 +236,7 @@ def test_the_products_library_builds_while_the_passes_run(tmp_path):
         assert "f32" in B._prebuilds and "vector_math" in B._prebuilds, B._prebuilds
         B.runtime_library("f32")
         assert B.vector_math()
-        assert B.STATS["compiles"] == 2 and not B._prebuilds, (B.STATS, B._prebuilds)
+        assert T.STATS["compiles"] == 2 and not B._prebuilds, (T.STATS, B._prebuilds)
         print("ok")
     """)
     env = dict(os.environ, DTM_CACHE_DIR=str(tmp_path))
@@ -244,18 +249,19 @@ def test_the_cpu_is_part_of_the_key(tmp_path, monkeypatch):
     # directory on a network drive) must not hand out this machine's objects there
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     src = SRC % uuid.uuid4().hex
-    cc = B.compiler()
-    assert "-m" in B.native_target(cc)  # gcc's -m flags, clang's -target-feature
-    here = B.build(src, "k")
-    monkeypatch.setitem(B._targets, cc, B.native_target(cc) + " -mno-avx512f")
-    there = B.build(src, "k")
+    cc = T.compiler()
+    assert "-m" in T.native_target(cc)  # gcc's -m flags, clang's -target-feature
+    here = T.build(src, "k", B.kernel_flags())
+    monkeypatch.setitem(T._targets, cc, T.native_target(cc) + " -mno-avx512f")
+    there = T.build(src, "k", B.kernel_flags())
     assert here != there and here.exists() and there.exists()
 
 
 def test_the_runtime_libraries_build_where_DTM_RUNTIME_DIR_says(tmp_path):
     code = textwrap.dedent("""
         import numpy as np, os
-        from dtm.compiler import build as B
+        from dtm.backends.cpu import build as B
+        from dtm.toolchain import cc as T
         from dtm.ir import parse
         from dtm.runtime.backend import get_backend
         m = parse("dtm 1.0\\n\\nfunc @f(%a: f32[8, 8], %b: f32[8, 8]) -> (f32[8, 8]) {\\n"
@@ -293,7 +299,8 @@ def test_a_trace_starts_the_runtime_libraries(tmp_path):
     code = textwrap.dedent("""
         import numpy as np
         import dtm
-        from dtm.compiler import build as B
+        from dtm.backends.cpu import build as B
+        from dtm.toolchain import cc as T
         f = dtm.jit(lambda x: x * 2, backend="cpu")
         f.ir(dtm.tensor(np.ones(3, np.int64)))  # a trace, no compile
         assert {"f32", "move"} <= set(B._prebuilds) and "i64" not in B._prebuilds, B._prebuilds
@@ -319,7 +326,7 @@ def _fake_key(d, i: int, size: int, used: float) -> None:
 
 
 def test_the_cache_sheds_its_least_recently_used_kernels_past_its_bound(tmp_path):
-    from dtm.compiler import kernel_cache as K
+    from dtm.toolchain import kernel_cache as K
 
     now = 1_000_000_000.0
     for i in range(10):  # key i last used i hours (and a minute) ago: 9 is the oldest
@@ -348,15 +355,15 @@ def test_the_cache_sheds_its_least_recently_used_kernels_past_its_bound(tmp_path
 
 
 def test_a_cache_hit_marks_the_kernel_used_and_the_bound_is_read_from_the_environment(tmp_path, monkeypatch):
-    from dtm.compiler import kernel_cache as K
+    from dtm.toolchain import kernel_cache as K
 
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     src = SRC % uuid.uuid4().hex
-    so = B.build(src, "k")
+    so = T.build(src, "k", B.kernel_flags())
     assert (tmp_path / K.MARKER).exists()                 # the compile had this cache looked at
     os.utime(so, (1e9, 1e9))
-    B._intact.discard(so)                                 # as a new process finds it
-    assert B.build(src, "k") == so and so.stat().st_mtime > 1e9 + 3600
+    T._intact.discard(so)                                 # as a new process finds it
+    assert T.build(src, "k", B.kernel_flags()) == so and so.stat().st_mtime > 1e9 + 3600
     for text, want in (("0", 0), ("500M", 500 << 20), ("2G", 2 << 30), ("1.5GiB", int(1.5 * (1 << 30))),
                        ("123456", 123456), ("", K.DEFAULT_MAX_BYTES), ("lots", K.DEFAULT_MAX_BYTES)):
         monkeypatch.setenv("DTM_CACHE_MAX", text)

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dtm.compiler.passes import compile_func
+from dtm.backends.cpu.passes import compile_func
 from dtm.ir import Builder
 from dtm.ir.dtypes import DTYPES
 from dtm.ir.types import TensorType

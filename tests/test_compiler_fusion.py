@@ -12,7 +12,7 @@ import dtm.debug
 from dtm import functional as F
 from dtm.ir import parse, verify
 from dtm.compiler.irutil import with_func
-from dtm.compiler.passes import compile_func
+from dtm.backends.cpu.passes import compile_func
 from dtm.ref import run as ref_run
 from dtm.runtime.backend import get_backend
 
@@ -130,7 +130,7 @@ def test_kernels_that_share_only_a_scalar_stay_apart_and_share_a_body():
     """Merging saves a pass over memory only when the kernels read one array: the AdamW
     updates of same-shaped weights, which share only the step's scalars, stay apart (and
     share one C body: share.py); a shared array still merges."""
-    from dtm.compiler.build import _anonymous
+    from dtm.backends.cpu.build import _anonymous
 
     lr, a, b = dtm.tensor(np.float32(0.01)), T(64), T(64)
     program = compile_func(dtm.jit(lambda lr, a, b: (a - lr * a, b - lr * b)).ir(lr, a, b), "main")

@@ -14,9 +14,9 @@ import pytest
 import dtm
 import dtm.debug
 from dtm import functional as F
-from dtm.compiler import build as B
+from dtm import toolchain
+from dtm.backends.cpu.passes import PASSES, compile_func
 from dtm.compiler import loopir as L
-from dtm.compiler.passes import PASSES, compile_func
 from dtm.ir import parse
 from dtm.ref import run as ref_run
 from dtm.runtime import cpu as cpu_mod
@@ -45,10 +45,10 @@ def test_jit_replays_its_plan_without_recompiling():
     f = dtm.jit(lambda x: F.softmax(x @ w, -1) * 2.0, backend="cpu")
     x = dtm.tensor(rng.standard_normal((3, 8)).astype(np.float32))
     first = f(x).numpy()
-    plans, compiles, hits = cpu_mod.STATS["plans"], B.STATS["compiles"], B.STATS["hits"]
+    plans, compiles, hits = cpu_mod.STATS["plans"], toolchain.STATS["compiles"], toolchain.STATS["hits"]
     for _ in range(3):
         np.testing.assert_array_equal(f(x).numpy(), first)
-    assert (cpu_mod.STATS["plans"], B.STATS["compiles"], B.STATS["hits"]) == (plans, compiles, hits)
+    assert (cpu_mod.STATS["plans"], toolchain.STATS["compiles"], toolchain.STATS["hits"]) == (plans, compiles, hits)
     want = dtm.jit(lambda x: F.softmax(x @ w, -1) * 2.0, backend="ref")(x).numpy()
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-6)
 

@@ -15,7 +15,7 @@ import torch
 import dtm
 import dtm.nn.functional as NF
 from dtm.compiler.autodiff import grad
-from dtm.compiler.passes import compile_func
+from dtm.backends.cpu.passes import compile_func
 from dtm.ir import Builder, Module, parse
 from dtm.ref.interpreter import run as ref_run
 from dtm.runtime.backend import BACKENDS as REGISTERED, get_backend

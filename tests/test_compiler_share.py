@@ -7,8 +7,8 @@ import numpy as np
 
 import dtm
 from dtm import functional as F
-from dtm.compiler.build import _anonymous
-from dtm.compiler.passes import compile_func
+from dtm.backends.cpu.build import _anonymous
+from dtm.backends.cpu.passes import compile_func
 
 rng = np.random.default_rng(7)
 

@@ -285,7 +285,7 @@ def test_decoding_replays_the_compiled_steps(tmp_path, monkeypatch):
 
 SECOND_PROCESS = """
 import json, numpy as np, dtm
-from dtm.compiler import build
+from dtm import toolchain as build
 from dtm.models.gpt2 import GPT2, GPT2Config
 dtm.manual_seed(0)
 model = GPT2(GPT2Config(vocab_size=101, n_positions=64, n_embd=64, n_layer=2, n_head=4))

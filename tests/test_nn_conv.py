@@ -14,7 +14,7 @@ import torch
 
 import dtm
 import dtm.nn.functional as F
-from dtm.compiler.passes import compile_func
+from dtm.backends.cpu.passes import compile_func
 from dtm.errors import DTMError
 from dtm.runtime.backend import BACKENDS
 

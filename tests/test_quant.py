@@ -14,7 +14,7 @@ import pytest
 
 import dtm
 from dtm import functional as F
-from dtm.compiler.passes import compile_func
+from dtm.backends.cpu.passes import compile_func
 from dtm.errors import DTMError, ErrorCode
 from dtm.ir.dtypes import DTYPES
 from dtm.ir.types import TensorType

@@ -221,7 +221,7 @@ def test_the_native_codec_and_compressed_pump_build_where_there_is_a_compiler():
     (the same bits, tens of times slower) with a log line only: where a C compiler is, the
     native ones must be the ones in use."""
     from dtm.comm import pump
-    from dtm.compiler.build import compiler
+    from dtm.toolchain import compiler
     try:
         compiler()
     except DTMError:

@@ -14,7 +14,7 @@ import torch
 
 import dtm
 import dtm.nn.functional as F
-from dtm.compiler import build
+from dtm import toolchain as build
 from dtm.errors import DTMError, ErrorCode, TensorError
 from dtm.ir.types import TensorType
 from dtm.ref.interpreter import run as ref_run
@@ -245,5 +245,5 @@ def test_unusable_cache_dir_is_a_build_error(tmp_path, monkeypatch, where):
     monkeypatch.setenv("DTM_CACHE_DIR", str(d))
     monkeypatch.delenv("DTM_RUNTIME_DIR", raising=False)
     with pytest.raises(DTMError) as e:
-        build.build("int dtm_edge_probe(void) { return %d; }" % id(d), "edge_probe")
+        build.build("int dtm_edge_probe(void) { return %d; }" % id(d), "edge_probe", build.BASE_FLAGS)
     assert e.value.code is ErrorCode.BUILD_FAILED and str(d) in e.value.message, e.value

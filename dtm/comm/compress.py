@@ -43,7 +43,7 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("DTM_QUANT_CODEC", "") == "numpy":
         return None
     try:
-        from ..compiler.build import build, load
+        from ..toolchain import build, load
         lib = load(build(SOURCE.read_text(), "quant_codec", FLAGS))
     except DTMError as e:
         log.info("compressed collectives encode with numpy: %s", e)

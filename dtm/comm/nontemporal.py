@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compiler.build import build, load
+from ..toolchain import build, load
 from ..errors import DTMError
 
 log = logging.getLogger("dtm.comm")

@@ -29,7 +29,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from ..compiler.build import build, load
+from ..toolchain import build, load
 from ..errors import DTMError
 from ..protocol.compressed import ENCODINGS
 from ..protocol.frame import FLAG_COMPRESSED, HEADER_SIZE

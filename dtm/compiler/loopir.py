@@ -1,6 +1,6 @@
 """The loop IR: what one compiled kernel does, as loops over index variables, scalar
 temporaries, loads and stores on flat buffers, and accumulators. `lower.py` builds it from
-the fused groups; `render_c.py` turns it into C; `str(kernel)` prints it.
+the fused groups; a backend renders it (dtm/backends/cpu/render_c.py: C); `str(kernel)` prints it.
 
 Expressions are immutable and compare structurally, so the lowering can memoise on them:
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from ..ir.module import Func, Op, Value
 from ..ir.registry import REGISTRY, Category
 from ..ir.symbolic import format_dim
-from .c_runtime import WHOLE_ROWS
+from ..backends.cpu.c_runtime import WHOLE_ROWS  # (the cpu products' widest row an epilogue sees whole)
 from .views import MOVES, STRIDED_MOVES, strided_view
 
 NATIVE = frozenset(("bool", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "f32", "f64"))

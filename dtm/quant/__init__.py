@@ -1,5 +1,5 @@
 """Narrow weights (CAP_QUANT, spec 2.2.4): a model's Linear and Embedding weights held as
-q8_0, q4_0 or bf16, and read narrow by the compiled products (dtm/compiler/c_narrow.py).
+q8_0, q4_0 or bf16, and read narrow by the compiled products (dtm/backends/cpu/c_narrow.py).
 
     qmodel = dtm.quant.quantize(model, "q8_0")      # in place, like model.half(); returns it
     qmodel.generate(ids, max_new_tokens=64)         # the same API, narrow weights

@@ -5,13 +5,13 @@
 
 A function is compiled once per module (the plan is cached in memory by the module object,
 and by its hash for an equal module built again) and kernels once per source (on disk, see
-dtm.compiler.build). A plan serves every shape of a symbolic function: the symbols are bound
+dtm/backends/cpu/build.py). A plan serves every shape of a symbolic function: the symbols are bound
 from the input shapes at each run and handed to the kernels as arguments.
 
 Each run allocates the temporaries' memory slots and the returned arrays, then runs the
 steps in order: compiled steps (kernels, and the move steps of gather / dynamic_slice /
 dynamic_update_slice) through the runtime's launch loop, each run of consecutive ones from
-one ctypes call (`dtm_run_steps`, c_move.py; the GIL is released while they run), and
+one ctypes call (`dtm_run_steps`, dtm/backends/cpu/c_move.py; the GIL is released while they run), and
 fallback kernels through the reference implementation (dtm.ref.ops.IMPLS) for the ops the
 compiler does not lower. Inputs are used as given (an `assign` writes into the caller's
 array, as with the reference); no returned array shares memory with an input, except a
@@ -38,9 +38,9 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..compiler import build as B
-from ..compiler.c_move import KIND as _INDEX_KIND
-from ..compiler.passes import compile_func
+from ..backends.cpu import build as B
+from ..backends.cpu.c_move import KIND as _INDEX_KIND
+from ..backends.cpu.passes import compile_func
 from ..compiler.program import Buffer, FallbackStep, KernelStep, MoveStep, Program, writes_into
 from ..errors import DTMError, ErrorCode as E
 from ..ir.module import Module
@@ -745,7 +745,7 @@ class CpuBackend:
         return self.plans.get(module, func).run(inputs, donated=donated)
 
 
-# The OpenMP runtimes kernels link: GCC's (-fopenmp, build.py), else LLVM's (CC=clang).
+# The OpenMP runtimes kernels link: GCC's (-fopenmp, dtm/toolchain), else LLVM's (CC=clang).
 _OPENMP_LIBRARIES = ("libgomp.so.1", "libomp.so")
 
 

@@ -12,7 +12,7 @@ The casts are ordinary, differentiable `cast` ops, recorded eagerly and inside d
 alike: the gradient of an f32 parameter read through one is f32 (its master weight stays
 f32). dtm.jit keys its traces by the autocast state, so a function traced inside the
 context is traced again outside it. The products of bf16 operands compile to the CPU's bf16
-instructions where it has them (dtm.compiler.c_bf16).
+instructions where it has them (dtm.backends.cpu.c_bf16).
 
     with dtm.autocast("cpu", dtype=dtm.bfloat16):
         loss = loss_fn(model(x), y)       # products in bf16, the loss in f32

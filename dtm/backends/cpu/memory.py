@@ -25,9 +25,9 @@ nothing left to do (`Program.done_in_place`): no temporary, no copy.
 
 from __future__ import annotations
 
-from ..ir.symbolic import dim_mul, dim_prod
-from . import loopir as L
-from .program import Buffer, FallbackStep, KernelStep, MoveStep, Program, writes_into
+from ...compiler import loopir as L
+from ...compiler.program import Buffer, FallbackStep, KernelStep, MoveStep, Program, writes_into
+from ...ir.symbolic import dim_mul, dim_prod
 
 
 def nbytes(b: Buffer):

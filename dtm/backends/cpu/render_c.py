@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.dtypes import DType
-from . import loopir as L
+from ...compiler import loopir as L
+from ...compiler.loopir import INDEX
+from ...ir.dtypes import DType
 from . import c_convert, c_random
 from .c_narrow import HEADER as NARROW_HEADER
 from .c_bf16 import HEADER as BF16_HEADER
 from .c_runtime import HEADER
-from .loopir import INDEX
 
 PARALLEL_WORK = 1 << 15
 

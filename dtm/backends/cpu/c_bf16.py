@@ -24,7 +24,7 @@ The microkernel, chosen once per process (`dtm_rt_bf16_kernel`):
     the same sums bit for bit for normal numbers. DTM_BF16_PORTABLE=1 in the environment or
     `dtm_rt_bf16_force(0)` (build.bf16_forced, for tests) selects it where the CPU has the
     instructions.
-AMX-BF16 (tdpbf16ps) is detected (`compiler_offers("amx")` in build.py) but has no kernel
+AMX-BF16 (tdpbf16ps) is detected (`compiler_offers("amx")` in dtm/toolchain) but has no kernel
 yet: where a CPU has it, the AVX512-BF16 kernel runs.
 """
 
