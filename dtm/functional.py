@@ -21,6 +21,7 @@ from .ir.dtypes import numpy_dtype
 from .ir.types import TensorType
 from .tensor import (DEFAULT_FLOAT, STATE, Tensor, apply, as_dtype, bool_, capture, error, float32, int64,
                      is_grad_enabled, normalize_dim, rand, result_type, tensor)
+from .tensor.devices import check_device, device_type
 from .tensor.dtypes import check_fits, convert_scalar
 from .tensor.jit import value_fault
 from .tensor import versions as _versions  # what torch's gradients of composites read (version counter)
@@ -1261,34 +1262,14 @@ def _to_dtype(args: tuple, kwargs: dict):
     if kwargs.get("device") is not None:
         check_device(kwargs["device"], ".to")
     for a in args:
-        if _device_type(a) is not None:
+        if device_type(a) is not None:
             check_device(a, ".to")
             continue
         dtype = a.dtype if isinstance(a, Tensor) else a
     return dtype
 
 
-# torch's device types: a string that starts with one names a device, not a dtype
-_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hip", "meta", "xla", "npu", "hpu", "ipu", "mtia", "vulkan")
 
-
-def _device_type(device: Any) -> str | None:
-    """The device type `device` names ("cpu" for "cpu", "cpu:0" or a torch.device("cpu")),
-    or None when it names none (a dtype, a tensor)."""
-    if isinstance(device, str):
-        kind = device.partition(":")[0]
-        return kind if kind in _DEVICE_TYPES else None
-    kind = getattr(device, "type", None)  # torch.device and the like; Tensor.type is a method
-    return kind if isinstance(kind, str) else None
-
-
-def check_device(device: Any, what: str) -> None:
-    """Accept a CPU device ("cpu", "cpu:0", an object whose .type is "cpu"), where a torch
-    script moves tensors; any other device is a DTMError naming it: DTM's tensors live in
-    host memory (the backend, `DTM_BACKEND`, picks where kernels run)."""
-    if _device_type(device) != "cpu":
-        raise error(ErrorCode.UNKNOWN_BACKEND, f"{what}: device {str(device)!r} is not available; DTM tensors live "
-                    "on the CPU (device 'cpu'), and DTM_BACKEND chooses how their kernels run")
 
 
 def _format(x: Tensor, spec: str) -> str:

@@ -1,6 +1,7 @@
 """Making tensors: from data (lists, numpy, torch), filled (zeros, ones, full, arange) and
 random (randn, rand: the IR's counter-based `random` op, so every backend draws the same
-numbers for the same seed)."""
+numbers for the same seed). Each takes torch's `device=`: "cpu", or a clear error naming
+what this machine lacks for another device (devices.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..ir.dtypes import from_numpy as dtype_of_numpy
 from ..ir.types import TensorType
 from ..runtime.host import check_free
 from . import dlpack
+from .devices import check_device
 from .core import STATE, Tensor, apply, no_grad, on_replay, result_type
 from .dtypes import DEFAULT_FLOAT, as_dtype, bfloat16, check_fits, convert_scalar, int64
 
@@ -63,8 +65,9 @@ def _to_array(data: Any, dtype: DType | None) -> np.ndarray:
     return np.array(arr, dtype=numpy_dtype(dtype), copy=True)
 
 
-def tensor(data: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def tensor(data: Any, dtype: Any = None, requires_grad: bool = False, *, device: Any = None) -> Tensor:
     """A new leaf tensor holding a copy of `data` (nested lists, scalars, numpy, torch)."""
+    _on(device, "tensor")
     return Tensor.from_numpy(_to_array(data, as_dtype(dtype) if dtype is not None else None), requires_grad)
 
 
@@ -99,9 +102,17 @@ def _shape(size: Sequence, dtype: DType) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def _on(device: Any, what: str) -> None:
+    """A creation function's `device`: None or the CPU (check_device raises for another)."""
+    if device is not None:
+        check_device(device, f"dtm.{what}")
+
+
+def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad: bool = False, *,
+         device: Any = None) -> Tensor:
     """torch.full: a value that does not fit the dtype raises (E0410), else it converts as
     torch converts it (-1 fills a uint8 tensor with 255)."""
+    _on(device, "full")
     d = as_dtype(dtype) if dtype is not None else result_type(fill_value)
     if isinstance(fill_value, (bool, int, float, np.generic)):
         fill_value = fill_value.item() if isinstance(fill_value, np.generic) else fill_value
@@ -110,27 +121,32 @@ def full(size: Sequence[int], fill_value: Any, dtype: Any = None, requires_grad:
     return Tensor.from_numpy(np.full(_shape([size], d), fill_value, dtype=numpy_dtype(d)), requires_grad)
 
 
-def zeros(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def zeros(*size, dtype: Any = None, device: Any = None, requires_grad: bool = False) -> Tensor:
     """torch.zeros. The pages come zeroed from the system and stay untouched until written
     (np.zeros, not a fill): a model built to be loaded (`nn.no_init`) holds no memory for
     weights that are replaced before they are read."""
+    _on(device, "zeros")
     d = as_dtype(dtype) if dtype is not None else DEFAULT_FLOAT
     return Tensor.from_numpy(np.zeros(_shape([size], d), dtype=numpy_dtype(d)), requires_grad)
 
 
-def ones(*size, dtype: Any = None, requires_grad: bool = False) -> Tensor:
-    return full(size, 1, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad)
+def ones(*size, dtype: Any = None, device: Any = None, requires_grad: bool = False) -> Tensor:
+    _on(device, "ones")
+    return full(size, 1, dtype if dtype is not None else DEFAULT_FLOAT, requires_grad=requires_grad)
 
 
-def zeros_like(t: Tensor, dtype: Any = None) -> Tensor:
+def zeros_like(t: Tensor, dtype: Any = None, *, device: Any = None) -> Tensor:
+    _on(device, "zeros_like")
     return zeros(t.shape, dtype=dtype if dtype is not None else t.dtype)
 
 
-def ones_like(t: Tensor, dtype: Any = None) -> Tensor:
+def ones_like(t: Tensor, dtype: Any = None, *, device: Any = None) -> Tensor:
+    _on(device, "ones_like")
     return ones(t.shape, dtype=dtype if dtype is not None else t.dtype)
 
 
-def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
+def full_like(t: Tensor, fill_value: Any, dtype: Any = None, *, device: Any = None) -> Tensor:
+    _on(device, "full_like")
     return full(t.shape, fill_value, dtype=dtype if dtype is not None else t.dtype)
 
 
@@ -148,7 +164,8 @@ def _arange_length(start, end, step) -> int:
     return math.ceil((end - start) / step)
 
 
-def arange(start, end=None, step=1, dtype: Any = None) -> Tensor:
+def arange(start, end=None, step=1, dtype: Any = None, *, device: Any = None) -> Tensor:
+    _on(device, "arange")
     if end is None:
         start, end = 0, start
     d = as_dtype(dtype) if dtype is not None else result_type(start, end, step)
@@ -163,6 +180,7 @@ class Generator:
     what the default one would."""
 
     def __init__(self, device: str = "cpu"):
+        check_device(device, "dtm.Generator")
         self.manual_seed(0)
 
     def manual_seed(self, seed: int) -> "Generator":
@@ -219,18 +237,24 @@ def _random(size, distribution: str, dtype: Any, requires_grad: bool, generator:
     return out.requires_grad_(True) if requires_grad else out
 
 
-def randn(*size, generator: Generator | None = None, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def randn(*size, generator: Generator | None = None, dtype: Any = None, device: Any = None,
+          requires_grad: bool = False) -> Tensor:
+    _on(device, "randn")
     return _random(size, "normal", dtype, requires_grad, generator)
 
 
-def rand(*size, generator: Generator | None = None, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def rand(*size, generator: Generator | None = None, dtype: Any = None, device: Any = None,
+         requires_grad: bool = False) -> Tensor:
+    _on(device, "rand")
     return _random(size, "uniform", dtype, requires_grad, generator)
 
 
 def randint(low: int, high: int | None = None, size: Sequence[int] | None = None, *,
-            generator: Generator | None = None, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+            generator: Generator | None = None, dtype: Any = None, device: Any = None,
+            requires_grad: bool = False) -> Tensor:
     """torch.randint: integers uniform in [low, high) (randint(high, size) starts at 0),
     int64 by default: floor(low + u * (high - low)) of an f64 uniform u."""
+    _on(device, "randint")
     if size is None:  # randint(high, size)
         if high is None:
             raise error(ErrorCode.ATTRIBUTE_VALUE, "randint: needs high and size")
@@ -246,9 +270,11 @@ def randint(low: int, high: int | None = None, size: Sequence[int] | None = None
     return Tensor.from_numpy(values.astype(numpy_dtype(d)), requires_grad)
 
 
-def randn_like(t: Tensor) -> Tensor:
-    return randn(t.shape, dtype=t.dtype)
+def randn_like(t: Tensor, dtype: Any = None, *, device: Any = None) -> Tensor:
+    _on(device, "randn_like")
+    return randn(t.shape, dtype=dtype if dtype is not None else t.dtype)
 
 
-def rand_like(t: Tensor) -> Tensor:
-    return rand(t.shape, dtype=t.dtype)
+def rand_like(t: Tensor, dtype: Any = None, *, device: Any = None) -> Tensor:
+    _on(device, "rand_like")
+    return rand(t.shape, dtype=dtype if dtype is not None else t.dtype)
