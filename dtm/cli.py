@@ -7,6 +7,8 @@
     dtm conformance ir       run the IR conformance vectors
     dtm conformance protocol run the wire protocol conformance vectors
     dtm conformance checkpoint   run the checkpoint conformance vectors
+    dtm conformance exec     run the execution vectors (every op's example, on ref, cpu and L0)
+    dtm conformance all      every suite, and the claim matrix by level and capability
     dtm launch -n N script.py   run N local ranks (DTM_* environment, output prefixed by rank)
     dtm coordinator --world-size N   run a coordinator on its own
     dtm store ls|info|get|put|rm|du|gc|recover|verify|export|import   the tensor store (--store PATH/URL)
@@ -180,6 +182,124 @@ def conformance_checkpoint(root: str | None) -> None:
 
     results = run_checkpoint_vectors(pathlib.Path(root) if root else None)
     _report_vectors(results)
+
+
+@conformance_group.command("exec")
+@click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="vector directory (default: the repository's conformance/exec)")
+@click.option("--executor", "executors", multiple=True, type=click.Choice(["ref", "cpu", "l0"]),
+              help="run on these executors only (default: all three)")
+def conformance_exec(root: str | None, executors: tuple[str, ...]) -> None:
+    """Run the execution vectors (spec 8.4): every op's example program on the reference
+    interpreter, the cpu backend and L0's devices, against the outputs the spec gives."""
+    from .runtime.exec_vectors import EXECUTORS, run_exec_vectors
+
+    results = run_exec_vectors(pathlib.Path(root) if root else None, executors or EXECUTORS)
+    _report_vectors(results)
+
+
+# The claim matrix (spec 8.5): each capability's vectors, by suite and vector name. A
+# protocol vector no other capability names is the frames' and handshake's (membership).
+_PROTOCOL_CAPS = {
+    "CAP_WIRE_COLLECTIVES": ("collective_", "data", "empty_stream", "streams_interleaved", "large_u64", "error",
+                             "seq_", "first_seq"),
+    "CAP_P2P": ("p2p_",),
+    "CAP_STORE": ("store_",),
+    "CAP_QUANT": ("data_compressed_", "quantized_dtypes", "hello_l1_with_quant", "hello_l2_without_quant",
+                  "compressed_flag_on_leave"),
+    "CAP_CANCEL": ("cancel",),
+    "CAP_CHECKSUMS": ("p2p_send_crc", "collective_start_broadcast"),
+    "CAP_RESIZE": ("resize_", "succession_rejoin"),
+}
+
+
+def _claims(exec_manifest: dict) -> list[tuple[str, int, list[tuple[str, object]]]]:
+    """(capability, level, [(suite, does a result of that suite count)]) in the order of 8.2."""
+    def protocol(cap: str):
+        if cap != "CAP_MEMBERSHIP":
+            return lambda r: r.name.startswith(_PROTOCOL_CAPS[cap])
+        return lambda r: not any(r.name.startswith(p) for ps in _PROTOCOL_CAPS.values() for p in ps)
+
+    info = exec_manifest.get("vectors", {})
+
+    def vector(r) -> dict:
+        return info.get(r.name, {})
+
+    def store(r) -> bool:
+        return any(op.startswith("store_") for op in vector(r).get("ops", ()))
+
+    return [
+        ("CAP_IR", 0, [("ir", lambda r: True)]),
+        ("CAP_EXEC", 0, [("exec", lambda r: r.kind in ("ref", "cpu", "valid") and vector(r).get("ranks", 1) == 1
+                                  and not store(r))]),
+        ("CAP_LOCAL_COLLECTIVES", 0, [("exec", lambda r: vector(r).get("ranks", 1) > 1)]),
+        ("CAP_MEMBERSHIP", 1, [("protocol", protocol("CAP_MEMBERSHIP"))]),
+        ("CAP_WIRE_COLLECTIVES", 1, [("protocol", protocol("CAP_WIRE_COLLECTIVES"))]),
+        ("CAP_P2P", 1, [("protocol", protocol("CAP_P2P"))]),
+        ("CAP_STORE", 2, [("protocol", protocol("CAP_STORE")), ("exec", store)]),
+        ("CAP_TASKS", 2, []),
+        ("CAP_QUANT", 2, [("protocol", protocol("CAP_QUANT")), ("exec", lambda r: vector(r).get("quantized", False))]),
+        ("CAP_CKPT", 3, [("checkpoint", lambda r: True)]),
+        ("CAP_CANCEL", 3, [("protocol", protocol("CAP_CANCEL"))]),
+        ("CAP_CHECKSUMS", 3, [("protocol", protocol("CAP_CHECKSUMS")),
+                              ("checkpoint", lambda r: r.name.startswith("flipped_byte"))]),
+        ("CAP_QUOTAS", 3, []),
+        ("CAP_RESIZE", 3, [("protocol", protocol("CAP_RESIZE"))]),
+    ]
+
+
+def claim_matrix() -> dict:
+    """Run every suite and build spec 8.5's matrix: {"implementation", "spec_version",
+    "claims": [{"capability", "level", "status", "vectors", "failed", "first_failure"}]}."""
+    import json
+
+    from .ckpt.conformance import run_checkpoint_vectors
+    from .ir.conformance import run_ir_vectors
+    from .protocol.conformance import run_protocol_vectors
+    from .runtime.exec_vectors import default_root, run_exec_vectors
+
+    suites = {"ir": run_ir_vectors(), "protocol": run_protocol_vectors(), "exec": run_exec_vectors(),
+              "checkpoint": run_checkpoint_vectors()}
+    try:
+        exec_manifest = json.loads((default_root() / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        exec_manifest = {}
+    claims = []
+    for cap, level, picks in _claims(exec_manifest):
+        mine = [(suite, r) for suite, keep in picks for r in suites[suite] if keep(r) or r.name == "manifest.json"]
+        failed = [(suite, r) for suite, r in mine if not r.ok]
+        first = f"{failed[0][0]}: {failed[0][1].name} ({failed[0][1].kind}): {failed[0][1].detail}" if failed else None
+        status = "untested" if not mine else "fail" if failed else "pass"
+        claims.append({"capability": cap, "level": f"L{level}", "status": status, "vectors": len(mine),
+                       "failed": len(failed), "first_failure": first})
+    return {"implementation": f"dtm {PACKAGE_VERSION}", "spec_version": ".".join(map(str, SPEC_VERSION)),
+            "claims": claims}
+
+
+@conformance_group.command("all")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="also write the matrix as JSON to this file (spec 8.5)")
+def conformance_all(json_path: str | None) -> None:
+    """Run every suite DTM claims (IR, protocol, execution, checkpoint vectors) and print the
+    claim matrix (spec 8.5), level by level and capability by capability; exit 1 when a
+    claimed capability fails."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    matrix = claim_matrix()
+    table = Table(title=f"{matrix['implementation']}: claims of spec {matrix['spec_version']}")
+    for col in ("level", "capability", "status", "vectors", "first failure"):
+        table.add_column(col)
+    colour = {"pass": "green", "fail": "red", "untested": "yellow"}
+    for c in matrix["claims"]:
+        table.add_row(c["level"], c["capability"], f"[{colour[c['status']]}]{c['status']}[/]", str(c["vectors"]),
+                      c["first_failure"] or "")
+    Console().print(table)
+    if json_path:
+        pathlib.Path(json_path).write_text(json.dumps(matrix, indent=1) + "\n", encoding="utf-8")
+    sys.exit(1 if any(c["status"] == "fail" for c in matrix["claims"]) else 0)
 
 
 def _axes_option(text: str | None):
