@@ -1,4 +1,5 @@
-"""The house rules that keep the package readable (DESIGN.md, "The layers"): no two files
+"""The house rules that keep the package readable (docs/architecture.md, "The layers"): no
+file imports a less basic layer than its own (`LAYERS`, the page's table), no two files
 under dtm/ import each other, directly or round a circle (imports inside functions count;
 `if TYPE_CHECKING:` ones do not), and the public names the README promises are reachable
 from `import dtm` alone, with one signature wherever they are exposed."""
@@ -43,6 +44,35 @@ def _imports(path: pathlib.Path) -> set[pathlib.Path]:
                 found.add(hit)
                 break
     return found - {path, PKG / "__init__.py"}  # the package's face hands names on to everyone
+
+
+# docs/architecture.md's table: each package's row (a lower number is more basic). Files
+# outside the rows (the package's face, the error table, the debugging switches) may import
+# and be imported by any.
+LAYERS = {"ir": 1, "toolchain": 1.5, "ref": 2, "compiler": 3, "backends": 3, "protocol": 4, "comm": 5, "cluster": 6,
+          "runtime": 7, "store": 8, "tasks": 8, "data": 8, "quant": 8, "ckpt": 8, "elastic": 8,
+          "tensor": 9, "functional": 9, "nn": 9, "optim": 9, "utils": 9, "distributed": 9, "parallel": 9,
+          "autograd": 9, "models": 10, "cli": 11}
+OUTSIDE = {"__init__", "__main__", "errors", "debug"}
+
+
+def _layer(path: pathlib.Path) -> float | None:
+    top = path.relative_to(PKG).parts[0].removesuffix(".py")
+    return None if top in OUTSIDE else LAYERS[top]
+
+
+def test_every_file_has_a_layer_and_imports_none_above_it():
+    upward = []
+    for p in PKG.rglob("*.py"):
+        mine = _layer(p)
+        if mine is None:
+            continue
+        for q in _imports(p):
+            theirs = _layer(q)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{p.relative_to(PKG.parent)} (layer {mine}) imports {q.relative_to(PKG.parent)} "
+                              f"(layer {theirs})")
+    assert upward == []
 
 
 def _cycle(graph: dict) -> list | None:

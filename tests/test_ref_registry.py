@@ -1,5 +1,5 @@
 """The reference semantics cover the registry: every op has an implementation, and the
-table holds nothing else (DESIGN.md: a test that walks the registry fails when a layer
+table holds nothing else (docs/architecture.md: a test that walks the registry fails when a layer
 misses an op)."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ is an unfinished save, which list and load do not see. A distributed tensor is p
 piece by the ranks that hold it (dtm/store/sharded.py) and got back with the live tensor's
 mesh and placements, each rank reading only the chunks its piece overlaps.
 
-Layer: `dtm/ckpt` is row 8 of DESIGN.md's table. It imports the store, the runtime's
+Layer: `dtm/ckpt` is row 8 of docs/architecture.md's table. It imports the store, the runtime's
 process group, `dtm/ir` and `dtm/errors`, and never the user-facing API: tensors, modules
 and optimizers are duck-typed (`shape`, `dtype`, `numpy()`, `device_mesh`, `placements`,
 `local_shards()`, `state_dict()`, `load_state_dict()`, `copy_()`).

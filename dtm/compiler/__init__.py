@@ -1,4 +1,4 @@
-"""Layer 3: IR-to-IR passes (DESIGN.md). Import the pass you need, e.g.
+"""Layer 3: IR-to-IR passes (docs/architecture.md). Import the pass you need, e.g.
 `from dtm.compiler.autodiff import grad`.
 
 The lowering every backend shares (passes.py lists it; a backend, dtm/backends/cpu,

@@ -1,4 +1,4 @@
-"""Reverse-mode automatic differentiation as an IR-to-IR transform (DESIGN.md: the backward
+"""Reverse-mode automatic differentiation as an IR-to-IR transform (docs/architecture.md: the backward
 pass is IR too, so gradients fuse and shard like any other code).
 
     name = grad(module, "loss", wrt=[1, 2])          # adds @loss_grad to module

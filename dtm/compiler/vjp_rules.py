@@ -1,5 +1,5 @@
 """Vector-Jacobian products, one rule per differentiable op of the registry, looked up by
-op name (DESIGN.md: the VJP rule hangs off the registry entry, in layer 3).
+op name (docs/architecture.md: the VJP rule hangs off the registry entry, in layer 3).
 
 A rule is `rule(b, op, cotangents) -> list[Value | None]`:
 

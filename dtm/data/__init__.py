@@ -6,7 +6,7 @@
   token windows, prefetched in the background (loader.py);
 - `tokenize`: tokenizers that need no vocabulary file.
 
-Layer: row 8 of DESIGN.md's table. It imports `dtm/store`, `dtm/cluster` (activity, the
+Layer: row 8 of docs/architecture.md's table. It imports `dtm/store`, `dtm/cluster` (activity, the
 `dtm top` row type) and `dtm/errors`, never the user-facing API of row 9: the Loader's
 batches become `dtm.Tensor`s through a factory that `dtm/__init__.py` installs.
 """

@@ -37,7 +37,7 @@ from .manifest import Manifest, load
 PREFETCH = 2
 WAIT_S = 60.0  # the longest a consumer waits for one batch (a stuck store read ends in E0802)
 
-# What batches are wrapped in. dtm/data sits below the user-facing API (DESIGN.md, layer 8),
+# What batches are wrapped in. dtm/data sits below the user-facing API (docs/architecture.md, layer 8),
 # so `dtm/__init__.py` installs `Tensor.from_numpy` here; until then batches are numpy.
 _tensor_factory: Callable[[np.ndarray], Any] = lambda a: a
 

@@ -1,4 +1,4 @@
-"""The op registry: one entry per op, the single source of truth (DESIGN.md).
+"""The op registry: one entry per op, the single source of truth (docs/architecture.md).
 
 Each `OpDef` holds the op's operands, attributes and their kinds, its result-type rule, the
 spec version that added it, its category and a one-line summary. The parser, printer,

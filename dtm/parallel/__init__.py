@@ -1,5 +1,5 @@
 """Many devices, one program: meshes, distributed tensors, shard_map and the parallel
-models built from them (DESIGN.md, "Two views of a distributed program").
+models built from them (docs/architecture.md, "Two views of a distributed program").
 
     mesh.py             Mesh (making and slicing meshes; the runtime's DeviceMesh does the
                         rest), devices(), placements (Shard, Replicate, Partial)

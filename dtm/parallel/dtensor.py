@@ -1,4 +1,4 @@
-"""Distributed tensors: the global view (DESIGN.md, "Two views").
+"""Distributed tensors: the global view (docs/architecture.md, "Two views").
 
     x = dtm.distribute(dtm.randn(8, 4), mesh, [dtm.Shard(0)])   # each device holds 4 rows
     y = (x @ w).relu()            # every Tensor op; lazy, as always

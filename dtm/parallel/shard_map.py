@@ -1,4 +1,4 @@
-"""shard_map: the local view, written by hand (DESIGN.md, "Two views").
+"""shard_map: the local view, written by hand (docs/architecture.md, "Two views").
 
     def f(x, w):                                      # runs on every rank, on its own pieces
         return dtm.all_reduce(x @ w, axis="tp")       # collectives are explicit

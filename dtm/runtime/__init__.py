@@ -1,1 +1,1 @@
-"""Devices, buffers and executors (DESIGN.md layer 7)."""
+"""Devices, buffers and executors (docs/architecture.md layer 7)."""

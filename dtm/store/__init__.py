@@ -8,7 +8,7 @@ a store the process's current one, which `store_get`/`store_put` in programs rea
 processes, `mesh()` is the store spread over the mesh's ranks (mesh_store.py), and the current
 store unless `use` named another.
 
-Layer: `dtm/store` is row 8 of DESIGN.md's table (L2 services). It imports `dtm/ir`
+Layer: `dtm/store` is row 8 of docs/architecture.md's table (L2 services). It imports `dtm/ir`
 (dtypes), `dtm/protocol` (frames), `dtm/runtime` (the process group; the meshes and
 `Shards` for distributed tensors), the piece geometry of `dtm/compiler/spmd` (sharded.py),
 `dtm/errors`, the standard library, numpy and crc32c, and never the user-facing API of

@@ -13,7 +13,7 @@ is committed by process rank 0 alone, after every rank's chunks are written: the
 point stays the one index switch of spec 9.2.6.
 
 The tensor is duck-typed (`device_mesh`, `placements`, `local_shards`, `dtype`, `shape`):
-the store sits below the user-facing API (DESIGN.md, layer 8). Meshes are the runtime's
+the store sits below the user-facing API (docs/architecture.md, layer 8). Meshes are the runtime's
 DeviceMesh, and a get returns the runtime's Shards for the store's factory to wrap.
 """
 

@@ -30,7 +30,7 @@ from .keys import check_key, version_dir
 from .crc import checksum as crc_of
 
 # What `get` wraps its array in, and its pieces with a mesh: (type, Shards) -> a distributed
-# tensor. The store sits below the user-facing API (DESIGN.md, layer 8), so `dtm/__init__.py`
+# tensor. The store sits below the user-facing API (docs/architecture.md, layer 8), so `dtm/__init__.py`
 # installs the Tensor's here; until then get gives numpy, and a Shards with a mesh.
 _tensor_factory: Callable[[np.ndarray], Any] = lambda a: a
 _distributed_factory: Callable[[TensorType, Shards], Any] = lambda t, v: v

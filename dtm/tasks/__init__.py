@@ -17,7 +17,7 @@ its inputs and its worker); a task whose worker process died is run again, up to
 `retries` times. `Graph.from_module` runs an IR module's `task` declarations (and
 `dtm tasks run module.dtm --store DIR` on the command line).
 
-Layer: row 8 of DESIGN.md's table. Tensors and dtm.jit come through `install`, which
+Layer: row 8 of docs/architecture.md's table. Tensors and dtm.jit come through `install`, which
 dtm/__init__.py calls, as the store's `get` gets its Tensor factory.
 """
 

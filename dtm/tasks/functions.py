@@ -9,7 +9,7 @@ Two kinds of function:
 * `IRFunction`: a `func` of an IR module, run on the runtime's backend with the inputs read
   as by `store_get` with the parameter types (spec 9.3).
 
-Layer 8 may not import the user-facing Tensor (DESIGN.md); `dtm/__init__.py` installs
+Layer 8 may not import the user-facing Tensor (docs/architecture.md); `dtm/__init__.py` installs
 `dtm.jit` and `Tensor.from_numpy` here with `install`.
 """
 

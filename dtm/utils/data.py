@@ -14,7 +14,7 @@ and a dtm Tensor is not one). Batch k goes to worker k % num_workers, which fetc
 collates it and sends it back over its own pipe with its Tensors as numpy arrays; the
 loader yields the batches in order, keeping `prefetch_factor` of them asked for per worker.
 The pipes carry multiprocessing's pickles, as torch's do: acceptable only because both
-ends are processes this loader started on this machine (DESIGN.md's rule forbids it for
+ends are processes this loader started on this machine (docs/architecture.md's rule forbids it for
 anything from a peer). Every wait is bounded by `timeout`; a worker that dies or stays
 silent ends the loop with a DTMError naming it.
 

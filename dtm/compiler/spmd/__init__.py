@@ -1,5 +1,5 @@
 """SPMD: from the global view (logical tensors with shardings) to the local view (one
-program per rank with explicit collectives). DESIGN.md, "Two views"; spec 2.7 and 2.9.
+program per rank with explicit collectives). docs/architecture.md, "Two views"; spec 2.7 and 2.9.
 
     layout.py        chunks of sharded dims, local types, sharding checks, host split/assemble
     rules.py         a sharding rule per registry op (RULES), the replicated fallback

@@ -1,5 +1,5 @@
 """Partitioning: a global-view function becomes the local-view function one rank runs, with
-the collectives explicit (DESIGN.md, "Two views").
+the collectives explicit (docs/architecture.md, "Two views").
 
     f0 = partition(module, "mlp", rank=0)            # a Func; its values are rank 0's pieces
     print(dtm.ir.format(local_module(module, "mlp", rank=0)))

@@ -1,4 +1,4 @@
-"""Sharding rules, one per op of the registry, looked up by op name (DESIGN.md: the sharding
+"""Sharding rules, one per op of the registry, looked up by op name (docs/architecture.md: the sharding
 rule hangs off the registry entry, in layer 3).
 
 A rule looks at one mesh axis at a time. `rule(op, cur, n)` gets the op (its operand and
