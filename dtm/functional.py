@@ -57,6 +57,8 @@ def _axes(dim, rank: int) -> tuple[int, ...]:
 
 
 def cast(x: Tensor, dtype) -> Tensor:
+    """x converted to `dtype` (a dtype or its name) by the IR's cast: float to integer rounds toward
+    zero and saturates, integer to integer wraps. x itself when it has that dtype already."""
     dtype = as_dtype(dtype)
     return x if x.dtype is dtype else apply("cast", x, to=dtype)
 
@@ -241,6 +243,9 @@ def _check_divisor(op: str, b: Any, d) -> Any:
 
 def _unary_float(op: str):
     def fn(x: Tensor) -> Tensor:
+        """torch's function of this name (exp, exp2, log, log2, sqrt, rsqrt, reciprocal, sin,
+        cos, tanh, erf or sigmoid), elementwise, as the IR op of that name; integer and bool
+        inputs compute in the default float, as in torch."""
         return apply(op, _float(x))
     fn.__name__ = op
     return fn
@@ -252,10 +257,14 @@ sin, cos, tanh, erf, sigmoid = (_unary_float(o) for o in ("sin", "cos", "tanh", 
 
 
 def neg(x: Tensor) -> Tensor:
+    """torch.neg: -x. Integers wrap (the most negative signed value is its own negation); a bool
+    tensor raises (E0402), as torch refuses one."""
     return apply("neg", x)
 
 
 def abs(x: Tensor) -> Tensor:  # noqa: A001 - torch's name
+    """torch.abs: |x|. The most negative value of a signed integer dtype is its own absolute value
+    (it wraps), as in torch."""
     return apply("abs", x)
 
 
@@ -267,6 +276,9 @@ def sign(x: Tensor) -> Tensor:
 
 def _rounding(op: str):
     def fn(x: Tensor) -> Tensor:
+        """torch's floor, ceil or round (this function's name) of a float tensor, in its dtype
+        (round takes halves to even and has no `decimals` argument); an integer or bool tensor is
+        returned as it is."""
         return apply(op, x) if x.dtype.is_float else x
     fn.__name__ = op
     return fn
@@ -276,10 +288,14 @@ floor, ceil, round = (_rounding(o) for o in ("floor", "ceil", "round"))  # noqa:
 
 
 def logical_not(x: Tensor) -> Tensor:
+    """torch.logical_not: a bool tensor, True where x is zero or False."""
     return apply("logical_not", cast(x, bool_))
 
 
 def add(a, b, alpha=1) -> Tensor:
+    """torch.add: a + alpha * b, tensors and Python scalars promoted as in torch; bool + bool is
+    logical or. A narrow float tensor (f16, bf16) with a Python scalar computes in f32 and rounds
+    once, as torch's kernels do."""
     quick = _index_arithmetic(operator.add, a, b) if alpha == 1 else None
     if quick is not None:
         return quick
@@ -292,6 +308,8 @@ def add(a, b, alpha=1) -> Tensor:
 
 
 def sub(a, b, alpha=1) -> Tensor:
+    """torch.sub: a - alpha * b, tensors and Python scalars promoted as in torch (a narrow float
+    tensor with a Python scalar computes in f32 and rounds once)."""
     quick = _index_arithmetic(operator.sub, a, b) if alpha == 1 else None
     if quick is not None:
         return quick
@@ -299,6 +317,8 @@ def sub(a, b, alpha=1) -> Tensor:
 
 
 def mul(a, b) -> Tensor:
+    """torch.mul: a * b, tensors and Python scalars promoted as in torch; bool * bool is logical
+    and. A narrow float tensor with a Python scalar computes in f32 and rounds once."""
     quick = _index_arithmetic(operator.mul, a, b)
     if quick is not None:
         return quick
@@ -323,10 +343,15 @@ def div(a, b, rounding_mode: str | None = None) -> Tensor:
 
 
 def trunc(x: Tensor) -> Tensor:
+    """torch.trunc: float values rounded toward zero; an integer or bool tensor is returned as it
+    is."""
     return where(x < 0, ceil(x), floor(x)) if x.dtype.is_float else x
 
 
 def floor_divide(a, b) -> Tensor:
+    """torch.floor_divide, Python's a // b: the quotient rounded toward -inf, in the promoted dtype
+    (integers stay integers). An integer divisor holding a 0 raises, as in torch; floats follow
+    Python's // (1 // 0.1 is 9.0), except that a float divisor of 0 gives inf or NaN, as torch's."""
     d = result_type(a, b)
     b = _check_divisor("floor_divide", b, d)
     a, b = as_tensor(a, d), as_tensor(b, d)
@@ -367,6 +392,8 @@ def remainder(a, b) -> Tensor:
 
 
 def fmod(a, b) -> Tensor:
+    """torch.fmod: the remainder of a / b with the sign of a (C's fmod), in the promoted dtype. An
+    integer divisor holding a 0 raises, as in torch; a float 0 gives NaN."""
     b = _check_divisor("fmod", b, result_type(a, b))
     return _binary("mod", a, b)
 
@@ -418,15 +445,21 @@ def _int_pow(a, b, d) -> Tensor:
 
 
 def maximum(a, b) -> Tensor:
+    """torch.maximum: the larger of a and b elementwise, in their promoted dtype; a NaN in either
+    gives NaN."""
     return _binary("max", a, b)
 
 
 def minimum(a, b) -> Tensor:
+    """torch.minimum: the smaller of a and b elementwise, in their promoted dtype; a NaN in either
+    gives NaN."""
     return _binary("min", a, b)
 
 
 def _compare(op: str):
     def fn(a, b) -> Tensor:
+        """torch's comparison of this name (eq, ne, lt, le, gt or ge), elementwise: a bool
+        tensor, the operands (tensors or Python scalars) first promoted to one dtype as in torch."""
         return _binary(op, a, b)
     fn.__name__ = op
     return fn
@@ -456,14 +489,17 @@ def _invert(x: Tensor) -> Tensor:
 
 
 def logical_and(a, b) -> Tensor:
+    """torch.logical_and: a bool tensor, True where a and b are both nonzero."""
     return apply("logical_and", cast(as_tensor(a), bool_), cast(as_tensor(b), bool_))
 
 
 def logical_or(a, b) -> Tensor:
+    """torch.logical_or: a bool tensor, True where a or b is nonzero."""
     return apply("logical_or", cast(as_tensor(a), bool_), cast(as_tensor(b), bool_))
 
 
 def logical_xor(a, b) -> Tensor:
+    """torch.logical_xor: a bool tensor, True where exactly one of a and b is nonzero."""
     return apply("logical_xor", cast(as_tensor(a), bool_), cast(as_tensor(b), bool_))
 
 
@@ -509,14 +545,20 @@ def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
 
 
 def relu(x: Tensor) -> Tensor:
+    """torch.relu: max(x, 0), in x's dtype (a NaN stays NaN)."""
     return _versions.saves(apply("max", x, _scalar(0, x.dtype)), "relu", _versions.RESULT)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """torch.nn.functional.gelu: x * Phi(x), Phi the standard normal CDF, exact with erf
+    (approximate="none") or by the tanh approximation ("tanh"). Integer and bool inputs compute in
+    the default float (torch refuses them)."""
     return apply("gelu", _float(x), approximate=approximate)
 
 
 def silu(x: Tensor) -> Tensor:
+    """torch.nn.functional.silu: x * sigmoid(x). Integer and bool inputs compute in the default
+    float (torch refuses them)."""
     return apply("silu", _float(x))
 
 
@@ -532,17 +574,24 @@ def _sum_dtype(x: Tensor):
 
 
 def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:  # noqa: A001
+    """torch.sum over `dim` (an int, a sequence of ints, or None for every dim). Integer and bool
+    tensors sum in int64, as in torch; `dtype` casts x to that dtype first."""
     x = cast(x, as_dtype(dtype) if dtype is not None else _sum_dtype(x))
     return apply("reduce_sum", x, axes=_axes(dim, x.ndim), keepdims=keepdim)
 
 
 @_autocast.fp32
 def prod(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    """torch.prod over `dim` (an int, a sequence of ints, or None for every dim); torch's prod takes
+    one dim only. Integer and bool tensors multiply in int64; `dtype` casts x first. Inside
+    dtm.autocast, f16 and bf16 operands compute in f32, as on torch's CPU autocast list."""
     x = cast(x, as_dtype(dtype) if dtype is not None else _sum_dtype(x))
     return apply("reduce_prod", x, axes=_axes(dim, x.ndim), keepdims=keepdim)
 
 
 def mean(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    """torch.mean over `dim` (an int, a sequence of ints, or None for every dim). x must be a float
+    tensor (after `dtype` casts it): an integer or bool one raises, as in torch."""
     x = cast(x, as_dtype(dtype)) if dtype is not None else x
     if not x.dtype.is_float:
         raise error(ErrorCode.DTYPE_MISMATCH, f"mean() needs a float tensor, found {x.dtype}; pass dtype= or cast first")
@@ -570,6 +619,8 @@ def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False
 
 
 def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, correction: int | None = None) -> Tensor:
+    """Standard deviation, the square root of `var` (Bessel's correction by default), as
+    torch.std."""
     v = var(x, dim, unbiased, keepdim, correction)
     return _versions.saves(sqrt(v), "std", ((_versions.OUT, (0, 0, 0, 0, 0)),) if v._saves else _versions.RESULT)
 
@@ -617,6 +668,9 @@ def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
 
 
 def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
+    """min(x) is the minimum; min(x, dim) is (values, indices), as in torch; a sequence of dims
+    (which torch refuses) gives the values only; min(x, other) with a tensor is minimum. Over no
+    elements it raises, as torch does."""
     if isinstance(dim, Tensor):
         return minimum(x, dim)
     _nonempty("min", x, dim)
@@ -624,11 +678,15 @@ def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
 
 
 def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    """torch.amax: the maximum over `dim` (an int, a sequence of ints, or None for every dim), no
+    indices; a NaN in a reduced slice gives NaN. Over no elements it raises, as torch does."""
     _nonempty("amax", x, dim)
     return _extremum("reduce_max", x, _axes(dim, x.ndim), keepdim)
 
 
 def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    """torch.amin: the minimum over `dim` (an int, a sequence of ints, or None for every dim), no
+    indices; a NaN in a reduced slice gives NaN. Over no elements it raises, as torch does."""
     _nonempty("amin", x, dim)
     return _extremum("reduce_min", x, _axes(dim, x.ndim), keepdim)
 
@@ -643,11 +701,15 @@ def _arg(op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
 
 
 def argmax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    """torch.argmax: the int64 index of the maximum along `dim` (of the flattened x when dim is
+    None), the first one on ties; a NaN counts as the maximum. Over no elements it raises."""
     _nonempty("argmax", x, dim)
     return _arg("argmax", x, dim, keepdim)
 
 
 def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    """torch.argmin: the int64 index of the minimum along `dim` (of the flattened x when dim is
+    None), the first one on ties. Over no elements it raises."""
     _nonempty("argmin", x, dim)
     return _arg("argmin", x, dim, keepdim)
 
@@ -661,6 +723,8 @@ def _sizes(args) -> tuple:
 
 
 def reshape(x: Tensor, *shape) -> Tensor:
+    """torch.reshape; `view` is the same function (no contiguity requirement). The shape is a
+    tuple or separate ints, one of which may be -1; x itself when the shape is unchanged."""
     shape = list(_sizes(shape))
     if shape.count(-1) > 1:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"reshape: only one dim can be -1, found {shape}")
@@ -680,11 +744,14 @@ view = reshape
 
 
 def permute(x: Tensor, *dims) -> Tensor:
+    """torch.permute: x with its dims reordered (a tuple or separate ints, negative ones counting
+    from the end); x itself for the identity order."""
     dims = tuple(normalize_dim(d, x.ndim) for d in _sizes(dims))
     return x if dims == tuple(range(x.ndim)) else apply("permute", x, perm=dims)
 
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
+    """torch.transpose: x with dims dim0 and dim1 swapped."""
     perm = list(range(x.ndim))
     a, b = normalize_dim(dim0, x.ndim), normalize_dim(dim1, x.ndim)
     perm[a], perm[b] = perm[b], perm[a]
@@ -692,6 +759,8 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
 
 
 def expand(x: Tensor, *sizes) -> Tensor:
+    """Tensor.expand: x broadcast to `sizes` (a tuple or separate ints; -1 keeps a dim's size,
+    new dims go in front); x itself when the shape is unchanged."""
     sizes = list(_sizes(sizes))
     lead = len(sizes) - x.ndim
     if lead < 0:
@@ -701,21 +770,26 @@ def expand(x: Tensor, *sizes) -> Tensor:
 
 
 def broadcast_to(x: Tensor, shape) -> Tensor:
+    """torch.broadcast_to: expand(x, shape)."""
     return expand(x, tuple(shape))
 
 
 def squeeze(x: Tensor, dim=None) -> Tensor:
+    """torch.squeeze: x without its size-1 dims, all of them or those in `dim` (an int or a
+    sequence); a named dim whose size is not 1 stays."""
     axes = range(x.ndim) if dim is None else _axes(dim, x.ndim)
     shape = tuple(s for i, s in enumerate(x.shape) if not (i in axes and s == 1))
     return reshape(x, shape)
 
 
 def unsqueeze(x: Tensor, dim: int) -> Tensor:
+    """torch.unsqueeze: x with a new size-1 dim at `dim` (in [-rank - 1, rank])."""
     d = normalize_dim(dim, x.ndim + 1)
     return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
 
 
 def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    """torch.flatten: dims start_dim..end_dim merged into one; a rank-0 x becomes shape (1,)."""
     if x.ndim == 0:
         return reshape(x, (1,))
     s, e = normalize_dim(start_dim, x.ndim), normalize_dim(end_dim, x.ndim)
@@ -726,6 +800,8 @@ def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
 
 
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """torch.cat (also named concat): the tensors joined along `dim`, promoted to one dtype first.
+    An empty sequence raises. Tensors whose values are already known join at once, in numpy."""
     tensors = list(tensors)
     if not tensors:
         raise error(ErrorCode.OPERAND_COUNT, "cat() needs at least one tensor")
@@ -744,6 +820,8 @@ concat = cat
 
 
 def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """torch.stack: the tensors (of one shape) joined along a new dim `dim`. An empty sequence
+    raises. Tensors whose values are already known stack at once, in numpy."""
     tensors = list(tensors)
     if not tensors:
         raise error(ErrorCode.OPERAND_COUNT, "stack() needs at least one tensor")
@@ -757,6 +835,7 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
 
 
 def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
+    """torch.narrow: `length` elements of x along `dim` from `start`, as an IR slice."""
     d = normalize_dim(dim, x.ndim)
     return _slice(x, d, start, start + length, 1)
 
@@ -787,6 +866,8 @@ def dynamic_update_slice(x: Tensor, update: Tensor, start, dim: int) -> Tensor:
 
 
 def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
+    """torch.split: a tuple of slices of x along `dim`, each of split_size elements (the last may
+    be smaller), or of the listed sizes, which must add up to the dim's size."""
     d = normalize_dim(dim, x.ndim)
     n = x.shape[d]
     if isinstance(split_size_or_sections, int):
@@ -806,6 +887,8 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]
 
 
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+    """torch.chunk: x split along `dim` into pieces of ceil(size / chunks) elements, so there may be
+    fewer than `chunks` of them, as in torch."""
     if chunks <= 0:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"chunk: chunks must be positive, found {chunks}")
     n = x.shape[normalize_dim(dim, x.ndim)]
@@ -813,6 +896,7 @@ def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
 
 
 def flip(x: Tensor, dims) -> Tensor:
+    """torch.flip: x with the order of its elements reversed along `dims` (an int or a sequence)."""
     return apply("flip", x, axes=_axes(dims, x.ndim))
 
 
@@ -959,14 +1043,20 @@ def index_add(x: Tensor, dim: int, index: Any, source: Any, alpha: Any = 1) -> T
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    """torch.index_select: the slices of x along `dim` that the integer tensor `index` names, in its
+    order. An index outside [0, size) raises, as in torch (negative ones included)."""
     return take(x, index, normalize_dim(dim, x.ndim), wrap=False)
 
 
 def tril(x: Tensor, diagonal: int = 0) -> Tensor:
+    """torch.tril: x with the elements above the `diagonal`-th diagonal of its last two dims set to
+    zero (False for bool)."""
     return _triangle(x, diagonal, lower=True)
 
 
 def triu(x: Tensor, diagonal: int = 0) -> Tensor:
+    """torch.triu: x with the elements below the `diagonal`-th diagonal of its last two dims set to
+    zero (False for bool)."""
     return _triangle(x, diagonal, lower=False)
 
 
@@ -1014,11 +1104,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # --- composites ---------------------------------------------------------------------------
 
 def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
+    """torch.softmax along `dim`; `dtype` casts x first. Integer and bool inputs compute in the
+    default float (torch refuses them)."""
     x = cast(_float(x), as_dtype(dtype)) if dtype is not None else _float(x)
     return apply("softmax", x, axis=normalize_dim(dim, x.ndim))
 
 
 def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
+    """torch.log_softmax along `dim`; `dtype` casts x first. Integer and bool inputs compute in the
+    default float (torch refuses them)."""
     x = cast(_float(x), as_dtype(dtype)) if dtype is not None else _float(x)
     return apply("log_softmax", x, axis=normalize_dim(dim, x.ndim))
 
@@ -1034,6 +1128,8 @@ def _normalized_shape(name: str, x: Tensor, normalized_shape) -> tuple[int, ...]
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
+    """torch.nn.functional.layer_norm: x normalised over its trailing dims `normalized_shape`
+    (biased variance, `eps` added), then scaled by weight and shifted by bias where given."""
     shape = _normalized_shape("layer_norm", x, normalized_shape)
     lead = x.shape[:x.ndim - len(shape)]
     flat = reshape(x, lead + (int(np.prod(shape)),)) if len(shape) != 1 else x
@@ -1060,6 +1156,12 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
 @_autocast.lower
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None) -> Tensor:
+    """torch.nn.functional.scaled_dot_product_attention: softmax(q @ k^T * scale + mask) @ v, scale
+    1 / sqrt(q.shape[-1]) by default. A bool attn_mask marks the keys each query may attend to, a
+    float one is added to the scores; is_causal masks as a top-left lower triangle and cannot be
+    combined with attn_mask. dropout_p applies whenever it is nonzero (pass 0 in eval); without a
+    mask or dropout this is the IR's fused op. Inside dtm.autocast its float operands (not f64)
+    are cast to the autocast dtype, as on torch's CPU autocast list."""
     if attn_mask is not None and is_causal:
         raise error(ErrorCode.ATTRIBUTE_VALUE, "scaled_dot_product_attention: give attn_mask or is_causal=True, not both")
     if attn_mask is None and not dropout_p:

@@ -50,6 +50,11 @@ def sharding(spec: str | Sharding | None) -> Sharding | None:
 
 
 class FuncBuilder:
+    """Builds one function of a Builder's module: `param` adds a parameter; every registry
+    op is a method (`f.matmul(x, w)`, or `f.op("matmul", x, w)`) that appends the op and
+    returns its result, typed by the op's type rule unless `type=` is given; `ret` sets
+    what it returns. Unnamed values are named v0, v1, ...."""
+
     def __init__(self, module: Module, name: str):
         self.func = Func(name, [], [])
         self.module = module
@@ -108,6 +113,9 @@ class FuncBuilder:
 
 
 class Builder:
+    """Builds a Module in code (see the module doc): `mesh` declares a mesh, `func` starts a
+    FuncBuilder, `task` declares a task, and `build` returns the module, verified."""
+
     def __init__(self, version: tuple[int, int] | None = None):
         self.module = Module(version)
 

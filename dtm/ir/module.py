@@ -19,6 +19,9 @@ Loc = tuple[int, int]  # (line, col), 1-based; None for IR built from Python
 
 
 class Value:
+    """An SSA value: its TensorType, an optional Sharding, and a name for people only
+    (compared by identity; the canonical encoding numbers values)."""
+
     __slots__ = ("name", "type", "sharding")
 
     def __init__(self, type: TensorType, name: str | None = None, sharding: Sharding | None = None):
@@ -66,6 +69,9 @@ class Op:
 
 
 class Func:
+    """A function: its parameters (Values), result types ((TensorType, Sharding or None)
+    pairs), one block of ops, and the Values it returns."""
+
     __slots__ = ("name", "params", "result_types", "ops", "returns", "loc", "return_loc")
 
     def __init__(self, name: str, params: list[Value], result_types: list[tuple[TensorType, Sharding | None]],
@@ -97,6 +103,10 @@ class Task:
 
 
 class Module:
+    """An IR module: its meshes, functions and tasks by name, and its version (None for one
+    built in code). Modules are equal when their canonical encodings are; `.hash()` is the
+    hex sha256 of that encoding (the object itself is mutable, so not hashable)."""
+
     __slots__ = ("version", "meshes", "funcs", "tasks")
 
     def __init__(self, version: tuple[int, int] | None = None):

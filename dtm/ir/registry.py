@@ -19,6 +19,9 @@ from .types import REDUCE_OPS
 
 
 class Category(enum.Enum):
+    """The kind of op an OpDef is (elementwise unary, reduction, collective, ...); each
+    value is the category's name in words."""
+
     UNARY = "elementwise unary"
     BINARY = "elementwise binary"
     COMPARE = "comparison"

@@ -68,6 +68,7 @@ def _normalize(terms: dict[Monomial, int]) -> Dim:
 
 
 def sym(name: str) -> SymDim:
+    """The dim that is the symbol `name` alone (`sym("B")`), to build symbolic dims from."""
     return SymDim({(name,): 1})
 
 

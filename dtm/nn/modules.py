@@ -44,6 +44,13 @@ class Parameter(Tensor):
 
 
 class Module:
+    """torch.nn.Module: the base of every layer. A Parameter or Module assigned to an
+    attribute is registered (a subclass calls super().__init__() before assigning any),
+    `register_buffer` adds untrained state, and the walks (named_parameters, state_dict,
+    load_state_dict, train/eval, to(dtype)) follow the sub-modules. Calling it runs
+    `forward`; the outermost call from eager code first computes its pending inputs that
+    need no gradient, and after, its outputs that need none."""
+
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
@@ -466,6 +473,10 @@ class Conv2d(_ConvNd):
 
 
 class LayerNorm(Module):
+    """torch.nn.LayerNorm: layer_norm over the trailing `normalized_shape` dims, times a
+    weight (ones to start) plus a bias (zeros) when elementwise_affine; bias=False keeps the
+    weight alone."""
+
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True):
         super().__init__()
         self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
@@ -579,6 +590,10 @@ class RMSNorm(Module):
 
 
 class Dropout(Module):
+    """torch.nn.Dropout: in training, zeros each element with probability p and scales the
+    rest by 1 / (1 - p); in eval, returns its input. p must be in [0, 1): unlike torch, p = 1
+    is an error, raised by the first training call that uses it (not by the constructor)."""
+
     def __init__(self, p: float = 0.5):
         super().__init__()
         self.p = p
@@ -591,6 +606,9 @@ class Dropout(Module):
 
 
 class GELU(Module):
+    """torch.nn.GELU: gelu elementwise, exact (approximate="none") or with the tanh
+    approximation (approximate="tanh"); integer inputs compute in the default float."""
+
     def __init__(self, approximate: str = "none"):
         super().__init__()
         self.approximate = approximate
@@ -600,16 +618,22 @@ class GELU(Module):
 
 
 class ReLU(Module):
+    """torch.nn.ReLU: max(x, 0) elementwise, in x's dtype."""
+
     def forward(self, x: Tensor) -> Tensor:
         return F.relu(x)
 
 
 class Tanh(Module):
+    """torch.nn.Tanh: tanh elementwise; integer inputs compute in the default float."""
+
     def forward(self, x: Tensor) -> Tensor:
         return F.tanh(x)
 
 
 class SiLU(Module):
+    """torch.nn.SiLU: x * sigmoid(x) elementwise; integer inputs compute in the default float."""
+
     def forward(self, x: Tensor) -> Tensor:
         return F.silu(x)
 
@@ -626,6 +650,9 @@ class Identity(Module):
 
 
 class Softmax(Module):
+    """torch.nn.Softmax: softmax along `dim`. dim=None takes torch's legacy choice (without
+    its warning): dim 0 for inputs of rank 0, 1 or 3, else dim 1."""
+
     def __init__(self, dim: int | None = None):
         super().__init__()
         self.dim = dim
@@ -654,6 +681,10 @@ class Flatten(Module):
 
 
 class Sequential(Module):
+    """torch.nn.Sequential: the modules given, registered as "0", "1", ..., called in order,
+    each on the previous one's output. Only positional modules (no OrderedDict); an int
+    index gives a module, a slice a plain list."""
+
     def __init__(self, *modules: Module):
         super().__init__()
         for i, m in enumerate(modules):
@@ -672,6 +703,9 @@ class Sequential(Module):
 
 
 class ModuleList(Module):
+    """torch.nn.ModuleList: sub-modules in a list, registered as "0", "1", ...: append,
+    index, iterate and len; it has no forward of its own."""
+
     def __init__(self, modules=()):
         super().__init__()
         for m in modules:
@@ -735,6 +769,10 @@ class ModuleDict(Module):
 
 
 class CrossEntropyLoss(Module):
+    """torch.nn.CrossEntropyLoss: cross_entropy of logits and class ids, with ignore_index,
+    reduction and label_smoothing. There are no class weights: the first positional
+    argument is ignore_index (torch's is weight)."""
+
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
@@ -745,6 +783,9 @@ class CrossEntropyLoss(Module):
 
 
 class MSELoss(Module):
+    """torch.nn.MSELoss: mse_loss, (input - target)^2 reduced as `reduction` says ('mean',
+    'sum' or 'none')."""
+
     def __init__(self, reduction: str = "mean"):
         super().__init__()
         self.reduction = reduction
@@ -754,11 +795,17 @@ class MSELoss(Module):
 
 
 class L1Loss(MSELoss):
+    """torch.nn.L1Loss: l1_loss, |input - target| reduced as `reduction` says. (A subclass of
+    MSELoss here, for its constructor.)"""
+
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         return l1_loss(input, target, self.reduction)
 
 
 class NLLLoss(Module):
+    """torch.nn.NLLLoss: nll_loss of log-probabilities and class ids, with optional class
+    weights, ignore_index and reduction."""
+
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean"):
         super().__init__()
         self.weight, self.ignore_index, self.reduction = weight, ignore_index, reduction
@@ -768,6 +815,9 @@ class NLLLoss(Module):
 
 
 class BCELoss(Module):
+    """torch.nn.BCELoss: binary_cross_entropy of probabilities `input` against `target`,
+    times an optional elementwise weight, then reduced."""
+
     def __init__(self, weight: Tensor | None = None, reduction: str = "mean"):
         super().__init__()
         self.weight, self.reduction = weight, reduction
@@ -777,6 +827,10 @@ class BCELoss(Module):
 
 
 class BCEWithLogitsLoss(Module):
+    """torch.nn.BCEWithLogitsLoss: binary_cross_entropy_with_logits, BCE of sigmoid(input)
+    in a stable form, with an optional elementwise weight and pos_weight (the weight of the
+    positive term)."""
+
     def __init__(self, weight: Tensor | None = None, reduction: str = "mean", pos_weight: Tensor | None = None):
         super().__init__()
         self.weight, self.reduction, self.pos_weight = weight, reduction, pos_weight

@@ -28,6 +28,12 @@ from ..tensor.core import assign, on_replay
 
 
 class Optimizer:
+    """torch.optim.Optimizer: the base of the optimizers. `params` holds tensors, or param
+    groups ({"params": [...], setting: value, ...}) whose settings override `defaults`; an
+    empty list is an error. A step updates every parameter with a gradient as one program
+    (see the module doc). zero_grad always sets the gradients to None (set_to_none=False
+    is ignored)."""
+
     def __init__(self, params: Iterable[Tensor], defaults: dict):
         params = list(params)
         if not params:
@@ -202,6 +208,11 @@ def _tensors(values: dict[str, float], like: Tensor) -> dict[str, Tensor]:
 
 
 class SGD(Optimizer):
+    """torch.optim.SGD: p -= lr * g, g the gradient plus weight_decay * p. With momentum, a
+    buffer b = momentum * b + (1 - dampening) * g (g itself on the first step) replaces g,
+    or with nesterov g + momentum * b does. Unlike torch, nesterov with no momentum or with
+    dampening is not an error (it is plain SGD, or dampened)."""
+
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,

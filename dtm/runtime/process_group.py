@@ -523,6 +523,8 @@ def current() -> ProcessGroup:
 
 
 def is_initialized() -> bool:
+    """torch.distributed.is_initialized: whether this process is in a process group (after
+    `init`, before `shutdown`)."""
     return _current is not None
 
 

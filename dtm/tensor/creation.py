@@ -239,12 +239,16 @@ def _random(size, distribution: str, dtype: Any, requires_grad: bool, generator:
 
 def randn(*size, generator: Generator | None = None, dtype: Any = None, device: Any = None,
           requires_grad: bool = False) -> Tensor:
+    """torch.randn: standard normal numbers from the spec's counter-based `random` op (the
+    same numbers on every backend for the same seed)."""
     _on(device, "randn")
     return _random(size, "normal", dtype, requires_grad, generator)
 
 
 def rand(*size, generator: Generator | None = None, dtype: Any = None, device: Any = None,
          requires_grad: bool = False) -> Tensor:
+    """torch.rand: uniform numbers in [0, 1) from the spec's counter-based `random` op (the
+    same numbers on every backend for the same seed)."""
     _on(device, "rand")
     return _random(size, "uniform", dtype, requires_grad, generator)
 
