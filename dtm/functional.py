@@ -765,6 +765,10 @@ def expand(x: Tensor, *sizes) -> Tensor:
     lead = len(sizes) - x.ndim
     if lead < 0:
         raise error(ErrorCode.RANK_MISMATCH, f"expand: {len(sizes)} sizes for a tensor of rank {x.ndim}")
+    for i, s in enumerate(sizes):
+        if s == -1 and i < lead or s < -1:  # (-1 keeps a dim's size: a new dim has none)
+            raise error(ErrorCode.INVALID_DIM, f"expand: size {s} at dim {i} of {sizes} for {x._type}: -1 only "
+                        "keeps the size of an existing dim, and no other size is negative")
     shape = tuple(x.shape[i - lead] if s == -1 else int(s) for i, s in enumerate(sizes))
     return x if shape == x.shape else apply("broadcast_to", x, shape=shape)
 
@@ -835,9 +839,15 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
 
 
 def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
-    """torch.narrow: `length` elements of x along `dim` from `start`, as an IR slice."""
+    """torch.narrow: `length` elements of x along `dim` from `start` (a negative start counts
+    from the end), as an IR slice."""
     d = normalize_dim(dim, x.ndim)
-    return _slice(x, d, start, start + length, 1)
+    n = x.shape[d]
+    at = start + n if start < 0 else start
+    if not 0 <= at <= n or length < 0 or at + length > n:
+        raise error(ErrorCode.INVALID_DIM, f"narrow: start {start} and length {length} do not fit dim {d} of "
+                    f"{x._type} (start in [{-n}, {n}], start + length at most {n})")
+    return _slice(x, d, at, at + length, 1)
 
 
 def _slice(x: Tensor, axis: int, start: int, stop: int, step: int) -> Tensor:
@@ -872,9 +882,10 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]
     n = x.shape[d]
     if isinstance(split_size_or_sections, int):
         size = split_size_or_sections
-        if size <= 0 and n:
-            raise error(ErrorCode.ATTRIBUTE_VALUE, f"split: split_size must be positive, found {size}")
-        sizes = [builtins.min(size, n - i) for i in range(0, n, size)] or [0]
+        if size < 0 or size == 0 and n:
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"split: split_size must be positive (0 only for a dim of size "
+                        f"0), found {size} for dim {d} of {x._type}")
+        sizes = [builtins.min(size, n - i) for i in range(0, n, size)] if n else [0]
     else:
         sizes = list(split_size_or_sections)
         if builtins.sum(sizes) != n:
@@ -1143,12 +1154,20 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
     return reshape(out, x.shape)
 
 
+def _check_p(p: float, what: str) -> None:
+    """A dropout probability: a number in [0, 1] (torch's ValueError otherwise)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"{what}: p must be between 0 and 1, found {p!r}")
+
+
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
-    """Zero each element with probability p and scale the rest by 1 / (1 - p)."""
+    """Zero each element with probability p and scale the rest by 1 / (1 - p); p = 1 zeros
+    everything, as torch's."""
+    _check_p(p, "dropout")
     if not training or p == 0.0:
         return x
-    if not 0.0 <= p < 1.0:
-        raise error(ErrorCode.ATTRIBUTE_VALUE, f"dropout: p must be in [0, 1), found {p}")
+    if p == 1.0:
+        return mul(x, 0.0)
     keep = rand(*x.shape) >= p
     return where(keep, mul(x, 1.0 / (1.0 - p)), 0.0)
 

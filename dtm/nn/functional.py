@@ -12,41 +12,67 @@ from ..errors import ErrorCode
 from ..functional import (dropout, gelu, layer_norm, linear, log_softmax, pad, relu, scaled_dot_product_attention,
                           sigmoid, silu, softmax, tanh, take)
 from .. import functional as F
-from ..tensor import Tensor, arange, error, int64, no_grad
+from ..tensor import Tensor, arange, error, int64, no_grad, tensor as as_tensor
 from ..tensor.extra_ops import norm
 from ..tensor import autocast as _autocast  # torch's CPU autocast lists
 
 
 @_autocast.fp32
-def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
+                  ignore_index: int = -100, reduce=None, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
-    """Mean negative log-likelihood of class indices `target` under softmax(`logits`) over
-    the class dim 1: logits [N, C] (or [C], or [N, C, d1, ...] with target [N, d1, ...]),
-    target integer class ids; entries equal to `ignore_index` count neither in the sum nor
-    in the mean. With `label_smoothing` e the target is the mix (1 - e) * one_hot + e / C,
-    computed as torch does: the loss is (1 - e) * nll + e / C * (-sum of the
-    log-probabilities), each reduced alike."""
+    """torch.nn.functional.cross_entropy, in torch's argument order: mean negative
+    log-likelihood of class indices `target` under softmax(`logits`) over the class dim 1:
+    logits [N, C] (or [C], or [N, C, d1, ...] with target [N, d1, ...]), target integer
+    class ids; entries equal to `ignore_index` count neither in the sum nor in the mean. A
+    class `weight` [C] scales each row's loss by its class's weight, and the mean divides by
+    the weights of the rows counted. With `label_smoothing` e the target is the mix
+    (1 - e) * one_hot + e / C, computed as torch does: the loss is (1 - e) * nll + e / C *
+    (-sum over classes of weight * log-probability), each reduced alike. torch's deprecated
+    size_average and reduce are refused (use `reduction`)."""
+    _no_legacy_reduction("cross_entropy", size_average, reduce)
     if not 0.0 <= label_smoothing <= 1.0:
         raise error(ErrorCode.ATTRIBUTE_VALUE, f"cross_entropy: label_smoothing must be in [0, 1], found {label_smoothing}")
     logp, target, shape = _class_rows("cross_entropy", log_softmax(logits, dim=1 if logits.ndim > 1 else 0), target,
                                       ignore_index)
+    weight = _class_weight("cross_entropy", weight, logp)
     keep = target != ignore_index
-    losses, counted = _picked_nll(logp, target, keep, None)
+    losses, counted = _picked_nll(logp, target, keep, weight)
     if label_smoothing:
-        smooth = F.neg(F.where(keep, F.sum(logp, -1), 0.0))
+        per_class = logp if weight is None else F.mul(logp, weight)
+        smooth = F.neg(F.where(keep, F.sum(per_class, -1), 0.0))
         losses = F.add(F.mul(losses, 1.0 - label_smoothing), F.mul(smooth, label_smoothing / logp.shape[1]))
     return _reduced("cross_entropy", losses, counted, reduction, shape)
 
 
+def _no_legacy_reduction(name: str, size_average, reduce) -> None:
+    """torch's deprecated size_average / reduce arguments: refused, naming `reduction`."""
+    if size_average is not None or reduce is not None:
+        raise error(ErrorCode.ATTRIBUTE_VALUE, f"{name}: size_average and reduce are deprecated in torch and not "
+                    "taken here; pass reduction='mean', 'sum' or 'none'")
+
+
+def _class_weight(name: str, weight, logp: Tensor) -> Tensor | None:
+    """A loss's class weight: None, or a float tensor [C] in the log-probabilities' dtype."""
+    if weight is None:
+        return None
+    weight = as_tensor(weight)
+    if weight.shape != (logp.shape[1],) or not weight.dtype.is_float:
+        raise error(ErrorCode.SHAPE_MISMATCH, f"{name}: weight must be a float tensor [{logp.shape[1]}] (one per "
+                    f"class), found {weight._type}")
+    return F.cast(weight, logp.dtype)
+
+
 @_autocast.fp32
-def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, ignore_index: int = -100,
-             reduction: str = "mean") -> Tensor:
-    """torch.nn.functional.nll_loss: -weight[t] * input[t] for each row's class id t, over
-    log-probabilities `input` shaped as cross_entropy's logits. The mean divides by the sum
-    of the weights of the rows counted (those whose target is not `ignore_index`)."""
+def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
+             ignore_index: int = -100, reduce=None, reduction: str = "mean") -> Tensor:
+    """torch.nn.functional.nll_loss, in torch's argument order: -weight[t] * input[t] for each
+    row's class id t, over log-probabilities `input` shaped as cross_entropy's logits. The
+    mean divides by the sum of the weights of the rows counted (those whose target is not
+    `ignore_index`)."""
+    _no_legacy_reduction("nll_loss", size_average, reduce)
     logp, target, shape = _class_rows("nll_loss", input, target, ignore_index)
-    if weight is not None and weight.shape != (logp.shape[1],):
-        raise error(ErrorCode.SHAPE_MISMATCH, f"nll_loss: weight must be [{logp.shape[1]}], found {weight._type}")
+    weight = _class_weight("nll_loss", weight, logp)
     losses, counted = _picked_nll(logp, target, target != ignore_index, weight)
     return _reduced("nll_loss", losses, counted, reduction, shape)
 
@@ -359,11 +385,12 @@ def l1_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
 
 
 @_autocast.fp32
-def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
-                         reduction: str = "mean") -> Tensor:
+def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
+                         reduce=None, reduction: str = "mean") -> Tensor:
     """torch.nn.functional.binary_cross_entropy of probabilities `input`: -(t log x +
     (1 - t) log(1 - x)), each log clamped to >= -100 as torch does, so that x = 0 or 1
     gives a finite loss."""
+    _no_legacy_reduction("binary_cross_entropy", size_average, reduce)
     log_x = F.clamp(F.log(input), min=-100.0)
     log_1mx = F.clamp(F.log(F.sub(1.0, input)), min=-100.0)
     losses = F.neg(F.add(F.mul(target, log_x), F.mul(F.sub(1.0, target), log_1mx)))
@@ -371,11 +398,12 @@ def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = 
 
 
 @_autocast.fp32
-def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None,
-                                     reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
+                                     reduce=None, reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
     """torch.nn.functional.binary_cross_entropy_with_logits: binary_cross_entropy of
     sigmoid(input), in torch's stable form (1 - t) x + w_t (log(1 + e^-|x|) + max(-x, 0)),
     w_t = 1 + (pos_weight - 1) t weighing the positive term, so no exp overflows."""
+    _no_legacy_reduction("binary_cross_entropy_with_logits", size_average, reduce)
     softplus_neg = F.add(F.log(F.add(1.0, F.exp(F.neg(F.abs(input))))), F.relu(F.neg(input)))
     log_weight = 1.0 if pos_weight is None else F.add(F.mul(F.sub(pos_weight, 1.0), target), 1.0)
     losses = F.add(F.mul(F.sub(1.0, target), input), F.mul(log_weight, softplus_neg))

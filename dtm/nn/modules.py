@@ -18,8 +18,9 @@ from ..runtime import buffers
 from ..tensor.core import STATE, realize
 from ..tensor import (Tensor, as_dtype, bfloat16, error, float16, float32, float64, int64, no_grad, rand, randn, tensor,
                       zeros, ones)
-from .functional import (batch_norm, binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, dropout,
-                         embedding, group_norm, l1_loss, mse_loss, nll_loss, rms_norm)
+from ..functional import _check_p
+from .functional import (_no_legacy_reduction, batch_norm, binary_cross_entropy, binary_cross_entropy_with_logits,
+                         cross_entropy, dropout, embedding, group_norm, l1_loss, mse_loss, nll_loss, rms_norm)
 from .functional import _conv_tuple, _same_padding, conv1d, conv2d
 from .weights import load_safetensors, save_safetensors
 
@@ -105,10 +106,19 @@ class Module:
         return out
 
     # -- walking --
-    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+    def named_modules(self, memo: set | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, "Module"]]:
+        """torch.nn.Module.named_modules: (name, module) for this module and every sub-module,
+        depth first; a module held in two places comes once, under its first name (every time
+        with remove_duplicate=False, as state_dict walks them)."""
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
         yield prefix, self
         for name, m in self._modules.items():
-            yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
+            yield from m.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
 
     def modules(self) -> Iterator["Module"]:
         for _, m in self.named_modules():
@@ -119,7 +129,7 @@ class Module:
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         seen = set()
-        for mname, m in self.named_modules(prefix):
+        for mname, m in self.named_modules(prefix=prefix):
             for pname, p in m._parameters.items():
                 if id(p) in seen:  # tied weights appear once
                     continue
@@ -133,7 +143,7 @@ class Module:
     def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
         """Every registered buffer with its dotted name, non-persistent ones too (as torch)."""
         seen = set()
-        for mname, m in self.named_modules(prefix):
+        for mname, m in self.named_modules(prefix=prefix):
             for bname, b in m._buffers.items():
                 if id(b) not in seen:  # a buffer shared by two modules appears once
                     seen.add(id(b))
@@ -151,9 +161,14 @@ class Module:
     def eval(self) -> "Module":
         return self.train(False)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.nn.Module.zero_grad: every parameter's gradient to None, or with
+        set_to_none=False each existing gradient set to zeros in place."""
         for p in self.parameters():
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.zero_()
 
     def apply(self, fn) -> "Module":
         for m in self.modules():
@@ -204,7 +219,7 @@ class Module:
     # -- state --
     def state_dict(self) -> "OrderedDict[str, Tensor]":
         out: OrderedDict[str, Tensor] = OrderedDict()
-        for mname, m in self.named_modules():
+        for mname, m in self.named_modules(remove_duplicate=False):  # (a shared module under each name, as torch)
             for table in (m._parameters, m._buffers):
                 for name, t in table.items():
                     if table is m._buffers and name in m._non_persistent_buffers:
@@ -591,11 +606,12 @@ class RMSNorm(Module):
 
 class Dropout(Module):
     """torch.nn.Dropout: in training, zeros each element with probability p and scales the
-    rest by 1 / (1 - p); in eval, returns its input. p must be in [0, 1): unlike torch, p = 1
-    is an error, raised by the first training call that uses it (not by the constructor)."""
+    rest by 1 / (1 - p) (p = 1 zeros everything); in eval, returns its input. p outside
+    [0, 1] is an error when the module is made, as in torch."""
 
     def __init__(self, p: float = 0.5):
         super().__init__()
+        _check_p(p, "Dropout")
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
@@ -681,12 +697,16 @@ class Flatten(Module):
 
 
 class Sequential(Module):
-    """torch.nn.Sequential: the modules given, registered as "0", "1", ..., called in order,
-    each on the previous one's output. Only positional modules (no OrderedDict); an int
-    index gives a module, a slice a plain list."""
+    """torch.nn.Sequential: the modules given, registered as "0", "1", ... (or by the names of
+    an OrderedDict), called in order, each on the previous one's output; an int index gives a
+    module, a slice a Sequential of those modules."""
 
     def __init__(self, *modules: Module):
         super().__init__()
+        if len(modules) == 1 and isinstance(modules[0], dict):  # Sequential(OrderedDict(name=module, ...))
+            for name, m in modules[0].items():
+                setattr(self, name, m)
+            return
         for i, m in enumerate(modules):
             setattr(self, str(i), m)
 
@@ -695,7 +715,9 @@ class Sequential(Module):
             x = m(x)
         return x
 
-    def __getitem__(self, i: int) -> Module:
+    def __getitem__(self, i: int | slice) -> "Module":
+        if isinstance(i, slice):
+            return Sequential(dict(list(self._modules.items())[i]))
         return list(self._modules.values())[i]
 
     def __len__(self) -> int:
@@ -769,17 +791,20 @@ class ModuleDict(Module):
 
 
 class CrossEntropyLoss(Module):
-    """torch.nn.CrossEntropyLoss: cross_entropy of logits and class ids, with ignore_index,
-    reduction and label_smoothing. There are no class weights: the first positional
-    argument is ignore_index (torch's is weight)."""
+    """torch.nn.CrossEntropyLoss, in torch's argument order: cross_entropy of logits and
+    class ids, with class weights, ignore_index, reduction and label_smoothing (torch's
+    deprecated size_average and reduce are refused)."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+    def __init__(self, weight: Tensor | None = None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()
-        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        _no_legacy_reduction("CrossEntropyLoss", size_average, reduce)
+        self.weight, self.ignore_index, self.reduction, self.label_smoothing = \
+            weight, ignore_index, reduction, label_smoothing
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-        return cross_entropy(logits, target, ignore_index=self.ignore_index, reduction=self.reduction,
-                             label_smoothing=self.label_smoothing)
+        return cross_entropy(logits, target, weight=self.weight, ignore_index=self.ignore_index,
+                             reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
 class MSELoss(Module):
@@ -806,24 +831,27 @@ class NLLLoss(Module):
     """torch.nn.NLLLoss: nll_loss of log-probabilities and class ids, with optional class
     weights, ignore_index and reduction."""
 
-    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean"):
+    def __init__(self, weight: Tensor | None = None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean"):
         super().__init__()
+        _no_legacy_reduction("NLLLoss", size_average, reduce)
         self.weight, self.ignore_index, self.reduction = weight, ignore_index, reduction
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return nll_loss(input, target, self.weight, self.ignore_index, self.reduction)
+        return nll_loss(input, target, weight=self.weight, ignore_index=self.ignore_index, reduction=self.reduction)
 
 
 class BCELoss(Module):
     """torch.nn.BCELoss: binary_cross_entropy of probabilities `input` against `target`,
     times an optional elementwise weight, then reduced."""
 
-    def __init__(self, weight: Tensor | None = None, reduction: str = "mean"):
+    def __init__(self, weight: Tensor | None = None, size_average=None, reduce=None, reduction: str = "mean"):
         super().__init__()
+        _no_legacy_reduction("BCELoss", size_average, reduce)
         self.weight, self.reduction = weight, reduction
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return binary_cross_entropy(input, target, self.weight, self.reduction)
+        return binary_cross_entropy(input, target, weight=self.weight, reduction=self.reduction)
 
 
 class BCEWithLogitsLoss(Module):
@@ -831,12 +859,15 @@ class BCEWithLogitsLoss(Module):
     in a stable form, with an optional elementwise weight and pos_weight (the weight of the
     positive term)."""
 
-    def __init__(self, weight: Tensor | None = None, reduction: str = "mean", pos_weight: Tensor | None = None):
+    def __init__(self, weight: Tensor | None = None, size_average=None, reduce=None, reduction: str = "mean",
+                 pos_weight: Tensor | None = None):
         super().__init__()
+        _no_legacy_reduction("BCEWithLogitsLoss", size_average, reduce)
         self.weight, self.reduction, self.pos_weight = weight, reduction, pos_weight
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return binary_cross_entropy_with_logits(input, target, self.weight, self.reduction, self.pos_weight)
+        return binary_cross_entropy_with_logits(input, target, weight=self.weight, reduction=self.reduction,
+                                                pos_weight=self.pos_weight)
 
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "Dropout", "GELU", "ReLU", "Tanh",

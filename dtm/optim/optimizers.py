@@ -31,8 +31,7 @@ class Optimizer:
     """torch.optim.Optimizer: the base of the optimizers. `params` holds tensors, or param
     groups ({"params": [...], setting: value, ...}) whose settings override `defaults`; an
     empty list is an error. A step updates every parameter with a gradient as one program
-    (see the module doc). zero_grad always sets the gradients to None (set_to_none=False
-    is ignored)."""
+    (see the module doc)."""
 
     def __init__(self, params: Iterable[Tensor], defaults: dict):
         params = list(params)
@@ -44,9 +43,14 @@ class Optimizer:
         self._compiled: jit | None = None  # the eager step's program (see `step`)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim.Optimizer.zero_grad: every parameter's gradient to None, or with
+        set_to_none=False each existing gradient set to zeros in place (its layout kept)."""
         for g in self.param_groups:
             for p in g["params"]:
-                p.grad = None
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     def _scalars(self, group: dict, step: int) -> dict[str, float]:
         """The numbers a step of `group`'s parameters at step count `step` needs."""
@@ -210,11 +214,14 @@ def _tensors(values: dict[str, float], like: Tensor) -> dict[str, Tensor]:
 class SGD(Optimizer):
     """torch.optim.SGD: p -= lr * g, g the gradient plus weight_decay * p. With momentum, a
     buffer b = momentum * b + (1 - dampening) * g (g itself on the first step) replaces g,
-    or with nesterov g + momentum * b does. Unlike torch, nesterov with no momentum or with
-    dampening is not an error (it is plain SGD, or dampened)."""
+    or with nesterov g + momentum * b does (nesterov needs a momentum and no dampening: an
+    error otherwise, as torch's)."""
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False):
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise error(ErrorCode.ATTRIBUTE_VALUE, f"SGD: nesterov momentum requires a momentum above 0 and zero "
+                        f"dampening, found momentum={momentum}, dampening={dampening} (torch raises too)")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
