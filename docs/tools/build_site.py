@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Assemble the documentation site's sources (`make docs` runs it, then MkDocs, then the PDF).
+
+MkDocs with the Material theme builds the site: the pages are markdown already (the spec,
+the guides, the README), and Material gives the sidebar, client-side search and code
+highlighting without a server; a Sphinx build would need the pages converted to MyST first.
+
+What this script writes under build/site-src/ (the sources stay where they are):
+- index.md: the README, its links into docs/ pointing at the site's pages;
+- guide/*.md, architecture.md, benchmarks.md: the pages of docs/;
+- spec/*.md: the spec split into its chapters, one page each (spec/index.md: the title and
+  contents), each op's entry findable by its name's anchor (`spec/03-ops.md#neg`); a link
+  from one chapter to another points at the other page;
+- conformance/*.md: each vector directory's README;
+and build/mkdocs.yml, the nav listing all of them. A link to a file of the repository that
+is not a page (a source file, a vector directory) becomes its text: the site has no such
+file, and no link on it is broken.
+
+    python docs/tools/build_site.py        # then: mkdocs build -f build/mkdocs.yml
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+
+from markdown.extensions.toc import slugify
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OUT = ROOT / "build" / "site-src"
+SPEC = ROOT / "docs" / "spec" / "dtm-spec.md"
+LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def spec_chapters() -> tuple[str, list[tuple[str, str, str]]]:
+    """The spec's text before chapter 1, and each chapter as (file name, title, text)."""
+    lines = SPEC.read_text(encoding="utf-8").split("\n")
+    starts = [i for i, line in enumerate(lines) if re.match(r"^## \d+\. ", line)]
+    head = "\n".join(lines[:starts[0]])
+    chapters = []
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(lines)
+        number, title = re.match(r"^## (\d+)\. (.*)$", lines[start]).groups()
+        name = f"{int(number):02d}-{slugify(title, '-')}.md"
+        chapters.append((name, f"{number}. {title}", "\n".join(lines[start:end])))
+    return head, chapters
+
+
+def anchors(text: str) -> list[str]:
+    """The anchors the site gives the headings of `text` (python-markdown's toc, as MkDocs)."""
+    out, inside = [], False
+    for line in text.split("\n"):
+        if FENCE.match(line):
+            inside = not inside
+        elif not inside and (m := re.match(r"^#{1,6} (.*)$", line)):
+            out.append(slugify(re.sub(r"`([^`]*)`", r"\1", m.group(1)), "-"))
+    return out
+
+
+def rewrite_links(text: str, source: pathlib.Path, page: str, pages: dict[pathlib.Path, str],
+                  spec_anchor: dict[str, str]) -> str:
+    """`text` (of repository file `source`, published as site page `page`) with each link
+    pointing where the site has its target; outside code blocks only."""
+    depth = page.count("/")
+
+    def one(m: re.Match) -> str:
+        bang, label, target = m.groups()
+        if re.match(r"[a-z]+://|mailto:", target):
+            return m.group(0)
+        path, _, frag = target.partition("#")
+        if not path:  # an anchor on the same page; in the spec, maybe on another chapter's page
+            if source == SPEC and frag in spec_anchor and spec_anchor[frag] != page:
+                return f"{bang}[{label}]({'../' * depth}{spec_anchor[frag]}#{frag})"
+            return m.group(0)
+        resolved = (source.parent / path).resolve()
+        if resolved in pages:
+            rel = "../" * depth + pages[resolved]
+            return f"{bang}[{label}]({rel}{'#' + frag if frag else ''})"
+        if bang and resolved.exists():  # an image: copied beside the pages
+            (OUT / "assets").mkdir(parents=True, exist_ok=True)
+            shutil.copy(resolved, OUT / "assets" / resolved.name)
+            return f"{bang}[{label}]({'../' * depth}assets/{resolved.name})"
+        return label  # a repository file that is not a page
+
+    out, inside = [], False
+    for line in text.split("\n"):
+        if FENCE.match(line):
+            inside = not inside
+        out.append(line if inside else LINK.sub(one, line))
+    return "\n".join(out)
+
+
+def main() -> None:
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    (OUT / "spec").mkdir(parents=True)
+    head, chapters = spec_chapters()
+    guides = sorted((ROOT / "docs" / "guide").glob("*.md"))
+    vectors = sorted((ROOT / "conformance").glob("*/README.md"))
+    pages: dict[pathlib.Path, str] = {(ROOT / "README.md").resolve(): "index.md",
+                                      SPEC.resolve(): "spec/index.md",
+                                      (ROOT / "docs" / "architecture.md").resolve(): "architecture.md",
+                                      (ROOT / "docs" / "benchmarks.md").resolve(): "benchmarks.md"}
+    pages.update({g.resolve(): f"guide/{g.name}" for g in guides})
+    pages.update({v.resolve(): f"conformance/{v.parent.name}.md" for v in vectors})
+    for d in ("conformance/ir", "conformance/protocol", "conformance/checkpoint", "conformance/exec"):
+        if (ROOT / d / "README.md").exists():
+            pages[(ROOT / d).resolve()] = f"conformance/{pathlib.Path(d).name}.md"  # (a link to the directory)
+    spec_anchor = {a: "spec/index.md" for a in anchors(head)}
+    for name, _, text in chapters:
+        spec_anchor.update({a: f"spec/{name}" for a in anchors(text)})
+    for name, _, text in chapters:
+        (OUT / "spec" / name).write_text(rewrite_links(text, SPEC, f"spec/{name}", pages, spec_anchor) + "\n",
+                                         encoding="utf-8")
+    contents = "\n".join(f"- [{title}]({name})" for name, title, _ in chapters)
+    index = re.sub(r"## Contents\n.*", f"## Contents\n\n{contents}\n", head, flags=re.S)
+    (OUT / "spec" / "index.md").write_text(rewrite_links(index, SPEC, "spec/index.md", pages, spec_anchor),
+                                           encoding="utf-8")
+    for source, page in pages.items():
+        if source == SPEC.resolve() or source.is_dir():
+            continue
+        target = OUT / page
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(rewrite_links(source.read_text(encoding="utf-8"), source, page, pages, spec_anchor),
+                          encoding="utf-8")
+    nav = ["nav:", "  - Home: index.md", "  - Guides:"]
+    nav += [f"      - guide/{g.name}" for g in guides]
+    nav += ["  - Architecture: architecture.md", "  - Spec:", "      - spec/index.md"]
+    nav += [f"      - spec/{name}" for name, _, _ in chapters]
+    nav += ["  - Conformance:"] + [f"      - conformance/{v.parent.name}.md" for v in vectors]
+    nav += ["  - Benchmarks: benchmarks.md"]
+    config = (ROOT / "docs" / "mkdocs.base.yml").read_text(encoding="utf-8")
+    (ROOT / "build" / "mkdocs.yml").write_text(config + "\n" + "\n".join(nav) + "\n", encoding="utf-8")
+    print(f"{len(pages)} pages and {len(chapters)} spec chapters in {OUT}")
+
+
+if __name__ == "__main__":
+    main()

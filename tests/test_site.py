@@ -1,0 +1,122 @@
+"""The documentation site and the spec's PDF (`make docs`), built as the make target builds
+them and checked as a reader meets them: the site in headless Chromium (Playwright driving
+Debian's `chromium`; `make test` installs it where apt can) served on 127.0.0.1, where search
+finds `scaled_dot_product_attention`, no internal link of any page is broken (its page and
+its anchor exist), code is highlighted, and screenshots are saved; the PDF's pages render
+(pdfium) and its text holds every op's heading and a contents with page numbers."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from dtm.ir.registry import REGISTRY
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SITE = ROOT / "site"
+PDF = SITE / "dtm-spec.pdf"
+
+
+@pytest.fixture(scope="module")
+def built():
+    """`make docs`'s three steps: the sources, MkDocs (strict: a broken link or anchor
+    fails the build), the PDF."""
+    for cmd in ([sys.executable, "docs/tools/build_site.py"],
+                [sys.executable, "-m", "mkdocs", "build", "-q", "-f", "build/mkdocs.yml"],
+                [sys.executable, "docs/tools/build_pdf.py"]):
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))  # (Material's notice of its successor)
+        assert out.returncode == 0, f"{' '.join(cmd)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return SITE
+
+
+def test_every_op_has_its_anchor_on_the_ops_page(built):
+    html = (built / "spec" / "03-ops.html").read_text(encoding="utf-8")
+    missing = [op for op in REGISTRY if f'id="{op}"' not in html]
+    assert missing == []
+
+
+def test_the_pdf_renders_and_holds_every_op_and_its_contents(built):
+    import pypdf
+    import pypdfium2
+
+    reader = pypdf.PdfReader(PDF)
+    assert len(reader.pages) > 100
+    text = "\n".join(page.extract_text() for page in reader.pages)
+    assert [op for op in REGISTRY if op not in text] == []
+    contents = reader.pages[1].extract_text()
+    assert "Contents" in contents and re.search(r"1\. Overview\s*\.*\s*\d+", contents)
+    doc = pypdfium2.PdfDocument(str(PDF))
+    for i in (0, len(doc) // 2, len(doc) - 1):  # the title, a page of ops, the last
+        image = doc[i].render(scale=0.5).to_pil().convert("L")
+        assert image.getextrema()[0] < 100, f"page {i + 1} rendered blank"
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # (no line per request on stderr)
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser(built, tmp_path_factory):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Chromium is not installed and could not be (make test runs apt-get install chromium as root)")
+    from playwright.sync_api import sync_playwright
+
+    handler = functools.partial(_Quiet, directory=str(built))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = b.new_page()
+        page.set_default_timeout(30_000)
+        yield page, f"http://127.0.0.1:{server.server_address[1]}/", tmp_path_factory.mktemp("screens")
+        b.close()
+    server.shutdown()
+
+
+def test_search_finds_an_op(browser):
+    page, base, shots = browser
+    page.goto(base + "index.html")
+    page.locator("label.md-search__icon, .md-search__input").first.click()
+    page.locator("input.md-search__input").fill("scaled_dot_product_attention")
+    hit = page.locator(".md-search-result a[href*='03-ops.html'][href$='#scaled_dot_product_attention']").first
+    hit.wait_for()
+    page.screenshot(path=shots / "search.png")
+    hit.click()
+    page.wait_for_url(lambda url: "03-ops.html" in url and url.endswith("#scaled_dot_product_attention"))
+    assert page.locator("#scaled_dot_product_attention").is_visible()
+
+
+def test_no_internal_link_is_broken_and_code_is_highlighted(browser):
+    page, base, shots = browser
+    pages = sorted(p.relative_to(SITE).as_posix() for p in SITE.rglob("*.html") if p.name != "404.html")
+    assert len(pages) >= 20
+    ids = {name: set(re.findall(r'\bid="([^"]+)"', (SITE / name).read_text(encoding="utf-8"))) for name in pages}
+    broken = []
+    for name in pages:
+        page.goto(base + name, wait_until="domcontentloaded")  # each page as the browser has it, links resolved by it
+        for href in page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)"):
+            if not href.startswith(base):
+                continue
+            target, _, frag = href[len(base):].partition("#")
+            target = target.partition("?")[0] or name
+            if target not in ids and not (SITE / target).is_file():
+                broken.append(f"{name}: {href}")
+            elif frag and target in ids and frag not in ids[target]:
+                broken.append(f"{name}: {href}")
+    assert broken == []
+    page.goto(base + "guide/tensors.html")
+    page.screenshot(path=shots / "guide.png")
+    tokens = page.eval_on_selector_all(".highlight code span[class]", "els => els.length")
+    assert tokens > 50  # python blocks tokenised by Pygments: highlighted
