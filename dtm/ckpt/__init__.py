@@ -181,7 +181,9 @@ def save(state: dict, path: str | os.PathLike, step: int, keep: int | None = Non
     checkpoint `step` under directory `path`; every rank calls it. The values are copied
     before it returns; the files are written by a background thread, in one process and
     on a mesh of processes alike (there with no collective: spec 9.4.11). `keep=N` removes
-    all but the newest N complete checkpoints once this one is complete. `progress`: a bar
+    all but the newest N complete checkpoints once this one is complete, and before it
+    starts what an earlier save killed before its own removal left (so no more than N + 1
+    ever stay). `progress`: a bar
     on rank 0's stderr once a save has run 2 s (None: when stderr is a terminal). Raises the
     error of an earlier save that failed and was not waited for."""
     global _last
@@ -289,6 +291,8 @@ def _write(h: Handle, keep: int | None, entries: dict, items: _list[_Item], mesh
     _yield_cpu()
     st = None
     try:
+        if lead and keep is not None:  # what an earlier save killed before its own prune left: at most keep + 1 stay
+            _prune(root, keep)
         try:
             infos: _list[Any] = []
             pieces: _list[tuple[str, fmt.Layout, int] | None] = []  # a distributed tensor's version, layout, CRC part
