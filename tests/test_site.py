@@ -23,6 +23,8 @@ import pytest
 
 from dtm.ir.registry import REGISTRY
 
+pytestmark = pytest.mark.xdist_group("site")  # (one worker builds site/ and reads it)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SITE = ROOT / "site"
 PDF = SITE / "dtm-spec.pdf"
