@@ -58,7 +58,7 @@ PARALLEL_TESTS := tests/test_tensor_ops.py tests/test_autocast.py tests/test_aut
 test: $(STAMP)
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y -q chromium >/dev/null 2>&1; } || echo "chromium not installed: tests/test_site.py's browser checks will skip"
-	$(BIN)/python -m pytest -x -p no:cacheprovider -n 2 --dist loadgroup $(PARALLEL_TESTS)
+	$(BIN)/python -m pytest -x -p no:cacheprovider -n 2 $(PARALLEL_TESTS)
 	$(BIN)/python -m pytest -x -p no:cacheprovider --durations=25 $(addprefix --ignore=,$(PARALLEL_TESTS)) tests
 
 $(DOCS_STAMP): $(BIN)/python pyproject.toml

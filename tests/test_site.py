@@ -23,24 +23,22 @@ import pytest
 
 from dtm.ir.registry import REGISTRY
 
-pytestmark = pytest.mark.xdist_group("site")  # (one worker builds site/ and reads it)
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SITE = ROOT / "site"
-PDF = SITE / "dtm-spec.pdf"
 
 
 @pytest.fixture(scope="module")
-def built():
-    """`make docs`'s three steps: the sources, MkDocs (strict: a broken link or anchor
-    fails the build), the PDF."""
-    for cmd in ([sys.executable, "docs/tools/build_site.py"],
-                [sys.executable, "-m", "mkdocs", "build", "-q", "-f", "build/mkdocs.yml"],
-                [sys.executable, "docs/tools/build_pdf.py"]):
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+def built(tmp_path_factory):
+    """`make docs`'s three steps, into a directory of this test process's own: the sources,
+    MkDocs (strict: a broken link or anchor fails the build), the PDF. Returns the site."""
+    out = tmp_path_factory.mktemp("docs")
+    site = out / "site"
+    for cmd in ([sys.executable, "docs/tools/build_site.py", "--out", str(out), "--site", str(site)],
+                [sys.executable, "-m", "mkdocs", "build", "-q", "-f", str(out / "mkdocs.yml")],
+                [sys.executable, "docs/tools/build_pdf.py", str(site / "dtm-spec.pdf")]):
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                              env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))  # (Material's notice of its successor)
-        assert out.returncode == 0, f"{' '.join(cmd)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
-    return SITE
+        assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return site
 
 
 def test_every_op_has_its_anchor_on_the_ops_page(built):
@@ -53,13 +51,14 @@ def test_the_pdf_renders_and_holds_every_op_and_its_contents(built):
     import pypdf
     import pypdfium2
 
-    reader = pypdf.PdfReader(PDF)
+    pdf = built / "dtm-spec.pdf"
+    reader = pypdf.PdfReader(pdf)
     assert len(reader.pages) > 100
     text = "\n".join(page.extract_text() for page in reader.pages)
     assert [op for op in REGISTRY if op not in text] == []
     contents = reader.pages[1].extract_text()
     assert "Contents" in contents and re.search(r"1\. Overview\s*\.*\s*\d+", contents)
-    doc = pypdfium2.PdfDocument(str(PDF))
+    doc = pypdfium2.PdfDocument(str(pdf))
     for i in (0, len(doc) // 2, len(doc) - 1):  # the title, a page of ops, the last
         image = doc[i].render(scale=0.5).to_pil().convert("L")
         assert image.getextrema()[0] < 100, f"page {i + 1} rendered blank"

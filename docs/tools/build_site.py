@@ -17,10 +17,12 @@ is not a page (a source file, a vector directory) becomes its text: the site has
 file, and no link on it is broken.
 
     python docs/tools/build_site.py        # then: mkdocs build -f build/mkdocs.yml
+    python docs/tools/build_site.py --out DIR --site DIR/site   # elsewhere (the tests: one per worker)
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import re
 import shutil
@@ -28,7 +30,7 @@ import shutil
 from markdown.extensions.toc import slugify
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-OUT = ROOT / "build" / "site-src"
+OUT = ROOT / "build" / "site-src"  # (main's --out moves it)
 SPEC = ROOT / "docs" / "spec" / "dtm-spec.md"
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
@@ -93,6 +95,13 @@ def rewrite_links(text: str, source: pathlib.Path, page: str, pages: dict[pathli
 
 
 def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "build"), help="where site-src/ and mkdocs.yml go")
+    ap.add_argument("--site", default=str(ROOT / "site"), help="where MkDocs writes the site")
+    args = ap.parse_args()
+    build = pathlib.Path(args.out).resolve()
+    OUT = build / "site-src"
     if OUT.exists():
         shutil.rmtree(OUT)
     (OUT / "spec").mkdir(parents=True)
@@ -132,7 +141,8 @@ def main() -> None:
     nav += ["  - Conformance:"] + [f"      - conformance/{v.parent.name}.md" for v in vectors]
     nav += ["  - Benchmarks: benchmarks.md"]
     config = (ROOT / "docs" / "mkdocs.base.yml").read_text(encoding="utf-8")
-    (ROOT / "build" / "mkdocs.yml").write_text(config + "\n" + "\n".join(nav) + "\n", encoding="utf-8")
+    config += f"site_dir: {pathlib.Path(args.site).resolve()}\n"
+    (build / "mkdocs.yml").write_text(config + "\n" + "\n".join(nav) + "\n", encoding="utf-8")
     print(f"{len(pages)} pages and {len(chapters)} spec chapters in {OUT}")
 
 
