@@ -113,10 +113,8 @@ def main() -> None:
                                       (ROOT / "docs" / "architecture.md").resolve(): "architecture.md",
                                       (ROOT / "docs" / "benchmarks.md").resolve(): "benchmarks.md"}
     pages.update({g.resolve(): f"guide/{g.name}" for g in guides})
-    pages.update({v.resolve(): f"conformance/{v.parent.name}.md" for v in vectors})
-    for d in ("conformance/ir", "conformance/protocol", "conformance/checkpoint", "conformance/exec"):
-        if (ROOT / d / "README.md").exists():
-            pages[(ROOT / d).resolve()] = f"conformance/{pathlib.Path(d).name}.md"  # (a link to the directory)
+    for v in vectors:  # the README, and a link to its directory, are the vectors' page
+        pages[v.resolve()] = pages[v.parent.resolve()] = f"conformance/{v.parent.name}.md"
     spec_anchor = {a: "spec/index.md" for a in anchors(head)}
     for name, _, text in chapters:
         spec_anchor.update({a: f"spec/{name}" for a in anchors(text)})
