@@ -36,10 +36,10 @@ demo: $(DEMO_STAMP)
 PARALLEL_TESTS := tests/test_tensor_ops.py tests/test_autocast.py tests/test_autodiff_ops.py \
 	tests/test_char_gpt.py tests/test_checkpoint.py tests/test_checkpoint_checksums.py \
 	tests/test_checkpoint_fsspec.py tests/test_cli.py tests/test_comm_nontemporal.py \
-	tests/test_compiler_casts.py tests/test_compiler_conformance.py tests/test_compiler_fusion.py \
+	tests/test_compiler_casts.py tests/test_compiler_conformance.py tests/test_compiler_ops.py tests/test_compiler_fusion.py \
 	tests/test_compiler_gemm_dtypes.py tests/test_compiler_moves.py tests/test_compiler_passes.py \
 	tests/test_compiler_random.py tests/test_compiler_runtime.py tests/test_compiler_scan.py \
-	tests/test_compiler_share.py tests/test_conformance_exec.py tests/test_demo_corpus.py \
+	tests/test_compiler_share.py tests/test_conformance_exec.py tests/test_cuda_render.py tests/test_demo_corpus.py \
 	tests/test_devices.py tests/test_docs.py tests/test_docstrings.py tests/test_dynamic_shapes.py \
 	tests/test_inplace_versions.py tests/test_inplace_views.py tests/test_ir_builder.py \
 	tests/test_ir_corpus.py tests/test_ir_diagnostics.py tests/test_ir_fuzz.py tests/test_ir_verify.py \
@@ -69,7 +69,7 @@ $(DOCS_STAMP): $(BIN)/python pyproject.toml
 # PDF, site/dtm-spec.pdf (WeasyPrint). Neither is committed.
 docs: $(DOCS_STAMP)
 	$(BIN)/python docs/tools/build_site.py
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build -q -f build/mkdocs.yml
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build -f build/mkdocs.yml  # (not -q: quiet drops the warnings strict counts)
 	$(BIN)/python docs/tools/build_pdf.py
 
 bench: $(STAMP)

@@ -107,6 +107,8 @@ class Program:
     slots: list = field(default_factory=list)   # per slot: its size in bytes, a dim
     frees: list = field(default_factory=list)   # per step: the buffers whose last use it is
     done_in_place: set = field(default_factory=set)  # ids of assign steps whose kernel wrote the target
+    unit: str = ""                     # the whole program's source, where a backend builds one (cuda)
+    launches: list = field(default_factory=list)  # per kernel, what a backend launches for it (cuda)
 
     @property
     def kernels(self) -> list:

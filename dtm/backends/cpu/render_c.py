@@ -255,18 +255,21 @@ class _Renderer:
         return f"(({t}){x})"
 
     # -- statements --
+    def loop_pragmas(self, s: L.Loop) -> list[str]:
+        """The pragmas before loop s: OpenMP's threads for a parallel loop with work enough,
+        its vector lanes for a reduction or independent iterations."""
+        if s.parallel is not None and not (isinstance(s.parallel, L.Const) and s.parallel.value < PARALLEL_WORK):
+            return [f"#pragma omp parallel for{' simd' if s.simd else ''} schedule(static) "
+                    f"if({self.expr(s.parallel)} >= {PARALLEL_WORK})"]
+        if s.reduction is not None:
+            return ["#pragma omp simd " + " ".join(f"reduction({op}:{var})" for op, var in s.reduction)]
+        return ["#pragma omp simd"] if s.simd else []
+
     def body(self, stmts: list, depth: int, out: list) -> None:
         pad = "  " * depth
         for s in stmts:
             if isinstance(s, L.Loop):
-                if s.parallel is not None and not (isinstance(s.parallel, L.Const)
-                                                   and s.parallel.value < PARALLEL_WORK):
-                    out.append(f"{pad}#pragma omp parallel for{' simd' if s.simd else ''} schedule(static) "
-                               f"if({self.expr(s.parallel)} >= {PARALLEL_WORK})")
-                elif s.reduction is not None:
-                    out.append(f"{pad}#pragma omp simd " + " ".join(f"reduction({op}:{var})" for op, var in s.reduction))
-                elif s.simd:
-                    out.append(f"{pad}#pragma omp simd")
+                out += [pad + p for p in self.loop_pragmas(s)]
                 out.append(f"{pad}for (int64_t {s.var} = {self.expr(s.start)}; {s.var} < {self.expr(s.stop)}; "
                            f"{s.var}++) {{")
                 self.body(s.body, depth + 1, out)
