@@ -995,14 +995,14 @@ def take(x: Tensor, index: Tensor, axis: int, wrap: bool = True) -> Tensor:
 
 
 def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
-    """torch.gather: out[i][j][k] = x[i][index[i][j][k]][k] for dim 1 (take along an axis),
+    """torch.gather: `out[i][j][k] = x[i][index[i][j][k]][k]` for dim 1 (take along an axis),
     as one IR gather on the flattened tensor."""
     out = apply("gather", reshape(x, (-1,)), _positions_along("gather", x, dim, index), axis=0)
     return _versions.saves(out, "gather", ((_versions.A, _versions.B),))  # torch's saves x too
 
 
 def scatter(x: Tensor, dim: int, index: Tensor, src: Any) -> Tensor:
-    """torch.scatter (no reduce): x with out[i][index[i][j]] = src[i][j] for dim 1, src a
+    """torch.scatter (no reduce): x with `out[i][index[i][j]] = src[i][j]` for dim 1, src a
     tensor (read over index's shape) or a number. Where index repeats a position, the last
     write in row-major order wins (torch leaves it unspecified)."""
     positions = _positions_along("scatter", x, dim, index)

@@ -1,15 +1,20 @@
 """The documentation site and the spec's PDF (`make docs`), built as the make target builds
 them and checked as a reader meets them: the site in headless Chromium (Playwright driving
 Debian's `chromium`; `make test` installs it where apt can) served on 127.0.0.1, where search
-finds `scaled_dot_product_attention` and its result opens the op's entry, pages render with
-their sidebar and highlighted code, and screenshots are saved; no internal link of any page
-is broken (its page and its anchor exist); the PDF's pages render
-(pdfium) and its text holds every op's heading and a contents with page numbers."""
+finds `scaled_dot_product_attention` and `AdamW` and its result opens the op's or the class's
+entry, pages render with their sidebar and highlighted code, and screenshots are saved; no
+internal link of any page, the API reference's included, is broken (its page and its anchor
+exist); the API reference has an entry for each public function and class of each module,
+with its docstring; the PDF's pages render (pdfium) and its text holds every op's heading
+and a contents with page numbers."""
 
 from __future__ import annotations
 
 import functools
+import html as html_text
 import http.server
+import importlib
+import inspect
 import os
 import pathlib
 import posixpath
@@ -20,6 +25,7 @@ import sys
 import threading
 
 import pytest
+from test_docstrings import MODULES  # this folder is on sys.path
 
 from dtm.ir.registry import REGISTRY
 
@@ -29,11 +35,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """`make docs`'s three steps, into a directory of this test process's own: the sources,
-    MkDocs (strict: a broken link or anchor fails the build), the PDF. Returns the site."""
+    MkDocs (strict: a warning, such as a broken link or anchor or a cross-reference in a
+    docstring that resolves to nothing, fails the build; not `-q`, under which MkDocs drops
+    the warnings before strict counts them), the PDF. Returns the site."""
     out = tmp_path_factory.mktemp("docs")
     site = out / "site"
     for cmd in ([sys.executable, "docs/tools/build_site.py", "--out", str(out), "--site", str(site)],
-                [sys.executable, "-m", "mkdocs", "build", "-q", "-f", str(out / "mkdocs.yml")],
+                [sys.executable, "-m", "mkdocs", "build", "-f", str(out / "mkdocs.yml")],
                 [sys.executable, "docs/tools/build_pdf.py", str(site / "dtm-spec.pdf")]):
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                              env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))  # (Material's notice of its successor)
@@ -88,24 +96,63 @@ def browser(built, tmp_path_factory):
     server.shutdown()
 
 
-def test_search_finds_an_op(browser):
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence, as its text reads in HTML (no markdown backticks)."""
+    text = " ".join(inspect.cleandoc(doc).replace("`", "").split())
+    return re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
+
+
+def _page_text(html: str) -> str:
+    """The text of a built page: its tags and entities gone, its whitespace single spaces."""
+    return " ".join(html_text.unescape(re.sub(r"<[^>]+>", "", html)).split())
+
+
+@pytest.mark.parametrize("module, name", [("dtm", "Tensor"), ("dtm", "jit"), ("dtm.nn", "Linear"),
+                                          ("dtm.optim", "AdamW")])
+def test_the_api_reference_holds_a_name_and_its_docstring(built, module, name):
+    html = (built / "api" / f"{module}.html").read_text(encoding="utf-8")
+    assert f'id="{module}.{name}"' in html
+    assert _first_sentence(getattr(importlib.import_module(module), name).__doc__) in _page_text(html)
+
+
+def test_the_api_reference_has_every_public_function_and_class(built):
+    """Each module tests/test_docstrings.py holds to a docstring has its page, and the page an
+    entry for each function and class of its `__all__` (griffe's static analysis alone misses
+    some: made at run time, or named as their submodule; docs/tools/griffe_runtime.py)."""
+    index = (built / "api" / "index.html").read_text(encoding="utf-8")
+    missing = []
+    for module in MODULES:
+        html = (built / "api" / f"{module}.html").read_text(encoding="utf-8")
+        assert f'href="{module}.html"' in index
+        live = importlib.import_module(module)
+        missing += [f"{module}.{n}" for n in live.__all__ if (inspect.isfunction(obj := getattr(live, n))
+                    or inspect.isclass(obj)) and f'id="{module}.{n}"' not in html]
+    assert missing == []
+
+
+@pytest.mark.parametrize("query, target", [
+    ("scaled_dot_product_attention", "spec/03-ops.html#scaled_dot_product_attention"),
+    ("AdamW", "api/dtm.optim.html#dtm.optim.AdamW"),
+])
+def test_search_finds_an_op_and_an_api_name(browser, query, target):
     page, base, shots = browser
+    path, anchor = target.split("#")
     page.goto(base + "index.html")
     page.locator("label.md-search__icon, .md-search__input").first.click()
-    page.locator("input.md-search__input").fill("scaled_dot_product_attention")
-    hit = page.locator(".md-search-result a[href*='03-ops.html'][href$='#scaled_dot_product_attention']").first
+    page.locator("input.md-search__input").fill(query)
+    hit = page.locator(f".md-search-result a[href*='{path}'][href$='#{anchor}']").first
     hit.wait_for()
-    page.screenshot(path=shots / "search.png")
+    page.screenshot(path=shots / f"search-{query}.png")
     hit.click()
-    page.wait_for_url(lambda url: "03-ops.html" in url and url.endswith("#scaled_dot_product_attention"))
-    assert page.locator("#scaled_dot_product_attention").is_visible()
+    page.wait_for_url(lambda url: path in url and url.endswith("#" + anchor))
+    assert page.locator(f'[id="{anchor}"]').is_visible()
 
 
 def test_no_internal_link_is_broken(built):
     """Every link of every page to another page of the site, and every anchor it names,
     exists (read from the built HTML: the browser test below renders some of them)."""
     pages = sorted(p.relative_to(built).as_posix() for p in built.rglob("*.html") if p.name != "404.html")
-    assert len(pages) >= 20
+    assert len(pages) >= 20 and {"api/index.html", *(f"api/{m}.html" for m in MODULES)} <= set(pages)  # (checked too)
     html = {name: (built / name).read_text(encoding="utf-8") for name in pages}
     ids = {name: set(re.findall(r'\bid="([^"]+)"', text)) for name, text in html.items()}
     broken = []

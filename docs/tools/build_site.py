@@ -12,20 +12,30 @@ What this script writes under build/site-src/ (the sources stay where they are):
   contents), each op's entry findable by its name's anchor (`spec/03-ops.md#neg`); a link
   from one chapter to another points at the other page;
 - conformance/*.md: each vector directory's README;
-and build/mkdocs.yml, the nav listing all of them. A link to a file of the repository that
+- api/<module>.md: the API reference of each public module (API below), `::: dtm.nn` and its
+  members: the names of the module's `__all__` (read from the imported module: dtm imports
+  no torch), for `dtm` the functions and classes it imports by name; api/index.md lists the
+  modules. mkdocstrings renders them from the docstrings, which griffe reads from the source
+  (static analysis); docs/tools/griffe_runtime.py adds the names it cannot see there;
+and build/mkdocs.yml (docs/mkdocs.base.yml with the repository's root and the API pages'
+members put in), the nav listing all of them. A link to a file of the repository that
 is not a page (a source file, a vector directory) becomes its text: the site has no such
 file, and no link on it is broken.
 
-    python docs/tools/build_site.py        # then: mkdocs build -f build/mkdocs.yml
+    python docs/tools/build_site.py        # then: mkdocs build -f build/mkdocs.yml (strict; -q would hide its warnings)
     python docs/tools/build_site.py --out DIR --site DIR/site   # elsewhere (the tests: one per worker)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
+import json
 import pathlib
 import re
 import shutil
+import sys
 
 from markdown.extensions.toc import slugify
 
@@ -34,6 +44,11 @@ OUT = ROOT / "build" / "site-src"  # (main's --out moves it)
 SPEC = ROOT / "docs" / "spec" / "dtm-spec.md"
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
+# The API reference's modules (tests/test_docstrings.py holds their public names to a docstring);
+# a module before those that re-export its names (docs/tools/griffe_runtime.py's order).
+API = ["dtm", "dtm.functional", "dtm.nn", "dtm.nn.functional", "dtm.optim", "dtm.parallel", "dtm.distributed",
+       "dtm.store", "dtm.tasks", "dtm.data", "dtm.checkpoint", "dtm.elastic", "dtm.quant", "dtm.ir", "dtm.debug",
+       "dtm.utils.data"]
 
 
 def spec_chapters() -> tuple[str, list[tuple[str, str, str]]]:
@@ -94,6 +109,41 @@ def rewrite_links(text: str, source: pathlib.Path, page: str, pages: dict[pathli
     return "\n".join(out)
 
 
+def api_members(name: str) -> list[str]:
+    """The names the API page of module `name` lists, in their order: its `__all__` less its
+    submodules (pages of their own, or internals); for `dtm`, whose `__all__` names little
+    but its submodules, the functions and classes it imports by name (Tensor, jit, init,
+    Mesh, ...), less dtm.functional's (`from .functional import *`: dtm.functional's page)."""
+    module = importlib.import_module(name)  # (dtm imports no torch; under a second, once)
+    if name != "dtm":
+        return [n for n in module.__all__ if not inspect.ismodule(getattr(module, n))]
+    functional = set(importlib.import_module("dtm.functional").__all__)
+    return [n for n, obj in vars(module).items() if not n.startswith("_") and n not in functional
+            and (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__.startswith("dtm.")]
+
+
+def api_pages() -> dict[str, list[str]]:
+    """Write api/<module>.md for each module of API and api/index.md; returns each module's
+    members (for the nav, and for docs/tools/griffe_runtime.py)."""
+    sys.path.insert(0, str(ROOT))  # (this checkout's dtm, the one griffe reads)
+    (OUT / "api").mkdir(parents=True)
+    rows, members = [], {}
+    for name in API:
+        module = importlib.import_module(name)
+        first = re.split(r"(?<=\.)\s", " ".join((module.__doc__ or "").split()), maxsplit=1)[0]  # its first sentence
+        rows.append(f"- [`{name}`]({name}.md): {first}")
+        members[name] = api_members(name)
+        options = f"    options:\n      members: {json.dumps(members[name])}\n"
+        (OUT / "api" / f"{name}.md").write_text(f"::: {name}\n{options}", encoding="utf-8")
+    (OUT / "api" / "index.md").write_text(
+        "# API reference\n\nEach public module's functions and classes (the names of its `__all__`; for `dtm`, "
+        "those it imports by name), from their docstrings. `dtm` also holds `dtm.functional`'s functions "
+        "(`dtm.cat` is `dtm.functional.cat`), as do the Tensor's methods (`x.sum()` is "
+        "`dtm.functional.sum(x)`).\n\n" + "\n".join(rows) + "\n",
+        encoding="utf-8")
+    return members
+
+
 def main() -> None:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -138,10 +188,13 @@ def main() -> None:
     nav += [f"      - spec/{name}" for name, _, _ in chapters]
     nav += ["  - Conformance:"] + [f"      - conformance/{v.parent.name}.md" for v in vectors]
     nav += ["  - Benchmarks: benchmarks.md"]
-    config = (ROOT / "docs" / "mkdocs.base.yml").read_text(encoding="utf-8")
+    members = api_pages()
+    nav += ["  - API reference:", "      - api/index.md"] + [f"      - {m}: api/{m}.md" for m in members]
+    config = (ROOT / "docs" / "mkdocs.base.yml").read_text(encoding="utf-8").replace("{root}", str(ROOT))
+    config = config.replace("{members}", json.dumps(members))
     config += f"site_dir: {pathlib.Path(args.site).resolve()}\n"
     (build / "mkdocs.yml").write_text(config + "\n" + "\n".join(nav) + "\n", encoding="utf-8")
-    print(f"{len(pages)} pages and {len(chapters)} spec chapters in {OUT}")
+    print(f"{len(pages)} pages, {len(chapters)} spec chapters and {len(members)} API pages in {OUT}")
 
 
 if __name__ == "__main__":

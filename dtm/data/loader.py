@@ -44,7 +44,7 @@ _tensor_factory: Callable[[np.ndarray], Any] = lambda a: a
 
 def set_tensor_factory(factory: Callable[[np.ndarray], Any]) -> None:
     """Install what the loader wraps each batch's arrays in (unless it was made with
-    numpy=True); dtm/__init__.py installs Tensor.from_numpy."""
+    numpy=True); `dtm/__init__.py` installs Tensor.from_numpy."""
     global _tensor_factory
     _tensor_factory = factory
 

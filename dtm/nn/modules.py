@@ -46,7 +46,7 @@ class Parameter(Tensor):
 
 class Module:
     """torch.nn.Module: the base of every layer. A Parameter or Module assigned to an
-    attribute is registered (a subclass calls super().__init__() before assigning any),
+    attribute is registered (a subclass calls `super().__init__()` before assigning any),
     `register_buffer` adds untrained state, and the walks (named_parameters, state_dict,
     load_state_dict, train/eval, to(dtype)) follow the sub-modules. Calling it runs
     `forward`; the outermost call from eager code first computes its pending inputs that

@@ -39,7 +39,7 @@ _distributed_factory: Callable[[TensorType, Shards], Any] = lambda t, v: v
 def set_tensor_factory(factory: Callable[[np.ndarray], Any],
                        distributed: Callable[[TensorType, Shards], Any] | None = None) -> None:
     """Install what `get` wraps its array in (`factory`) and, when given, what it makes of a
-    value's type and pieces on a mesh (`distributed`); dtm/__init__.py installs the Tensor's."""
+    value's type and pieces on a mesh (`distributed`); `dtm/__init__.py` installs the Tensor's."""
     global _tensor_factory, _distributed_factory
     _tensor_factory = factory
     if distributed is not None:

@@ -18,7 +18,7 @@ its inputs and its worker); a task whose worker process died is run again, up to
 `dtm tasks run module.dtm --store DIR` on the command line).
 
 Layer: row 8 of docs/architecture.md's table. Tensors and dtm.jit come through `install`, which
-dtm/__init__.py calls, as the store's `get` gets its Tensor factory.
+`dtm/__init__.py` calls, as the store's `get` gets its Tensor factory.
 """
 
 from .errors import Cancelled, GraphError, TaskError, TaskFailed, TaskTimeout, WorkerLost

@@ -36,7 +36,7 @@ _tensor: Callable[[np.ndarray], Any] = lambda a: a
 
 
 def install(jit: Callable[[Callable], Callable], tensor: Callable[[np.ndarray], Any]) -> None:
-    """Called by dtm/__init__.py: how to jit a function and wrap an array as a Tensor."""
+    """Called by `dtm/__init__.py`: how to jit a function and wrap an array as a Tensor."""
     global _jit, _tensor
     _jit, _tensor = jit, tensor
 

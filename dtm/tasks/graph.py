@@ -37,7 +37,7 @@ class Task:
 
 
 class Graph:
-    """A task graph over `store` (a `dtm.store` Store). See dtm/tasks/__init__.py."""
+    """A task graph over `store` (a `dtm.store` Store). See `dtm/tasks/__init__.py`."""
 
     def __init__(self, store: Any):
         self.store = store

@@ -78,7 +78,7 @@ def from_numpy(array: np.ndarray) -> Tensor:
 
 def from_dlpack(obj: Any) -> Tensor:
     """A tensor over the memory of `obj` (a torch tensor, a numpy array: anything with
-    __dlpack__ on the CPU), bfloat16 included."""
+    `__dlpack__` on the CPU), bfloat16 included."""
     return Tensor.from_numpy(dlpack.to_numpy(obj))
 
 
