@@ -7,7 +7,8 @@ a launch loop sets. `emulated(kernel, symbol)` gives a kernel as the cpu backend
 CFunction (`void symbol(void **bufs, int64_t *dims)`) that runs each of the kernel's
 launches as the GPU would: every block of the grid, every thread of a block, one after
 another; a product with the cpu runtime's GEMM where the GPU calls cuBLAS, then its epilogue
-launch. The cpu backend's plan (dtm/runtime/cpu.py) runs those functions, so a program of
+launch. A block launch (one block whose threads meet at barriers) runs its threads at once,
+as OpenMP's, `__syncthreads()` an OpenMP barrier. The cpu backend's plan (dtm/runtime/cpu.py) runs those functions, so a program of
 CUDA kernels runs whole, with its moves and fallbacks, and is compared with the reference.
 
 Launches take blocks of 3 threads and at most 2 blocks (by default), so that the grid-stride
@@ -31,11 +32,22 @@ static __thread struct dtm_dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define __device__ static
 #define __forceinline__ inline
 #define __launch_bounds__(n)
+#include <omp.h>
 static inline float __int_as_float(int32_t i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned dtm_blocks(int64_t count, int64_t threads, int64_t cap) {
   int64_t b = (count + threads - 1) / threads;
   return (unsigned)(b < 1 ? 1 : b > cap ? cap : b);
 }
+/* a block whose threads meet at barriers: its threads are OpenMP's, __syncthreads() an
+   (orphaned) OpenMP barrier, __shared__ memory a static of the kernel function */
+#define __shared__ static
+#define __syncthreads() _Pragma("omp barrier")
+#define DTM_LAUNCH_BLOCK(threads, call) do { \
+    const int dtm_threads_ = (threads); \
+    _Pragma("omp parallel num_threads(dtm_threads_)") { \
+      gridDim.x = 1; blockIdx.x = 0; blockDim.x = (unsigned)omp_get_num_threads(); \
+      threadIdx.x = (unsigned)omp_get_thread_num(); call; } \
+  } while (0)
 #define DTM_LAUNCH(count, threads, cap, call) do { \
     gridDim.x = dtm_blocks(count, threads, cap); blockDim.x = (unsigned)(threads); \
     for (blockIdx.x = 0; blockIdx.x < gridDim.x; blockIdx.x++) \
@@ -59,7 +71,9 @@ def emulated(k: L.Kernel, symbol: str, threads: int = 3, cap: int = 2) -> CFunct
             r.gemm(dataclasses.replace(g, epilogue=None), 1, code)  # the product alone, as cuBLAS makes it
             library = ("narrow" if g.b_dtype is not None else g.ab_dtype.name if g.ab_dtype is not None
                        else g.dtype.name)
-        if launch.symbol is not None:
+        if launch.kind == "block":
+            code.append(f"  DTM_LAUNCH_BLOCK({threads}, {launch.symbol}({args}));")
+        elif launch.symbol is not None:
             code.append(f"  DTM_LAUNCH({r.expr(launch.count)}, {threads}, {cap}, {launch.symbol}({args}));")
     code.append("}")
     helpers = {"dtm_cuda_emulation": EMULATION, **ck.helpers, **r.helpers}

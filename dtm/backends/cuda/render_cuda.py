@@ -7,9 +7,13 @@ CUDA C's scalar code is C's, so the expressions, casts and helpers are the C ren
     grid      the kernel's outer parallel loop spread over the GPU's threads: thread t of the
               grid runs iterations t, t + stride, ... (a grid-stride loop), each one the
               loop's whole body, as one OpenMP thread runs it on the CPU;
-    serial    a kernel whose top level is not one parallel loop (a full reduction, a scan,
-              several loops in sequence) runs on one thread: correct, slow; the shared
-              memory reductions that would spread it are not written yet;
+    block     a kernel whose top level is loops in sequence (the reductions and stores of
+              one row: a layer norm while decoding; a loss's sum) runs on one block: every
+              thread holds the kernel's temporaries alike, a loop that stores each
+              iteration's own elements is spread over the threads, a reduction too, each
+              thread's partial then combined through shared memory and given to all;
+    serial    any other kernel (a scan, a reduction whose loops also store) runs on one
+              thread: correct, slow;
     gemm      a product (the loop IR's Gemm statement) is a call of cuBLAS, made by the
               host (`Launch.gemm`), then its epilogue as a grid kernel over the product's
               rows, one row per thread (a row epilogue needs the whole row);
@@ -29,13 +33,16 @@ compiles to PTX in one call (dtm/toolchain/nvrtc.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ...compiler import loopir as L
 from ...compiler.program import Program
 from ...errors import DTMError, ErrorCode as E
 from ..cpu import c_convert
-from ..cpu.render_c import CTYPE, _Renderer
+from ..cpu.render_c import CTYPE, _Renderer, ctype
 
 THREADS = 256  # threads per block of every launch
 MAX_BLOCKS = 65535  # blocks of a launch at most: a grid-stride loop takes the rest
@@ -72,11 +79,11 @@ class UnsupportedKernel(DTMError):
 @dataclass
 class Launch:
     """One step of a kernel on the GPU: a `__global__` function over `count` work items
-    (grid: the parallel loop's iterations; serial: 1; quant: blocks; gemm: the epilogue's
+    (grid: the parallel loop's iterations; block and serial: 1; quant: blocks; gemm: the epilogue's
     rows), or, for kind "gemm", first the cuBLAS product `gemm` (then `symbol`, its
     epilogue, when the product has one)."""
 
-    kind: str                     # "grid", "serial", "gemm", "quant"
+    kind: str                     # "grid", "block", "serial", "gemm", "quant"
     symbol: str | None            # the __global__ function, None for a product without epilogue
     count: L.Expr                 # work items, over the kernel's dims
     gemm: L.Gemm | None = None
@@ -202,6 +209,9 @@ def render_kernel(k: L.Kernel, symbol: str) -> CudaKernel:
         code.append(_grid_loop(loop.var, r.expr(loop.start), r.expr(loop.stop), "  "))
         r.body(loop.body, 2, code)
         code += ["  }", "}"]
+    elif (plan := _block_plan(body)) is not None:
+        launches.append(Launch("block", symbol, L.Const(1, L.INDEX)))
+        code += _block(r, k, plan, symbol)
     else:
         launches.append(Launch("serial", symbol, L.Const(1, L.INDEX)))
         code.append(_signature(k, symbol) + " {")
@@ -209,6 +219,169 @@ def render_kernel(k: L.Kernel, symbol: str) -> CudaKernel:
         r.body(body, 1, code)
         code.append("}")
     return CudaKernel(k.name, launches, r.helpers, "\n".join(code), [p.name for p in k.params] + list(k.dims))
+
+
+_INTS = {"bool": "uint8", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8",
+         "u16": "uint16", "u32": "uint32", "u64": "uint64"}
+# the loop IR's reduction marks (OpenMP's names) as its ops
+_COMBINE = {"+": "add", "*": "mul", "max": "max", "min": "min"}
+
+
+def _identity(fn: str, dt) -> L.Const:
+    """The value that `fn` (add, mul, max, min) combined with x leaves x."""
+    if fn in ("add", "mul"):
+        return L.Const(0 if fn == "add" else 1, dt)
+    if dt.is_float:
+        return L.Const(-math.inf if fn == "max" else math.inf, dt)
+    info = np.iinfo(np.dtype(_INTS[dt.name]))
+    return L.Const(int(info.min) if fn == "max" else int(info.max), dt)
+
+
+def _reads(x, name: str) -> int:
+    """How many times statements or expressions x read temporary `name`."""
+    if isinstance(x, list):
+        return sum(_reads(s, name) for s in x)
+    if isinstance(x, L.Var):
+        return int(x.name == name)
+    if isinstance(x, L.Load):
+        return _reads(x.index, name)
+    if isinstance(x, L.Op):
+        return sum(_reads(a, name) for a in x.args)
+    if isinstance(x, (L.Let, L.Assign)):
+        return _reads(x.value, name)
+    if isinstance(x, L.Bind):
+        return _reads(x.value, name)
+    if isinstance(x, L.Store):
+        return _reads(x.index, name) + _reads(x.value, name)
+    if isinstance(x, L.If):
+        return _reads(x.cond, name) + _reads(x.body, name)
+    if isinstance(x, L.Loop):
+        return _reads(x.start, name) + _reads(x.stop, name) + _reads(x.body, name)
+    return 0
+
+
+def _walk(stmts: list):
+    for s in stmts:
+        yield s
+        if isinstance(s, (L.Loop, L.If)):
+            yield from _walk(s.body)
+
+
+def _injective(index: L.Expr, var: str) -> bool:
+    """Whether `index` steps by a non-zero constant with `var` and holds it nowhere else
+    (the flat offsets of a loop over an output's elements): iterations store apart."""
+    terms: list = []
+    L._terms(index, 1, terms)
+    own = [c for c, t in terms if t == L.Sym(var)]
+    return len(own) == 1 and own[0] != 0 and all(var not in L.free_syms(t) for c, t in terms if t != L.Sym(var))
+
+
+def _reduction(loop: L.Loop, outer: dict):
+    """[(fn, name, dtype)] for a loop that only accumulates into temporaries declared before
+    it (`outer`: name -> dtype): each by one Assign `v = fn(v, x)` that is the loop's only
+    read of v, or as the lowering marked it (`loop.reduction`: a float max's where); and
+    stores nothing. None when the loop is not such a reduction."""
+    inner = list(_walk(loop.body))
+    if any(isinstance(s, (L.Store, L.Array, L.Gemm, L.Quant)) for s in inner):
+        return None
+    targets = {s.var.name for s in inner if isinstance(s, L.Assign) and s.var.name in outer}
+    marked = {var: _COMBINE.get(op) for op, var in loop.reduction or ()}
+    out = []
+    for v in sorted(targets):
+        if v in marked:
+            fn = marked[v]
+        else:
+            updates = [s for s in inner if isinstance(s, L.Assign) and s.var.name == v]
+            u = updates[0].value if len(updates) == 1 else None
+            fn = u.op if (isinstance(u, L.Op) and u.op in ("add", "mul", "max", "min")
+                          and u.args[0] == L.Var(v, outer[v]) and _reads(loop.body, v) == 1) else None
+        if fn is None:
+            return None
+        out.append((fn, v, outer[v]))
+    return out
+
+
+def _block_plan(body: list) -> list | None:
+    """How each top-level statement runs in one block of threads that all hold the same
+    temporaries: ("all", s) every thread alike (declarations, updates of temporaries),
+    ("one", s) thread 0, then the block waits (a store), ("spread", loop) its iterations over
+    the threads (a loop storing each iteration's own elements), ("reduce", loop, vars) spread,
+    then each thread's partial combined through shared memory and given to all. None when a
+    statement fits none of them (the kernel then runs on one thread)."""
+    outer: dict = {}
+    plan: list = []
+    for s in body:
+        if isinstance(s, (L.Bind, L.Let, L.Assign)):
+            if isinstance(s, L.Let):
+                outer[s.var.name] = s.var.dtype
+            plan.append(("all", s))
+        elif isinstance(s, L.Store):
+            plan.append(("one", s))
+        elif isinstance(s, L.If) and not any(isinstance(x, (L.Store, L.Loop, L.Array, L.Gemm, L.Quant))
+                                             for x in _walk(s.body)):
+            plan.append(("all", s))
+        elif isinstance(s, L.Loop):
+            inner = list(_walk(s.body))
+            writes = {x.var.name for x in inner if isinstance(x, L.Assign)} & set(outer)
+            if not writes:
+                stores = [x for x in inner if isinstance(x, L.Store)]
+                loads = {ld.buf for x in inner for e in _exprs(x) for ld in L.loads_of(e)}
+                if any(isinstance(x, (L.Array, L.Gemm, L.Quant)) for x in inner) or \
+                        any(st.buf in loads or not _injective(st.index, s.var) for st in stores):
+                    return None
+                plan.append(("spread", s))
+            elif (vars_ := _reduction(s, outer)) is not None:
+                plan.append(("reduce", s, vars_))
+            else:
+                return None
+        else:
+            return None
+    return plan if any(kind in ("spread", "reduce") for kind, *_ in plan) else None
+
+
+def _exprs(s) -> list:
+    """The expressions statement s itself holds (not those of the statements in its body)."""
+    if isinstance(s, (L.Let, L.Assign, L.Bind)):
+        return [s.value]
+    if isinstance(s, L.Store):
+        return [s.index, s.value]
+    if isinstance(s, L.If):
+        return [s.cond]
+    if isinstance(s, L.Loop):
+        return [s.start, s.stop]
+    return []
+
+
+def _block(r: _CudaRenderer, k: L.Kernel, plan: list, symbol: str) -> list[str]:
+    """A kernel of one block of THREADS threads running `plan` (_block_plan)."""
+    code = [_signature(k, symbol) + " {", f"  __shared__ uint64_t dtm_red_[{THREADS}];  /* a partial per thread */"]
+    for kind, s, *extra in plan:
+        if kind == "all":
+            r.body([s], 1, code)
+        elif kind == "one":
+            code.append("  if (threadIdx.x == 0) {")
+            r.body([s], 2, code)
+            code += ["  }", "  __syncthreads();"]
+        else:
+            reduced = extra[0] if kind == "reduce" else []
+            for fn, v, dt in reduced:  # each thread's partial starts from fn's identity
+                code.append(f"  const {ctype(dt)} {v}_before = {v}; {v} = {r.expr(_identity(fn, dt))};")
+            code.append(f"  for (int64_t {s.var} = {r.expr(s.start)} + threadIdx.x; {s.var} < {r.expr(s.stop)}; "
+                        f"{s.var} += blockDim.x) {{")
+            r.body(s.body, 2, code)
+            code += ["  }", "  __syncthreads();"]
+            for fn, v, dt in reduced:
+                t = ctype(dt)
+                combined = r.expr(L.Op(fn, (L.Var("a_", dt), L.Var("b_", dt)), dt))
+                code += [f"  (({t} *)dtm_red_)[threadIdx.x] = {v};", "  __syncthreads();",
+                         "  if (threadIdx.x == 0) {",
+                         "    for (unsigned t_ = 1; t_ < blockDim.x; t_++) {",
+                         f"      const {t} a_ = {v}, b_ = (({t} *)dtm_red_)[t_]; {v} = {combined};", "    }",
+                         f"    (({t} *)dtm_red_)[0] = {v};", "  }", "  __syncthreads();",
+                         f"  {v} = (({t} *)dtm_red_)[0];", "  __syncthreads();",
+                         f"  {{ const {t} a_ = {v}_before, b_ = {v}; {v} = {combined}; }}"]
+    code.append("}")
+    return code
 
 
 def _rows(g: L.Gemm) -> L.Expr:
