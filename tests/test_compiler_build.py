@@ -97,6 +97,38 @@ def test_concurrent_builds_in_two_processes(tmp_path):
     assert len(sos) == 1 and not list(tmp_path.glob("*.tmp"))
 
 
+def test_processes_building_one_kernel_compile_it_once(tmp_path):
+    """The ranks of a job starting together on an empty cache: one compiles each object, the
+    others wait for it (cc._building), instead of all compiling it. The compiler is made slow
+    (a wrapper that sleeps 1.5 s first) so that the three processes' builds overlap."""
+    wrapper = tmp_path / "slow-cc"
+    wrapper.write_text('#!/bin/sh\ncase "$*" in *" -o "*) sleep 1.5;; esac\nexec gcc "$@"\n')
+    wrapper.chmod(0o755)
+    src = SRC % uuid.uuid4().hex
+    script = textwrap.dedent(f"""
+        import ctypes
+        from dtm.backends.cpu import build as B
+        from dtm.toolchain import cc as T
+        T.compiler_version(T.compiler()), T.native_target(T.compiler())  # (before the race: the same start for all)
+        fn = B.load_kernel({src!r}, "race")
+        out = (ctypes.c_double * 1)()
+        fn((ctypes.c_void_p * 1)(ctypes.addressof(out)), (ctypes.c_int64 * 1)(2))
+        assert out[0] == 5.0, out[0]
+        print("compiles", T.STATS["compiles"])
+    """)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, DTM_CACHE_DIR=str(cache), DTM_RUNTIME_DIR=str(tmp_path / "runtime"), CC=str(wrapper))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    compiles = 0
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        compiles += int(out.split()[-1])
+    assert compiles == 1
+    assert len(list(cache.glob("*.so"))) == 1
+
+
 def test_compile_error_names_the_source_file(tmp_path, monkeypatch):
     monkeypatch.setenv("DTM_CACHE_DIR", str(tmp_path))
     src = "void dtm_kernel(void) { this is not C; }\n"

@@ -11,7 +11,9 @@ An object is named by the sha256 of its source, the flags, the compiler's path, 
 build of the same source is a file lookup (no compiler call), and a new compiler, flags or
 CPU never reuse a stale object. Objects are written to a temporary name and renamed into
 place (os.replace is atomic), so processes that build the same object at the same time all
-end with a complete one. Beside each object its SHA-256 (`<key>.sha256`) is written,
+end with a complete one; and a process about to compile an object first takes a build lock
+(flock, one of LOCK_STRIPES per directory), so that the ranks of a job starting together on
+an empty cache compile each object once, the others waiting for it. Beside each object its SHA-256 (`<key>.sha256`) is written,
 atomically, after a successful compile and before the object is renamed into place; an
 object that does not match it (truncated, emptied, damaged on disk: loading it would crash
 the process) is rebuilt, with one warning. The source is kept beside it (`<key>.c`); a
@@ -23,7 +25,9 @@ each call.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -33,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from ..errors import DTMError, ErrorCode as E
@@ -41,6 +46,7 @@ from . import kernel_cache
 log = logging.getLogger("dtm.compiler")
 
 COMPILE_TIMEOUT = 300.0  # seconds for one compile
+LOCK_STRIPES = 64  # build locks in a cache directory: objects whose keys fall on one wait for each other
 BASE_FLAGS = ("-std=gnu11", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 STATS = {"compiles": 0, "hits": 0}  # counters, for tests and DTM_DEBUG
 lock = threading.Lock()  # (the builds' counters and memos; the cpu backend's build takes it too)
@@ -147,6 +153,47 @@ def build(source: str, name: str, flags: tuple, libs: tuple = ("-lm",), where: P
         with lock:
             STATS["hits"] += 1
         return so
+    with _building(d, key, name):
+        if so.exists() and _checked(so, digest, name):  # another process built it while this one waited
+            with lock:
+                STATS["hits"] += 1
+            return so
+        return _compile(source, name, flags, libs, cc, d, key)
+
+
+@contextlib.contextmanager
+def _building(d: Path, key: str, name: str):
+    """Held while this process builds object `key` in directory d: the ranks of a job (and
+    the tests' processes) that start together with an empty cache wait for the one that
+    builds an object instead of each building it again (4 ranks on 2 cores: 4 compiles of
+    every kernel). An advisory lock (flock) on one of LOCK_STRIPES files in d/.locks, so
+    their number stays bounded; it goes with the process that holds it, however that ends.
+    Where the file cannot be locked (a read-only cache) the build goes on without it."""
+    try:
+        locks = made(d / ".locks", "DTM_CACHE_DIR")
+        fd = os.open(locks / f"{int(key[:8], 16) % LOCK_STRIPES}", os.O_RDWR | os.O_CREAT, 0o644)
+    except (OSError, BuildError):
+        yield
+        return
+    try:
+        deadline = time.monotonic() + COMPILE_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildError(E.TIMEOUT, f"kernel {name}: another process held the build lock of {d} for "
+                                     f"longer than {COMPILE_TIMEOUT:g} s") from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _compile(source: str, name: str, flags: tuple, libs: tuple, cc: str, d: Path, key: str) -> Path:
+    """Compile `source` into d/<key>.so (see build)."""
+    so, digest = d / f"{key}.so", d / f"{key}.sha256"
     src = d / f"{key}.c"
     try:
         _write_atomic(src, source.encode())
