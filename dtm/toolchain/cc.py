@@ -154,7 +154,7 @@ def build(source: str, name: str, flags: tuple, libs: tuple = ("-lm",), where: P
             STATS["hits"] += 1
         return so
     with _building(d, key, name):
-        if so.exists() and _checked(so, digest, name):  # another process built it while this one waited
+        if so.exists() and _checked(so, digest, name, quiet=True):  # another process built it meanwhile
             with lock:
                 STATS["hits"] += 1
             return so
@@ -231,10 +231,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _checked(so: Path, digest: Path, name: str) -> bool:
+def _checked(so: Path, digest: Path, name: str, quiet: bool = False) -> bool:
     """Whether cached object `so` is the one its build wrote (`digest` holds its SHA-256),
     checked once per process, before anything loads it; False (build it again) with a
-    warning when it is not, quietly when it has no checksum (an older cache)."""
+    warning when it is not (unless `quiet`: said already), quietly when it has no checksum
+    (an older cache)."""
     with lock:
         if so in _intact:
             return True
@@ -248,6 +249,8 @@ def _checked(so: Path, digest: Path, name: str) -> bool:
     except OSError:  # gone or unreadable since it was seen: built again like a damaged one
         found = ""
     if found != want:
+        if quiet:
+            return False
         log.warning("kernel %s: the cached object %s is damaged (it does not match the checksum its build "
                     "wrote): building it again", name, so)
         return False
