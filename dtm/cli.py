@@ -187,11 +187,12 @@ def conformance_checkpoint(root: str | None) -> None:
 @conformance_group.command("exec")
 @click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
               help="vector directory (default: the repository's conformance/exec)")
-@click.option("--executor", "executors", multiple=True, type=click.Choice(["ref", "cpu", "l0"]),
-              help="run on these executors only (default: all three)")
+@click.option("--executor", "executors", multiple=True, type=click.Choice(["ref", "cpu", "l0", "l1"]),
+              help="run on these executors only (default: ref, cpu and l0; l1 starts a process per rank)")
 def conformance_exec(root: str | None, executors: tuple[str, ...]) -> None:
     """Run the execution vectors (spec 8.4): every op's example program on the reference
-    interpreter, the cpu backend and L0's devices, against the outputs the spec gives."""
+    interpreter, the cpu backend and L0's devices (and, with --executor l1, the vectors with a
+    mesh over processes, a rank each), against the outputs the spec gives."""
     from .runtime.exec_vectors import EXECUTORS, run_exec_vectors
 
     results = run_exec_vectors(pathlib.Path(root) if root else None, executors or EXECUTORS)

@@ -19,7 +19,8 @@ by that much: `TOLERANCES`), with NaN where NaN is expected; everything else bit
 
 Executors here: `ref` (the reference interpreter; a vector with a mesh runs on one thread
 per rank), `cpu` (the compiled plans; vectors of one rank), `l0` (the in-process
-multi-device executor; vectors with a mesh).
+multi-device executor; vectors with a mesh), and, when asked, `l1` (vectors with a mesh,
+each rank a process started by `dtm launch`: exec_l1.py).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from ..ref.local_group import run_spmd
 from . import execute
 from .l0 import L0Executor
 
-EXECUTORS = ("ref", "cpu", "l0")
+EXECUTORS = ("ref", "cpu", "l0")  # the default: in this process
+ALL_EXECUTORS = EXECUTORS + ("l1",)  # l1: the vectors with a mesh over processes (exec_l1.py)
 # relative and absolute tolerance by float dtype: a few ulps (spec 2.8 lets transcendental
 # functions differ from the exactly rounded result by that much)
 TOLERANCES = {"f64": (1e-12, 1e-12), "f32": (2e-5, 2e-6), "f16": (4e-3, 4e-3), "bf16": (3e-2, 3e-2),
@@ -173,7 +175,7 @@ def runs_on(v: Vector, executor: str) -> bool:
         return True
     if executor == "cpu":
         return v.mesh is None and not store_ops
-    return v.mesh is not None and not store_ops
+    return v.mesh is not None and not store_ops  # l0 and l1
 
 
 def differences(got: Sequence[np.ndarray], want: Sequence[np.ndarray], what: str) -> str | None:
@@ -226,7 +228,7 @@ def check(v: Vector, executor: str) -> str | None:
 
 def run_exec_vectors(root: pathlib.Path | None = None, executors: Sequence[str] = EXECUTORS) -> list[VectorResult]:
     """Every vector of the manifest on each executor that runs it (a result's kind:
-    "ref", "cpu" or "l0"). A vector that cannot be read (a missing file, an array that is
+    "ref", "cpu", "l0" or "l1"). A vector that cannot be read (a missing file, an array that is
     not one, a manifest of another spec version) is a failure that names it (kind "valid"),
     and the others still run."""
     from ..ir.version import SPEC_VERSION
@@ -241,6 +243,7 @@ def run_exec_vectors(root: pathlib.Path | None = None, executors: Sequence[str] 
     if version.split(".")[:2] != [str(n) for n in SPEC_VERSION[:2]]:
         return [VectorResult("manifest.json", "valid", False, f"the vectors are for spec {version!r}; this "
                              f"implementation reads {'.'.join(map(str, SPEC_VERSION))}")]
+    over_processes = []
     for name in sorted(manifest.get("vectors", {})):
         try:
             v = load(root, name)
@@ -250,11 +253,18 @@ def run_exec_vectors(root: pathlib.Path | None = None, executors: Sequence[str] 
         for executor in executors:
             if not runs_on(v, executor):
                 continue
+            if executor == "l1":  # (run together below: one launch per rank count)
+                over_processes.append(v)
+                continue
             try:
                 problem = check(v, executor)
             except DTMError as e:
                 problem = f"raised {e.code.value}: {e.message}"
             results.append(VectorResult(name, executor, problem is None, problem or ""))
+    if over_processes:
+        from .exec_l1 import run_l1
+        for name, problem in run_l1(root, over_processes).items():
+            results.append(VectorResult(name, "l1", problem is None, problem or ""))
     return results
 
 
