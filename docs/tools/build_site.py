@@ -7,7 +7,8 @@ highlighting without a server; a Sphinx build would need the pages converted to 
 
 What this script writes under build/site-src/ (the sources stay where they are):
 - index.md: the README, its links into docs/ pointing at the site's pages;
-- guide/*.md, architecture.md, benchmarks.md: the pages of docs/;
+- guide/*.md, architecture.md, benchmarks.md: the pages of docs/ (a ```python no-run fence,
+  a block tests/test_docs.py does not run, as ```python);
 - spec/*.md: the spec split into its chapters, one page each (spec/index.md: the title and
   contents), each op's entry findable by its name's anchor (`spec/03-ops.md#neg`); a link
   from one chapter to another points at the other page;
@@ -44,6 +45,9 @@ OUT = ROOT / "build" / "site-src"  # (main's --out moves it)
 SPEC = ROOT / "docs" / "spec" / "dtm-spec.md"
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
+# A guide's ```python no-run block (tests/test_docs.py reads it, does not run it): superfences
+# takes no such word in an info string, so the site's copy is a plain ```python block.
+NO_RUN = re.compile(r"^((?:```|~~~)[\w+-]+)[ \t]+no-run[ \t]*$")
 # The API reference's modules (tests/test_docstrings.py holds their public names to a docstring);
 # a module before those that re-export its names (docs/tools/griffe_runtime.py's order).
 API = ["dtm", "dtm.functional", "dtm.nn", "dtm.nn.functional", "dtm.optim", "dtm.parallel", "dtm.distributed",
@@ -79,7 +83,8 @@ def anchors(text: str) -> list[str]:
 def rewrite_links(text: str, source: pathlib.Path, page: str, pages: dict[pathlib.Path, str],
                   spec_anchor: dict[str, str]) -> str:
     """`text` (of repository file `source`, published as site page `page`) with each link
-    pointing where the site has its target; outside code blocks only."""
+    pointing where the site has its target, outside code blocks only, and each ```python
+    no-run fence a ```python one."""
     depth = page.count("/")
 
     def one(m: re.Match) -> str:
@@ -105,6 +110,7 @@ def rewrite_links(text: str, source: pathlib.Path, page: str, pages: dict[pathli
     for line in text.split("\n"):
         if FENCE.match(line):
             inside = not inside
+            line = NO_RUN.sub(r"\1", line)
         out.append(line if inside else LINK.sub(one, line))
     return "\n".join(out)
 
