@@ -9,7 +9,7 @@ import json
 import pathlib
 import shutil
 
-from dtm.runtime import exec_vectors as ev
+from dtm.runtime.exec_l1 import run_l1_vectors
 
 VECTORS = pathlib.Path(__file__).resolve().parents[1] / "conformance" / "exec"
 
@@ -23,7 +23,7 @@ def test_every_vector_with_a_mesh_passes_over_processes_and_a_wrong_one_is_named
     doc = json.loads((root / "valid" / "all_gather.json").read_text())
     doc["outputs"][5][0]["data"][3] += 1.0  # rank 5's expected value, wrong
     (root / "valid" / "all_gather.json").write_text(json.dumps(doc))
-    results = ev.run_exec_vectors(root, ("l1",))
+    results = run_l1_vectors(root)
     assert sorted(r.name for r in results) == meshes and {r.kind for r in results} == {"l1"}
     bad = {r.name: r.detail for r in results if not r.ok}
     assert list(bad) == ["all_gather"] and bad["all_gather"].startswith("rank 5 output"), bad

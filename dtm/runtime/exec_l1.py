@@ -4,7 +4,8 @@ executor (collectives, send and recv over the wire between the processes). The v
 one rank count share one launch. Each rank writes its outputs as JSON (exec_vectors'
 `encode_array`: nothing is unpickled), which are compared with the vector's.
 
-    problems = run_l1(vectors)                         # {name: None, or the first difference}
+    results = run_l1_vectors()                         # a VectorResult (kind "l1") per vector with a mesh
+    problems = run_l1(root, vectors)                   # {name: None, or the first difference}
     python -m dtm.cli launch -n 8 -m dtm.runtime.exec_l1 ROOT OUT NAME...   # one launch, by hand
 """
 
@@ -19,9 +20,22 @@ import tempfile
 
 import numpy as np
 
-from .exec_vectors import Vector, decode_array, differences, encode_array, load
+from ..ir.conformance import VectorResult
+from .exec_vectors import Vector, decode_array, default_root, differences, encode_array, load, read_vectors, runs_on
 
 LAUNCH_TIMEOUT_S = 300.0  # one launch: every rank's start, join and vectors
+
+
+def run_l1_vectors(root: pathlib.Path | None = None) -> list[VectorResult]:
+    """Every vector with a mesh of directory `root` (default: the repository's) over
+    processes; the vectors that cannot be read are failures of kind "valid", as in
+    exec_vectors.run_exec_vectors."""
+    root = root or default_root()
+    vectors, results = read_vectors(root)
+    mine = [v for v in vectors if runs_on(v, "l0")]  # (what runs on L0's devices runs on processes)
+    for name, problem in run_l1(root, mine).items():
+        results.append(VectorResult(name, "l1", problem is None, problem or ""))
+    return results
 
 
 def run_l1(root: pathlib.Path, vectors: list[Vector], timeout: float = LAUNCH_TIMEOUT_S) -> dict[str, str | None]:

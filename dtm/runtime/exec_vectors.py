@@ -19,8 +19,8 @@ by that much: `TOLERANCES`), with NaN where NaN is expected; everything else bit
 
 Executors here: `ref` (the reference interpreter; a vector with a mesh runs on one thread
 per rank), `cpu` (the compiled plans; vectors of one rank), `l0` (the in-process
-multi-device executor; vectors with a mesh), and, when asked, `l1` (vectors with a mesh,
-each rank a process started by `dtm launch`: exec_l1.py).
+multi-device executor; vectors with a mesh); exec_l1.py runs the vectors with a mesh over
+processes, a rank each.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ from ..ref.local_group import run_spmd
 from . import execute
 from .l0 import L0Executor
 
-EXECUTORS = ("ref", "cpu", "l0")  # the default: in this process
-ALL_EXECUTORS = EXECUTORS + ("l1",)  # l1: the vectors with a mesh over processes (exec_l1.py)
+EXECUTORS = ("ref", "cpu", "l0")  # in this process (exec_l1.py: the vectors with a mesh over processes)
 # relative and absolute tolerance by float dtype: a few ulps (spec 2.8 lets transcendental
 # functions differ from the exactly rounded result by that much)
 TOLERANCES = {"f64": (1e-12, 1e-12), "f32": (2e-5, 2e-6), "f16": (4e-3, 4e-3), "bf16": (3e-2, 3e-2),
@@ -175,7 +174,7 @@ def runs_on(v: Vector, executor: str) -> bool:
         return True
     if executor == "cpu":
         return v.mesh is None and not store_ops
-    return v.mesh is not None and not store_ops  # l0 and l1
+    return v.mesh is not None and not store_ops  # l0 (and exec_l1's processes)
 
 
 def differences(got: Sequence[np.ndarray], want: Sequence[np.ndarray], what: str) -> str | None:
@@ -226,47 +225,47 @@ def check(v: Vector, executor: str) -> str | None:
     return None
 
 
-def run_exec_vectors(root: pathlib.Path | None = None, executors: Sequence[str] = EXECUTORS) -> list[VectorResult]:
-    """Every vector of the manifest on each executor that runs it (a result's kind:
-    "ref", "cpu", "l0" or "l1"). A vector that cannot be read (a missing file, an array that is
-    not one, a manifest of another spec version) is a failure that names it (kind "valid"),
-    and the others still run."""
+def read_vectors(root: pathlib.Path) -> tuple[list[Vector], list[VectorResult]]:
+    """The manifest's vectors that can be read, and a failure (kind "valid") naming each
+    that cannot (a missing file, an array that is not one) or the manifest itself (another
+    spec version)."""
     from ..ir.version import SPEC_VERSION
 
-    root = root or default_root()
-    results: list[VectorResult] = []
     try:
         manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        return [VectorResult("manifest.json", "valid", False, f"cannot read {root / 'manifest.json'}: {e}")]
+        return [], [VectorResult("manifest.json", "valid", False, f"cannot read {root / 'manifest.json'}: {e}")]
     version = str(manifest.get("spec_version", ""))
     if version.split(".")[:2] != [str(n) for n in SPEC_VERSION[:2]]:
-        return [VectorResult("manifest.json", "valid", False, f"the vectors are for spec {version!r}; this "
-                             f"implementation reads {'.'.join(map(str, SPEC_VERSION))}")]
-    over_processes = []
+        return [], [VectorResult("manifest.json", "valid", False, f"the vectors are for spec {version!r}; this "
+                                 f"implementation reads {'.'.join(map(str, SPEC_VERSION))}")]
+    vectors, problems = [], []
     for name in sorted(manifest.get("vectors", {})):
         try:
-            v = load(root, name)
+            vectors.append(load(root, name))
         except (OSError, ValueError, KeyError, DTMError) as e:
-            results.append(VectorResult(name, "valid", False, f"cannot read the vector: {e}"))
-            continue
+            problems.append(VectorResult(name, "valid", False, f"cannot read the vector: {e}"))
+    return vectors, problems
+
+
+def run_exec_vectors(root: pathlib.Path | None = None, executors: Sequence[str] = EXECUTORS) -> list[VectorResult]:
+    """Every vector of the manifest on each executor that runs it (a result's kind:
+    "ref", "cpu" or "l0"). A vector that cannot be read (a missing file, an array that is
+    not one, a manifest of another spec version) is a failure that names it (kind "valid"),
+    and the others still run."""
+    vectors, results = read_vectors(root or default_root())
+    for v in vectors:
+        name = v.name
         for executor in executors:
             if not runs_on(v, executor):
-                continue
-            if executor == "l1":  # (run together below: one launch per rank count)
-                over_processes.append(v)
                 continue
             try:
                 problem = check(v, executor)
             except DTMError as e:
                 problem = f"raised {e.code.value}: {e.message}"
             results.append(VectorResult(name, executor, problem is None, problem or ""))
-    if over_processes:
-        from .exec_l1 import run_l1
-        for name, problem in run_l1(root, over_processes).items():
-            results.append(VectorResult(name, "l1", problem is None, problem or ""))
     return results
 
 
-__all__ = ["run_exec_vectors", "load", "check", "Vector", "encode_array", "decode_array",
+__all__ = ["run_exec_vectors", "read_vectors", "runs_on", "differences", "load", "check", "Vector", "encode_array", "decode_array",
            "EXECUTORS", "TOLERANCES", "default_root", "run_one", "DictStore"]
