@@ -108,7 +108,7 @@ st = dtm.store.open(sys.argv[1])
 st.put("k0", np.zeros(4, np.float32))
 g = Graph(st)
 prev = None
-for i in range(6):  # a chain of slow process tasks: Ctrl-C lands while one of them runs
+for i in range(20):  # a chain of slow process tasks (6 s): Ctrl-C lands while one of them runs, however late
     prev = g.task(tf.slow, [f"k{i}"], [f"k{i + 1}"], process=True, after=[prev] if prev else [])
 run = g.run(workers=1)
 print("running", flush=True)

@@ -26,6 +26,7 @@ from ..cpu.render_c import CFunction, _params, _Renderer
 from .render_cuda import THREADS, render_kernel
 
 EMULATION = r"""/* CUDA's kernels on the CPU, one thread after another (dtm/backends/cuda/emulate.py) */
+#pragma GCC optimize ("O1")  /* (they check results, not speed: less to compile than -O3) */
 struct dtm_dim3 { unsigned x, y, z; };
 static __thread struct dtm_dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define DTM_GLOBAL static
