@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import pathlib
 import sys
 import time
 
@@ -29,11 +30,14 @@ import dtm
 from dtm.backends.cuda import passes as cuda
 from dtm.backends.cuda.render_cuda import THREADS, blocks, render_program
 from dtm.backends.gpu_probe import unavailable
-from dtm.ir import Builder, TensorType
-from dtm.ir.dtypes import from_numpy, numpy_dtype
+from dtm.ir.dtypes import numpy_dtype
 from dtm.ref import run as ref_run
 from dtm.runtime.backend import get_backend
 from dtm.toolchain import nvrtc
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from test_compiler_ops import one_op  # noqa: E402 - a module of one op, as the op table's tests build it
+from test_cuda_render import STEPS  # noqa: E402 - the GPT-2 steps those tests check on the CPU
 
 
 class Driver:
@@ -92,10 +96,8 @@ class Driver:
         self.call("cuCtxSynchronize")
 
 
-def gpt2_units(arch: str) -> list[tuple[str, str]]:
-    """(name, PTX) of GPT-2's three steps (tests/test_cuda_render.py's), for `arch`."""
-    sys.path.insert(0, "tests")
-    from test_cuda_render import STEPS  # the steps those tests check on the CPU
+def gpt2_units(arch: str) -> list[tuple]:
+    """(name, PTX, program) of GPT-2's three steps (tests/test_cuda_render.py's), for `arch`."""
     out = []
     for name, (fn, args) in sorted(STEPS.items()):
         program = cuda.compile_func(fn.ir(*args), "main")
@@ -103,14 +105,6 @@ def gpt2_units(arch: str) -> list[tuple[str, str]]:
         assert ptx.log == "", ptx.log
         out.append((name, ptx.text, program))
     return out
-
-
-def one_op(name: str, *arrays: np.ndarray, **attrs):
-    b = Builder()
-    f = b.func("f")
-    params = [f.param(TensorType(from_numpy(a.dtype), a.shape)) for a in arrays]
-    f.ret(f.op(name, *params, **attrs))
-    return b.build()
 
 
 def run_on_gpu(drv: Driver, module, inputs: list[np.ndarray]) -> list[np.ndarray]:

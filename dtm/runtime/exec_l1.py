@@ -21,7 +21,7 @@ import tempfile
 import numpy as np
 
 from ..ir.conformance import VectorResult
-from .exec_vectors import Vector, decode_array, default_root, differences, encode_array, load, read_vectors, runs_on
+from .exec_vectors import Vector, compare, decode_array, default_root, encode_array, load, read_vectors, runs_on
 
 LAUNCH_TIMEOUT_S = 300.0  # one launch: every rank's start, join and vectors
 
@@ -61,6 +61,8 @@ def run_l1(root: pathlib.Path, vectors: list[Vector], timeout: float = LAUNCH_TI
 
 
 def _compare(v: Vector, out: pathlib.Path) -> str | None:
+    """What the ranks wrote to `out` against vector v (exec_vectors.compare)."""
+    outs, inputs = [], []
     for r in range(v.ranks):
         path = out / f"{v.name}.{r}.json"
         try:
@@ -69,16 +71,9 @@ def _compare(v: Vector, out: pathlib.Path) -> str | None:
             return f"rank {r} wrote no result ({e})"
         if "error" in doc:
             return f"rank {r} raised {doc['error']}"
-        got = [decode_array(a, f"rank {r} output {i}") for i, a in enumerate(doc["outputs"])]
-        problem = differences(got, v.outputs[r], f"rank {r} output")
-        if problem:
-            return problem
-        for i, want in v.assigned[r].items():
-            problem = differences([decode_array(doc["assigned"][str(i)], f"rank {r} input {i}")], [want],
-                                  f"rank {r} assigned input {i}")
-            if problem:
-                return problem
-    return None
+        outs.append([decode_array(a, f"rank {r} output {i}") for i, a in enumerate(doc["outputs"])])
+        inputs.append({int(i): decode_array(a, f"rank {r} input {i}") for i, a in doc["assigned"].items()})
+    return compare(v, outs, inputs)
 
 
 def _rank_main(root: pathlib.Path, out: pathlib.Path, names: list[str]) -> None:

@@ -201,10 +201,9 @@ def differences(got: Sequence[np.ndarray], want: Sequence[np.ndarray], what: str
     return None
 
 
-def check(v: Vector, executor: str) -> str | None:
-    """None when `executor` gives vector `v`'s expected outputs, store and assigned values,
-    else the first difference."""
-    outs, inputs, store = run_one(v, executor)
+def compare(v: Vector, outs: Sequence, inputs: Sequence) -> str | None:
+    """The first way a run's outputs (`outs`, a list per rank) or the inputs an `assign`
+    wrote (`inputs[rank][position]`) differ from vector `v`'s, or None."""
     for r in range(v.ranks):
         where = f"rank {r} output" if v.ranks > 1 else "output"
         problem = differences(outs[r], v.outputs[r], where)
@@ -214,6 +213,16 @@ def check(v: Vector, executor: str) -> str | None:
             problem = differences([inputs[r][i]], [want], f"assigned input {i}")
             if problem:
                 return problem
+    return None
+
+
+def check(v: Vector, executor: str) -> str | None:
+    """None when `executor` gives vector `v`'s expected outputs, store and assigned values,
+    else the first difference."""
+    outs, inputs, store = run_one(v, executor)
+    problem = compare(v, outs, inputs)
+    if problem:
+        return problem
     if executor == "ref" and v.stored:
         missing = sorted(set(v.stored) - set(store))
         if missing:
@@ -255,7 +264,6 @@ def run_exec_vectors(root: pathlib.Path | None = None, executors: Sequence[str] 
     and the others still run."""
     vectors, results = read_vectors(root or default_root())
     for v in vectors:
-        name = v.name
         for executor in executors:
             if not runs_on(v, executor):
                 continue
@@ -263,9 +271,9 @@ def run_exec_vectors(root: pathlib.Path | None = None, executors: Sequence[str] 
                 problem = check(v, executor)
             except DTMError as e:
                 problem = f"raised {e.code.value}: {e.message}"
-            results.append(VectorResult(name, executor, problem is None, problem or ""))
+            results.append(VectorResult(v.name, executor, problem is None, problem or ""))
     return results
 
 
-__all__ = ["run_exec_vectors", "read_vectors", "runs_on", "differences", "load", "check", "Vector", "encode_array", "decode_array",
-           "EXECUTORS", "TOLERANCES", "default_root", "run_one", "DictStore"]
+__all__ = ["run_exec_vectors", "read_vectors", "runs_on", "compare", "differences", "load", "check", "Vector", "encode_array",
+           "decode_array", "EXECUTORS", "TOLERANCES", "default_root", "run_one", "DictStore"]

@@ -13,8 +13,8 @@ CPU never reuse a stale object. Objects are written to a temporary name and rena
 place (os.replace is atomic), so processes that build the same object at the same time all
 end with a complete one; and a process about to compile an object first takes a build lock
 (flock, one of LOCK_STRIPES per directory), so that the ranks of a job starting together on
-an empty cache compile each object once, the others waiting for it. Beside each object its SHA-256 (`<key>.sha256`) is written,
-atomically, after a successful compile and before the object is renamed into place; an
+an empty cache compile each object once, the others waiting for it. Beside each object its
+SHA-256 (`<key>.sha256`) is written, atomically, after a successful compile and before the object is renamed into place; an
 object that does not match it (truncated, emptied, damaged on disk: loading it would crash
 the process) is rebuilt, with one warning. The source is kept beside it (`<key>.c`); a
 failed compile raises DTMError E0806 naming that file and quoting the compiler. The compiler
@@ -128,7 +128,9 @@ def native_target(cc: str) -> str:
     return target
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file renamed into place: a reader finds the
+    old file or the whole new one, never a part."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -149,16 +151,21 @@ def build(source: str, name: str, flags: tuple, libs: tuple = ("-lm",), where: P
                                     native_target(cc)]).encode()).hexdigest()[:40]
     d = cache_dir() if where is None else where
     so, digest = d / f"{key}.so", d / f"{key}.sha256"
-    if so.exists() and _checked(so, digest, name):
-        with lock:
-            STATS["hits"] += 1
+    if _cached(so, digest, name):
         return so
     with _building(d, key, name):
-        if so.exists() and _checked(so, digest, name, quiet=True):  # another process built it meanwhile
-            with lock:
-                STATS["hits"] += 1
+        if _cached(so, digest, name, quiet=True):  # another process built it meanwhile
             return so
         return _compile(source, name, flags, libs, cc, d, key)
+
+
+def _cached(so: Path, digest: Path, name: str, quiet: bool = False) -> bool:
+    """Whether object `so` is in the cache, intact (_checked); a hit counted."""
+    if not (so.exists() and _checked(so, digest, name, quiet)):
+        return False
+    with lock:
+        STATS["hits"] += 1
+    return True
 
 
 @contextlib.contextmanager
@@ -196,7 +203,7 @@ def _compile(source: str, name: str, flags: tuple, libs: tuple, cc: str, d: Path
     so, digest = d / f"{key}.so", d / f"{key}.sha256"
     src = d / f"{key}.c"
     try:
-        _write_atomic(src, source.encode())
+        write_atomic(src, source.encode())
         fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".so.tmp")
     except OSError as e:
         raise _unwritable(d, name, e) from None
@@ -214,7 +221,7 @@ def _compile(source: str, name: str, flags: tuple, libs: tuple, cc: str, d: Path
             raise BuildError(E.BUILD_FAILED, f"compiling kernel {name} failed: {_why(out, len(source))} "
                              f"(source: {src}; command: {' '.join(cmd)})")
         try:
-            _write_atomic(digest, _sha256(Path(tmp)).encode())
+            write_atomic(digest, _sha256(Path(tmp)).encode())
             os.replace(tmp, so)
         except OSError as e:
             raise _unwritable(d, name, e) from None

@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import ErrorCode as E
-from .cc import BuildError, _write_atomic, cache_dir, made
+from .cc import BuildError, cache_dir, made, write_atomic
 
 DEFAULT_ARCH = "sm_90"
 NUMERICS = ("-fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false")
@@ -84,15 +84,6 @@ def library() -> ctypes.CDLL:
     return _lib
 
 
-def available() -> bool:
-    """Whether NVRTC can be loaded here."""
-    try:
-        library()
-    except BuildError:
-        return False
-    return True
-
-
 def version() -> tuple[int, int]:
     """NVRTC's version, (major, minor)."""
     major, minor = ctypes.c_int(), ctypes.c_int()
@@ -117,14 +108,14 @@ def compile_ptx(source: str, name: str, arch: str = DEFAULT_ARCH) -> Ptx:
     if ptx_path.exists() and log_path.exists():
         return Ptx(ptx_path.read_text(), log_path.read_text())
     src = d / f"{key}.cu"
-    _write_atomic(src, source.encode())
+    write_atomic(src, source.encode())
     text, log, ok = _nvrtc(source, f"{key}.cu", opts)
     if not ok:
         errors = [line for line in log.splitlines() if "error" in line]
         raise BuildError(E.BUILD_FAILED, f"NVRTC failed on kernels {name}: {(errors or log.splitlines() or ['?'])[0]} "
                          f"(source: {src})")
-    _write_atomic(log_path, log.encode())
-    _write_atomic(ptx_path, text.encode())
+    write_atomic(log_path, log.encode())
+    write_atomic(ptx_path, text.encode())
     return Ptx(text, log)
 
 
@@ -157,4 +148,4 @@ def _check(rc: int, call: str) -> None:
         raise BuildError(E.BUILD_FAILED, f"NVRTC's {call} failed: {library().nvrtcGetErrorString(rc).decode()}")
 
 
-__all__ = ["Ptx", "compile_ptx", "available", "library_path", "options", "version", "DEFAULT_ARCH"]
+__all__ = ["Ptx", "compile_ptx", "library_path", "options", "version", "DEFAULT_ARCH"]

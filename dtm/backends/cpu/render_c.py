@@ -398,9 +398,12 @@ def render_kernel(k: L.Kernel, symbol: str = "dtm_kernel") -> CFunction:
     main.append("  (void)bufs; (void)dims;")
     r.body(k.body, 1, main)
     main.append("}")
-    library = (None if gemm is None else "narrow" if gemm.b_dtype is not None
-               else gemm.ab_dtype.name if gemm.ab_dtype is not None else gemm.dtype.name)
-    return CFunction(symbol, r.helpers, pre, "\n".join(main), library)
+    return CFunction(symbol, r.helpers, pre, "\n".join(main), None if gemm is None else gemm_library(gemm))
+
+
+def gemm_library(g: L.Gemm) -> str:
+    """The runtime library whose product Gemm statement g calls (build.RUNTIME_SOURCES)."""
+    return "narrow" if g.b_dtype is not None else g.ab_dtype.name if g.ab_dtype is not None else g.dtype.name
 
 
 # The C library's math functions the kernels call that glibc's libmvec has vector versions of.

@@ -8,8 +8,9 @@ CFunction (`void symbol(void **bufs, int64_t *dims)`) that runs each of the kern
 launches as the GPU would: every block of the grid, every thread of a block, one after
 another; a product with the cpu runtime's GEMM where the GPU calls cuBLAS, then its epilogue
 launch. A block launch (one block whose threads meet at barriers) runs its threads at once,
-as OpenMP's, `__syncthreads()` an OpenMP barrier. The cpu backend's plan (dtm/runtime/cpu.py) runs those functions, so a program of
-CUDA kernels runs whole, with its moves and fallbacks, and is compared with the reference.
+as OpenMP's, `__syncthreads()` an OpenMP barrier. The cpu backend's plan (dtm/runtime/cpu.py)
+runs those functions, so a program of CUDA kernels runs whole, with its moves and
+fallbacks, and is compared with the reference.
 
 Launches take blocks of 3 threads and at most 2 blocks (by default), so that the grid-stride
 loops wrap around in every launch of more than 6 work items (on a GPU only launches of more
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...compiler import loopir as L
-from ..cpu.render_c import CFunction, _params, _Renderer
+from ..cpu.render_c import CFunction, _params, _Renderer, gemm_library
 from .render_cuda import THREADS, render_kernel
 
 EMULATION = r"""/* CUDA's kernels on the CPU, one thread after another (dtm/backends/cuda/emulate.py) */
@@ -70,8 +71,7 @@ def emulated(k: L.Kernel, symbol: str, threads: int = 3, cap: int = 2) -> CFunct
         if launch.gemm is not None:
             g = launch.gemm
             r.gemm(dataclasses.replace(g, epilogue=None), 1, code)  # the product alone, as cuBLAS makes it
-            library = ("narrow" if g.b_dtype is not None else g.ab_dtype.name if g.ab_dtype is not None
-                       else g.dtype.name)
+            library = gemm_library(g)
         if launch.kind == "block":
             code.append(f"  DTM_LAUNCH_BLOCK({threads}, {launch.symbol}({args}));")
         elif launch.symbol is not None:

@@ -41,6 +41,7 @@ import numpy as np
 from ...compiler import loopir as L
 from ...compiler.program import Program
 from ...errors import DTMError, ErrorCode as E
+from ...ir.dtypes import numpy_dtype
 from ..cpu import c_convert
 from ..cpu.render_c import CTYPE, _Renderer, ctype
 
@@ -68,8 +69,6 @@ typedef unsigned long long uint64_t;
 #define restrict __restrict__
 #define DTM_GLOBAL extern "C" __global__
 """
-
-QUANT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # a block of 32 values: an f16 scale, then the values
 
 
 class UnsupportedKernel(DTMError):
@@ -128,22 +127,12 @@ class _CudaRenderer(_Renderer):
         # innermost one it may still unroll
         return ["#pragma unroll 1"] if any(isinstance(x, L.Loop) for x in s.body) else []
 
-    def body(self, stmts: list, depth: int, out: list) -> None:
-        pad = "  " * depth
-        for s in stmts:
-            if isinstance(s, L.Quant):
-                self.helper("dtm_narrow_floats", c_convert.narrow_float_helpers())
-                self.helper("dtm_quant_blocks", c_convert.QUANT_C)
-                fn = f"dtm_{'quantize' if s.quantize else 'dequantize'}_{s.dtype.name}"
-                out.append(f"{pad}{fn}({self.expr(s.blocks)}, {s.src}, {s.dst});")
-            elif isinstance(s, L.Gemm):
-                raise UnsupportedKernel(E.BUILD_FAILED, "a product inside a loop or after other statements of its "
-                                        "kernel: the cuda backend calls cuBLAS for a kernel that is one product")
-            else:
-                super().body([s], depth, out)
+    def gemm(self, g: L.Gemm, depth: int, out: list) -> None:
+        raise UnsupportedKernel(E.BUILD_FAILED, "a product inside a loop or after other statements of its "
+                                "kernel: the cuda backend calls cuBLAS for a kernel that is one product")
 
 
-def _signature(k: L.Kernel, symbol: str, extra: tuple = ()) -> str:
+def _signature(k: L.Kernel, symbol: str) -> str:
     aliased = set(k.aliases) | set(k.aliases.values())
     args = []
     for p in k.params:
@@ -151,25 +140,12 @@ def _signature(k: L.Kernel, symbol: str, extra: tuple = ()) -> str:
         restrict = "" if p.name in aliased else "__restrict__ "
         args.append(f"{const}{CTYPE[p.dtype.name]} *{restrict}{p.name}")
     args += [f"const int64_t {d}" for d in k.dims]
-    args += [f"const int64_t {x}" for x in extra]
     return f"DTM_GLOBAL void __launch_bounds__({THREADS}) {symbol}({', '.join(args)})"
 
 
 def _grid_loop(var: str, start: str, stop: str, pad: str) -> str:
     return (f"{pad}for (int64_t {var} = {start} + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; {var} < {stop}; "
             f"{var} += (int64_t)gridDim.x * blockDim.x) {{")
-
-
-def _assigned(stmts: list, out: set) -> set:
-    """The names of the temporaries `stmts` assign (Assign) or write (Store to an Array)."""
-    for s in stmts:
-        if isinstance(s, L.Assign):
-            out.add(s.var.name)
-        elif isinstance(s, L.Store):
-            out.add(s.buf)
-        elif isinstance(s, (L.Loop, L.If)):
-            _assigned(s.body, out)
-    return out
 
 
 def _grid_split(body: list):
@@ -180,8 +156,7 @@ def _grid_split(body: list):
         return None
     if not all(isinstance(s, (L.Bind, L.Let)) for s in prefix):
         return None
-    written = _assigned(last.body, set())
-    if any(isinstance(s, L.Let) and s.var.name in written for s in prefix):
+    if any(isinstance(s, L.Let) and s.var.name in _assigned(last.body) for s in prefix):
         return None
     return prefix, last
 
@@ -221,8 +196,6 @@ def render_kernel(k: L.Kernel, symbol: str) -> CudaKernel:
     return CudaKernel(k.name, launches, r.helpers, "\n".join(code), [p.name for p in k.params] + list(k.dims))
 
 
-_INTS = {"bool": "uint8", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8",
-         "u16": "uint16", "u32": "uint32", "u64": "uint64"}
 # the loop IR's reduction marks (OpenMP's names) as its ops
 _COMBINE = {"+": "add", "*": "mul", "max": "max", "min": "min"}
 
@@ -233,38 +206,32 @@ def _identity(fn: str, dt) -> L.Const:
         return L.Const(0 if fn == "add" else 1, dt)
     if dt.is_float:
         return L.Const(-math.inf if fn == "max" else math.inf, dt)
-    info = np.iinfo(np.dtype(_INTS[dt.name]))
+    info = np.iinfo(np.uint8 if dt.name == "bool" else numpy_dtype(dt))
     return L.Const(int(info.min) if fn == "max" else int(info.max), dt)
 
 
-def _reads(x, name: str) -> int:
-    """How many times statements or expressions x read temporary `name`."""
-    if isinstance(x, list):
-        return sum(_reads(s, name) for s in x)
-    if isinstance(x, L.Var):
-        return int(x.name == name)
-    if isinstance(x, L.Load):
-        return _reads(x.index, name)
-    if isinstance(x, L.Op):
-        return sum(_reads(a, name) for a in x.args)
-    if isinstance(x, (L.Let, L.Assign)):
-        return _reads(x.value, name)
-    if isinstance(x, L.Bind):
-        return _reads(x.value, name)
-    if isinstance(x, L.Store):
-        return _reads(x.index, name) + _reads(x.value, name)
-    if isinstance(x, L.If):
-        return _reads(x.cond, name) + _reads(x.body, name)
-    if isinstance(x, L.Loop):
-        return _reads(x.start, name) + _reads(x.stop, name) + _reads(x.body, name)
-    return 0
-
-
 def _walk(stmts: list):
+    """Every statement of `stmts`, those in loops' and ifs' bodies included."""
     for s in stmts:
         yield s
         if isinstance(s, (L.Loop, L.If)):
             yield from _walk(s.body)
+
+
+def _assigned(stmts: list) -> set:
+    """The names of the temporaries `stmts` assign."""
+    return {s.var.name for s in _walk(stmts) if isinstance(s, L.Assign)}
+
+
+def _reads(stmts: list, name: str) -> int:
+    """How many times statements `stmts` read temporary `name`."""
+    def count(e) -> int:
+        if isinstance(e, L.Var):
+            return int(e.name == name)
+        if isinstance(e, L.Load):
+            return count(e.index)
+        return sum(count(a) for a in e.args) if isinstance(e, L.Op) else 0
+    return sum(count(e) for s in _walk(stmts) for e in _exprs(s))
 
 
 def _injective(index: L.Expr, var: str) -> bool:
@@ -284,7 +251,7 @@ def _reduction(loop: L.Loop, outer: dict):
     inner = list(_walk(loop.body))
     if any(isinstance(s, (L.Store, L.Array, L.Gemm, L.Quant)) for s in inner):
         return None
-    targets = {s.var.name for s in inner if isinstance(s, L.Assign) and s.var.name in outer}
+    targets = _assigned(loop.body) & set(outer)
     marked = {var: _COMBINE.get(op) for op, var in loop.reduction or ()}
     out = []
     for v in sorted(targets):
@@ -322,8 +289,7 @@ def _block_plan(body: list) -> list | None:
             plan.append(("all", s))
         elif isinstance(s, L.Loop):
             inner = list(_walk(s.body))
-            writes = {x.var.name for x in inner if isinstance(x, L.Assign)} & set(outer)
-            if not writes:
+            if not _assigned(s.body) & set(outer):
                 stores = [x for x in inner if isinstance(x, L.Store)]
                 loads = {ld.buf for x in inner for e in _exprs(x) for ld in L.loads_of(e)}
                 if any(isinstance(x, (L.Array, L.Gemm, L.Quant)) for x in inner) or \
@@ -398,8 +364,7 @@ def _epilogue(r: _CudaRenderer, k: L.Kernel, g: L.Gemm, symbol: str) -> list[str
     m = r.expr(g.m)
     code = [_signature(k, symbol) + " {", _grid_loop("row_", "0", r.expr(_rows(g)), "  ")]
     code += [f"    const int64_t bt = row_ / {m};", f"    const int64_t i0_ = row_ % {m}, i1_ = i0_ + 1;",
-             f"    const int64_t j0_ = 0, j1_ = {r.expr(g.n)};",
-]
+             f"    const int64_t j0_ = 0, j1_ = {r.expr(g.n)};"]
     r.body(g.epilogue, 2, code)
     code += ["  }", "}"]
     return code
@@ -409,9 +374,9 @@ def _quant(r: _CudaRenderer, k: L.Kernel, q: L.Quant, symbol: str) -> list[str]:
     """(De)quantization of whole blocks, one block per thread."""
     r.helper("dtm_narrow_floats", c_convert.narrow_float_helpers())
     r.helper("dtm_quant_blocks", c_convert.QUANT_C)
-    size = QUANT_BLOCK_BYTES[q.dtype.name]
-    src, dst = (f"{q.src} + b_ * 32", f"{q.dst} + b_ * {size}") if q.quantize else \
-        (f"{q.src} + b_ * {size}", f"{q.dst} + b_ * 32")
+    values, size = q.dtype.block, q.dtype.itemsize  # a block's values, its bytes (an f16 scale, then the values)
+    src, dst = (f"{q.src} + b_ * {values}", f"{q.dst} + b_ * {size}") if q.quantize else \
+        (f"{q.src} + b_ * {size}", f"{q.dst} + b_ * {values}")
     fn = f"dtm_{'quantize' if q.quantize else 'dequantize'}_{q.dtype.name}"
     return [_signature(k, symbol) + " {", _grid_loop("b_", "0", r.expr(q.blocks), "  "),
             f"    {fn}(1, {src}, {dst});", "  }", "}"]
