@@ -135,13 +135,21 @@ def test_the_api_reference_has_every_public_function_and_class(built):
     ("AdamW", "api/dtm.optim.html#dtm.optim.AdamW"),
 ])
 def test_search_finds_an_op_and_an_api_name(browser, query, target):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page, base, shots = browser
     path, anchor = target.split("#")
     page.goto(base + "index.html")
     page.locator("label.md-search__icon, .md-search__input").first.click()
-    page.locator("input.md-search__input").fill(query)
+    box = page.locator("input.md-search__input")
+    box.fill(query)
     hit = page.locator(f".md-search-result a[href*='{path}'][href$='#{anchor}']").first
-    hit.wait_for()
+    try:
+        hit.wait_for(timeout=15_000)
+    except PlaywrightTimeout:  # typed before the search worker had its index (a loaded machine): once more
+        box.fill("")
+        box.fill(query)
+        hit.wait_for()
     page.screenshot(path=shots / f"search-{query}.png")
     hit.click()
     page.wait_for_url(lambda url: path in url and url.endswith("#" + anchor))
