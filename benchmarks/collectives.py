@@ -47,6 +47,9 @@ algorithm) per second, as a share of the link's rate. Needs root.
 
     python benchmarks/collectives.py --hosts 2 --ranks-per-host 2 --link 10gbit,50us
     python benchmarks/collectives.py --hosts 2 --ranks-per-host 2 --link 1gbit --sizes 8 1M 64M
+
+`--record DIR` keeps the figures and their plot (busbw against the size, a panel per rank
+count or host layout) in DIR (record.py).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from record import lines, record
 
 BACKENDS = ("gloo", "tcp", "shm", "floor", "floor-crc", "tcp-q8_0", "tcp-bf16")
 COMPRESSED = {"tcp-q8_0": "q8_0", "tcp-bf16": "bf16"}  # DTM over TCP with compress= (spec 9.5.1), not in the default set
@@ -385,6 +390,31 @@ def hosts_main(args) -> None:
             times[b] = {int(k): v for k, v in json.loads(line[7:]).items()}
     link = (args.hosts, rate_bytes(shape["rate"])) if "rate" in shape else None
     report("all_reduce", n, sizes, times, link)
+    if args.record:
+        layout = f"{args.hosts} hosts x {args.ranks_per_host} ranks, links {', '.join(shape.values()) or 'unshaped'}"
+        record(args.record, "collectives", {"op": "all_reduce", "runs": [run_figures(n, times, layout)]}, draw)
+
+
+def run_figures(n: int, times: dict[str, dict[int, float]], layout: str) -> dict:
+    """One rank count's medians, as record() keeps them: (bytes, seconds) pairs per backend."""
+    return {"ranks": n, "layout": layout, "times": {b: [[s, t] for s, t in ts.items()] for b, ts in times.items()}}
+
+
+def draw(figures: dict, fig) -> None:
+    """busbw (all_reduce) or algbw (send/recv) against the size from 1 KiB (the 8-byte row is
+    latency), a panel per run, a line per backend."""
+    all_reduce = figures["op"] == "all_reduce"
+    axes = fig.subplots(1, len(figures["runs"]), squeeze=False)[0]
+    for ax, run in zip(axes, figures["runs"]):
+        n = run["ranks"]
+        factor = 2 * (n - 1) / n if all_reduce else 2.0  # busbw; a ping-pong's round trip moves it twice
+        series = {(b if b == "gloo" or b.startswith("floor") else f"DTM {b}"): [[s, factor * s / t / 1e9] for s, t
+                                                                                in pairs if s >= 1024]
+                  for b, pairs in run["times"].items()}
+        sizes = [s for s, _ in next(iter(series.values()))]
+        lines(ax, series, logx=True, xticks=[(s, show_size(s)) for s in sizes],
+              title=f"{'all_reduce' if all_reduce else 'send/recv'} f32, {run['layout']}", xlabel="bytes",
+              ylabel="busbw, GB/s" if all_reduce else "algbw, GB/s")
 
 
 def main() -> None:
@@ -400,6 +430,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=None, help="measure across this many hosts (network namespaces)")
     ap.add_argument("--ranks-per-host", type=int, default=2)
     ap.add_argument("--link", default="10gbit", help="each host's link: RATE[,DELAY][,LOSS%%], e.g. 10gbit,50us")
+    ap.add_argument("--record", metavar="DIR", help="keep the figures and their plot in DIR (record.py)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank of --hosts (run by it)
     args = ap.parse_args()
     if args.worker is not None:
@@ -424,6 +455,7 @@ def main() -> None:
         opts["floor_library"] = str(build(FLOOR_SOURCE.read_text(), "tcp_floor", FLAGS))
     print(f"host: {os.cpu_count()} cores; {'own network namespace' if os.environ.get('DTM_BENCH_NETNS') else 'host'}"
           f" loopback; DTM chunk {show_size(args.chunk)}, shm slot {show_size(args.slot)}")
+    runs = []
     for n in args.ranks:
         groups = {b: Group(b, n, opts) for b in args.backends}
         try:
@@ -432,9 +464,12 @@ def main() -> None:
                 for b, g in groups.items():
                     times[b][s] = g.measure(s, iterations(s, args.iters))
             report(args.op, n, sizes, times)
+            runs.append(run_figures(n, times, f"{n} ranks, one host"))
         finally:
             for g in groups.values():
                 g.stop()
+    if args.record:
+        record(args.record, "collectives", {"op": args.op, "runs": runs}, draw)
 
 
 if __name__ == "__main__":

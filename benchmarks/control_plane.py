@@ -15,7 +15,7 @@ For each rank count it reports:
   holds the MeshView of epoch 2 (each survivor rejoins as soon as it hears of the loss).
 
     python benchmarks/control_plane.py                       # 1,000 and 4,000 ranks
-    python benchmarks/control_plane.py --ranks 250 1000 --procs 4 --plot control_plane.svg
+    python benchmarks/control_plane.py --ranks 250 1000 4000 --record docs/benchmarks   # with its plot (record.py)
 
 Goals: 1,000 ranks join in under 10 s; a death known to all within 2 s of the heartbeat
 bound; coordinator CPU under 10% of one core at steady state.
@@ -31,6 +31,8 @@ import os
 import resource
 import secrets
 import time
+
+from record import lines, record
 
 TOKEN_BYTES = 16
 
@@ -251,38 +253,18 @@ def measure(n: int, procs: int, heartbeat_ms: int, timeout_ms: int, steady: floa
     return out
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """Each figure against the rank count, as an SVG of four small panels (no plotting
-    library: a few lines and labels)."""
-    panels = [("join_s", "join (s)", 10.0), ("death_s", "death known to all (s)", None),
-              ("cpu_percent", "coordinator CPU (% of a core)", 10.0), ("rss_mib", "coordinator RSS (MiB)", None)]
-    w, h, pad = 300, 200, 40
-    xs = [r["ranks"] for r in rows]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w}" height="{2 * h}" font-family="sans-serif" '
-             'font-size="11">']
-    for i, (key, title, goal) in enumerate(panels):
-        ox, oy = (i % 2) * w, (i // 2) * h
-        ys = [r[key] for r in rows]
-        top = max(ys + ([goal] if goal else []) + ([rows[0]["bound_s"] + 2] if key == "death_s" else [])) * 1.15
-        sx = lambda x: ox + pad + (x - min(xs)) / max(1, max(xs) - min(xs)) * (w - 2 * pad)  # noqa: E731
-        sy = lambda y: oy + h - pad + 10 - y / top * (h - 2 * pad)  # noqa: E731
-        parts.append(f'<text x="{ox + pad}" y="{oy + 16}">{title}</text>')
-        parts.append(f'<line x1="{ox + pad}" y1="{sy(0)}" x2="{ox + w - pad}" y2="{sy(0)}" stroke="black"/>')
-        parts.append(f'<line x1="{ox + pad}" y1="{sy(0)}" x2="{ox + pad}" y2="{sy(top)}" stroke="black"/>')
-        limit = goal if goal else rows[0]["bound_s"] + 2 if key == "death_s" else None
-        if limit:
-            parts.append(f'<line x1="{ox + pad}" y1="{sy(limit)}" x2="{ox + w - pad}" y2="{sy(limit)}" '
-                         f'stroke="red" stroke-dasharray="4"/><text x="{ox + w - pad - 30}" y="{sy(limit) - 3}" '
-                         f'fill="red">goal</text>')
-        points = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
-        parts.append(f'<polyline points="{points}" fill="none" stroke="steelblue" stroke-width="2"/>')
-        for x, y in zip(xs, ys):
-            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="steelblue"/>'
-                         f'<text x="{sx(x) - 10:.1f}" y="{sy(y) - 6:.1f}">{y:.2g}</text>'
-                         f'<text x="{sx(x) - 10:.1f}" y="{sy(0) + 14:.1f}">{x}</text>')
-    parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts) + "\n")
+def draw(figures: dict, fig) -> None:
+    """Each figure against the rank count, a panel each, with its goal or bound."""
+    rows = figures["rows"]
+    bound = rows[0]["bound_s"]
+    panels = [("join_s", "all joined (s)", 10.0, "goal at 1,000 ranks"),
+              ("death_s", "death known to all (s)", bound + 2, "goal: the bound + 2 s"),
+              ("cpu_percent", "coordinator CPU (% of a core)", 10.0, "goal at 1,000 ranks"),
+              ("rss_mib", "coordinator RSS (MiB)", None, "")]
+    ranks = [r["ranks"] for r in rows]
+    for ax, (key, title, goal, goal_label) in zip(fig.subplots(2, 2).flat, panels):
+        lines(ax, {"DTM coordinator": [[r["ranks"], r[key]] for r in rows]}, title=title, xlabel="ranks", ylabel="",
+              goal=goal, goal_label=goal_label, logx=True, xticks=[(n, str(n)) for n in ranks])
 
 
 def main() -> None:
@@ -292,7 +274,7 @@ def main() -> None:
     ap.add_argument("--heartbeat-ms", type=int, default=500)
     ap.add_argument("--timeout-ms", type=int, default=5000)
     ap.add_argument("--steady", type=float, default=5.0, help="seconds of heartbeats the CPU figure covers")
-    ap.add_argument("--plot", default=None, metavar="FILE.svg", help="also draw each figure against the rank count")
+    ap.add_argument("--record", metavar="DIR", help="keep the figures and their plot (each against the rank count) in DIR")
     args = ap.parse_args()
     print(f"host: {os.cpu_count()} cores; heartbeat every {args.heartbeat_ms} ms, lost after {args.timeout_ms} ms "
           f"(bound {(args.timeout_ms + args.heartbeat_ms) / 1000:g} s); ranks in {args.procs} processes")
@@ -304,9 +286,9 @@ def main() -> None:
         rows.append(r)
         print(f"{n:>6} | {r['formed_s']:>6.2f}s | {r['join_s']:>10.2f}s | {r['cpu_percent']:>8.1f}% | {r['rss_mib']:>5.0f} MiB | "
               f"{r['death_s']:>6.2f}s (bound {r['bound_s']:g}s) | {r['resize_s']:>7.2f}s", flush=True)
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot: {args.plot}")
+    if args.record:
+        record(args.record, "control_plane", {"heartbeat_ms": args.heartbeat_ms, "timeout_ms": args.timeout_ms,
+                                              "procs": args.procs, "rows": rows}, draw)
 
 
 if __name__ == "__main__":

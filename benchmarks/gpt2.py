@@ -40,6 +40,9 @@ positions the f32 model predicted, the max abs difference of the logits and whet
 top-1 token agrees are taken: printed as max / mean / 99th percentile and the agreement.
 
     python benchmarks/gpt2.py --accuracy 256
+
+--record DIR keeps the speed figures and their plot (prefill and decode per engine) in DIR
+(record.py).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import time
 
 import numpy as np
 
+from record import bars, record
 from timing import best_of
 
 PROMPT_LEN, PREFILL_LEN = 16, 128
@@ -315,6 +319,7 @@ def main() -> None:
     ap.add_argument("--no-quant", action="store_true", help="skip the narrow-weight rows")
     ap.add_argument("--peer", choices=["llamacpp"], help="add llama.cpp's engines (pip install -e '.[llamacpp]')")
     ap.add_argument("--accuracy", type=int, metavar="N", help="narrow types vs f32 over N greedy tokens, no speed")
+    ap.add_argument("--record", metavar="DIR", help="keep the speed figures and their plot in DIR (record.py)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.accuracy:
@@ -354,6 +359,22 @@ def main() -> None:
     print("matmul path: DTM's own tiled C kernels (no BLAS); torch uses its bundled BLAS")
     if args.peer:
         print_vs_llamacpp(results)
+    if args.record:
+        keep = ("prefill_ms", "decode_tok_s", "peak_rss_mb", "first_s")
+        record(args.record, "gpt2", {"layers": args.layers, "batch": args.batch, "new_tokens": args.new_tokens,
+                                     "engines": {label: {k: r[k] for k in keep} for label, r in results}}, draw)
+
+
+def draw(figures: dict, fig) -> None:
+    """Prefill time and decode rate per engine, DTM's in blue."""
+    engines = figures["engines"]
+    names = list(engines)
+    prefill, decode = fig.subplots(1, 2)
+    model = "GPT-2 124M" if figures["layers"] == 12 else f"GPT-2 shapes, {figures['layers']} layers,"
+    bars(prefill, names, [engines[e]["prefill_ms"] for e in names], ylabel="ms (lower is better)",
+         title=f"{model} prefill, {PREFILL_LEN} tokens, batch {figures['batch']}")
+    bars(decode, names, [engines[e]["decode_tok_s"] for e in names], ylabel="tokens/s (higher is better)",
+         title=f"greedy decode, {figures['new_tokens']} tokens")
 
 
 if __name__ == "__main__":

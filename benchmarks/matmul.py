@@ -8,7 +8,9 @@ OMP_NUM_THREADS (default: all cores); numpy uses whatever BLAS it was built with
 Goal (issue 15): DTM >= 0.95x the better of numpy and torch at 256, 1024 and 2048 (the
 last column).
 
-    python benchmarks/matmul.py [--sizes 256 1024 2048] [--threads 2] [--dtype f32]
+    python benchmarks/matmul.py [--sizes 256 1024 2048] [--threads 2] [--dtype f32] [--record DIR]
+
+--record DIR keeps the figures and their plot (GFLOP/s against the size) in DIR (record.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import numpy as np
 
 from dtm.ir import parse
 from dtm.runtime.backend import get_backend
+from record import lines, record
 from timing import best_time
-
 
 
 ROUNDS = 3  # each engine is timed this many times, the engines in turn; the best counts
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
     ap.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
+    ap.add_argument("--record", metavar="DIR", help="keep the figures and their plot in DIR (record.py)")
     args = ap.parse_args()
     try:
         import torch
@@ -41,6 +44,7 @@ def main() -> None:
         torch = None
     np_dtype = np.float32 if args.dtype == "f32" else np.float64
     cpu = get_backend("cpu")
+    gflops: dict[str, list[list[float]]] = {}
     print(f"{'n':>6} {'dtm':>9} {'numpy':>9} {'torch':>9}   dtm/numpy dtm/torch  dtm/better   (GFLOP/s, {args.dtype})")
     for n in args.sizes:
         m = parse(f"dtm 1.0\n\nfunc @mm(%a: {args.dtype}[{n}, {n}], %b: {args.dtype}[{n}, {n}]) -> "
@@ -61,9 +65,22 @@ def main() -> None:
             for name, fn in engines.items():
                 best[name] = min(best[name], best_time(fn, args.budget / ROUNDS))
         rates = {name: flop / t / 1e9 for name, t in best.items()}
+        for name, rate in rates.items():
+            gflops.setdefault(name, []).append([n, rate])
         t = rates.get("torch", float("nan"))
         print(f"{n:>6} {rates['dtm']:>9.1f} {rates['numpy']:>9.1f} {t:>9.1f}   "
               f"{rates['dtm'] / rates['numpy']:>9.2f} {rates['dtm'] / t:>9.2f} {rates['dtm'] / max(rates['numpy'], t):>11.2f}")
+    if args.record:
+        record(args.record, "matmul", {"dtype": args.dtype, "threads": args.threads, "gflops": gflops}, draw)
+
+
+def draw(figures: dict, fig) -> None:
+    """GFLOP/s against the size, a line per library."""
+    names = {"dtm": "DTM cpu", "numpy": "numpy", "torch": "torch"}
+    sizes = [n for n, _ in figures["gflops"]["dtm"]]
+    lines(fig.subplots(), {names[k]: v for k, v in figures["gflops"].items()}, logx=True,
+          xticks=[(n, str(n)) for n in sizes], title=f"square {figures['dtype']} matmul, {figures['threads']} threads",
+          xlabel="n (an n x n by n x n product)", ylabel="GFLOP/s")
 
 
 if __name__ == "__main__":

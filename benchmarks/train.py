@@ -34,6 +34,9 @@ torch.compile; gpt2 jit >= 1.0x torch eager (goal 1.3x), peak RSS at most torch'
 step with an empty cache <= 2 s (char), <= 8 s (gpt2).
 
     python benchmarks/train.py --model gpt2 --warm-memory 4   # the default for gpt2
+
+--record DIR keeps the training figures and their plot (step time and first step per engine)
+in DIR, as train_char or train_gpt2 (record.py).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import time
 import numpy as np
 
 from gpt2 import load_weights, random_weights  # this folder is on sys.path when run as a script
+from record import bars, record
 
 MODELS = {  # GPT2Config fields, batch, context
     "char": (dict(vocab_size=65, n_positions=64, n_embd=128, n_layer=4, n_head=4), 16, 64),
@@ -314,6 +318,7 @@ def main() -> None:
                     help="bf16: each step's forward and loss under CPU autocast (dtm.autocast / torch.autocast)")
     ap.add_argument("--eval", type=int, default=0, metavar="BATCHES",
                     help="instead of training: nanoGPT's estimate_loss over this many batches under no_grad, twice")
+    ap.add_argument("--record", metavar="DIR", help="keep the training figures and their plot in DIR (record.py)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps is None:
@@ -360,6 +365,24 @@ def main() -> None:
     if runtime_s is not None:
         print(f"DTM's runtime libraries, built once per machine before the engines ran: {runtime_s:.2f} s "
               "(dtm-jit-cold's first step builds them too)")
+    if args.record:
+        keep = ("step_ms", "first_s", "peak_rss_mb", "first_loss")
+        record(args.record, "train", {"model": args.model, "batch": batch, "context": context,
+                                      "autocast": args.autocast, "dropout": args.dropout,
+                                      "engines": {e: {k: r[k] for k in keep} for e, r in results.items()}},
+               draw, name=f"train_{args.model}")
+
+
+def draw(figures: dict, fig) -> None:
+    """Step time and first step (DTM: from an empty kernel cache) per engine, DTM's in blue."""
+    engines = figures["engines"]
+    step, first = fig.subplots(1, 2)
+    what = f"{figures['model']} training step, batch {figures['batch']} x {figures['context']}"
+    names = list(engines)
+    bars(step, names, [engines[e]["step_ms"] for e in names], title=f"{what}: median step",
+         ylabel="ms (lower is better)", highlight=lambda e: e.startswith("dtm"))
+    bars(first, names, [engines[e]["first_s"] for e in names], title="first step in a fresh process",
+         ylabel="s (lower is better)", highlight=lambda e: e.startswith("dtm"))
 
 
 if __name__ == "__main__":

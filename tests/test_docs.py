@@ -14,11 +14,14 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 GUIDES = sorted((ROOT / "docs" / "guide").glob("*.md"))
-# A ```python fence, its info string after the language (`no-run`, `title="mymodule.py"`) and its code.
+# A ```python fence, its info string after the language (`title="mymodule.py"`, `launch="-n 4"`,
+# `excerpt="tests/elastic_train.py"`) and its code.
 PYTHON_BLOCK = re.compile(r"^```python([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
-# The blocks a guide marks ```python no-run, by page: each starts or joins a job of several
-# processes (see the test's docstring). A new one is a decision, made here.
-NO_RUN = {"checkpoints": 1, "meshes": 1, "store": 1}
+# A block that is a job of several processes, run by tests/test_docs_launch.py under `dtm launch ARGS`.
+LAUNCH = re.compile(r'launch="([^"]*)"')
+# A block whose lines are a file's of the repository that the tests run (checked below).
+EXCERPT = re.compile(r'excerpt="([^"]*)"')
+COMMENT = re.compile(r"\s*#.*$")  # (the excerpts' code has no '#' inside a string)
 
 
 def python_blocks(page: pathlib.Path) -> list[tuple[str, str]]:
@@ -43,16 +46,15 @@ def test_the_guide_examples_run(page, tmp_path):
     the script's own: tests/conftest.py's DTM_STORE), and end without an error; what a
     block's comments show as a result it asserts itself. A block whose info string names a
     file (```python title="mymodule.py"```) is that file, written beside the script (a
-    module that worker processes import by name). Blocks marked ```python no-run``` are
-    read, not run: each is a rank's program of a job of several processes (`dtm launch
-    -n 4`: the collectives between processes, the mesh's store, an elastic training loop),
-    which one process cannot be; the tests of dtm launch, the mesh's store and
-    dtm.elastic run those with real processes."""
+    module that worker processes import by name). A ```python launch="ARGS"``` block is a
+    rank's program of a job of several processes, which one process cannot be:
+    tests/test_docs_launch.py runs it under `dtm launch ARGS`; an ```python excerpt="FILE"```
+    block is lines of a file the tests run (test_an_excerpt_is_its_files_lines)."""
     blocks = python_blocks(ROOT / "docs" / "guide" / f"{page}.md")
-    assert sum("no-run" in info.split() for info, _ in blocks) == NO_RUN.get(page, 0)
+    assert not [info for info, _ in blocks if "no-run" in info.split()], "every example runs: launch= or excerpt="
     script = []
     for info, code in blocks:
-        if "no-run" in info.split():
+        if LAUNCH.search(info) or EXCERPT.search(info):
             continue
         if (named := re.search(r'title="([^"]+)"', info)) is not None:
             (tmp_path / named.group(1)).write_text(code, encoding="utf-8")
@@ -64,6 +66,20 @@ def test_the_guide_examples_run(page, tmp_path):
     out = subprocess.run([sys.executable, f"guide_{page}.py"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, f"docs/guide/{page}.md:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+EXCERPTS = [(g.stem, m.group(1), code) for g in GUIDES for info, code in python_blocks(g)
+            if (m := EXCERPT.search(info))]
+
+
+@pytest.mark.parametrize("page, path, code", EXCERPTS, ids=[f"{p}:{f}" for p, f, _ in EXCERPTS])
+def test_an_excerpt_is_its_files_lines(page, path, code):
+    """Each line of an excerpt block, its comment aside, is a line of the file it names (so
+    the guide cannot drift from a program the tests run), and the file's tests exist."""
+    lines = {COMMENT.sub("", line).strip() for line in (ROOT / path).read_text(encoding="utf-8").splitlines()}
+    drifted = [line for line in code.splitlines() if COMMENT.sub("", line).strip() not in lines]
+    assert drifted == [], f"docs/guide/{page}.md: lines not in {path}"
+    assert any(pathlib.Path(path).name in t.read_text(encoding="utf-8") for t in (ROOT / "tests").glob("test_*.py"))
 
 
 def test_every_relative_link_points_at_a_file():

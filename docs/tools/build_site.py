@@ -7,12 +7,16 @@ highlighting without a server; a Sphinx build would need the pages converted to 
 
 What this script writes under build/site-src/ (the sources stay where they are):
 - index.md: the README, its links into docs/ pointing at the site's pages;
-- guide/*.md, architecture.md, benchmarks.md: the pages of docs/ (a ```python no-run fence,
-  a block tests/test_docs.py does not run, as ```python);
+- guide/*.md, architecture.md, benchmarks.md: the pages of docs/ (a ```python launch="..."
+  or excerpt="..." fence, which tells tests/test_docs.py how to run or check the block, as ```python);
 - spec/*.md: the spec split into its chapters, one page each (spec/index.md: the title and
   contents), each op's entry findable by its name's anchor (`spec/03-ops.md#neg`); a link
   from one chapter to another points at the other page;
 - conformance/*.md: each vector directory's README;
+- benchmarks/<name>.md: a page for each benchmark record of docs/benchmarks/ (written by a
+  benchmark's --record, benchmarks/record.py): what it measures, its plot, the command, the
+  machine and the date, the figures' JSON beside it; a link to a record's JSON or plot from
+  another page points at that page;
 - api/<module>.md: the API reference of each public module (API below), `::: dtm.nn` and its
   members: the names of the module's `__all__` (read from the imported module: dtm imports
   no torch), for `dtm` the functions and classes it imports by name; api/index.md lists the
@@ -43,11 +47,12 @@ from markdown.extensions.toc import slugify
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT = ROOT / "build" / "site-src"  # (main's --out moves it)
 SPEC = ROOT / "docs" / "spec" / "dtm-spec.md"
+RECORDS = ROOT / "docs" / "benchmarks"  # the benchmarks' records: NAME.json and NAME.svg
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
-# A guide's ```python no-run block (tests/test_docs.py reads it, does not run it): superfences
-# takes no such word in an info string, so the site's copy is a plain ```python block.
-NO_RUN = re.compile(r"^((?:```|~~~)[\w+-]+)[ \t]+no-run[ \t]*$")
+# A guide's ```python launch="-n 4"``` or excerpt="FILE" block (how tests/test_docs.py runs or
+# checks it): superfences takes no such option, so the site's copy is a plain ```python block.
+TEST_ONLY = re.compile(r'^((?:```|~~~)[\w+-]+)[ \t]+(?:launch|excerpt)="[^"]*"[ \t]*$')
 # The API reference's modules (tests/test_docstrings.py holds their public names to a docstring);
 # a module before those that re-export its names (docs/tools/griffe_runtime.py's order).
 API = ["dtm", "dtm.functional", "dtm.nn", "dtm.nn.functional", "dtm.optim", "dtm.parallel", "dtm.distributed",
@@ -84,7 +89,7 @@ def rewrite_links(text: str, source: pathlib.Path, page: str, pages: dict[pathli
                   spec_anchor: dict[str, str]) -> str:
     """`text` (of repository file `source`, published as site page `page`) with each link
     pointing where the site has its target, outside code blocks only, and each ```python
-    no-run fence a ```python one."""
+    launch= or excerpt= fence a ```python one."""
     depth = page.count("/")
 
     def one(m: re.Match) -> str:
@@ -110,7 +115,7 @@ def rewrite_links(text: str, source: pathlib.Path, page: str, pages: dict[pathli
     for line in text.split("\n"):
         if FENCE.match(line):
             inside = not inside
-            line = NO_RUN.sub(r"\1", line)
+            line = TEST_ONLY.sub(r"\1", line)
         out.append(line if inside else LINK.sub(one, line))
     return "\n".join(out)
 
@@ -150,6 +155,29 @@ def api_pages() -> dict[str, list[str]]:
     return members
 
 
+def benchmark_pages() -> list[str]:
+    """Write benchmarks/<name>.md for each record in RECORDS, its plot and JSON beside it;
+    returns the pages, by name."""
+    (OUT / "benchmarks").mkdir(parents=True)
+    pages = []
+    for path in sorted(RECORDS.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        name, m = data["name"], data["machine"]
+        for f in (path, path.with_suffix(".svg")):
+            shutil.copy(f, OUT / "benchmarks" / f"{name}{f.suffix}")
+        features = ", ".join(m["features"]) or "none of those DTM looks for"
+        (OUT / "benchmarks" / f"{name}.md").write_text(
+            f"# {name}\n\n{data['about']}\n\n![{name}: {data['command']}]({name}.svg)\n\n"
+            f"Measured on {data['date']} (commit `{data['commit'] or 'unknown'}`) by\n\n"
+            f"```sh\n{data['command']}\n```\n\non {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; vector "
+            f"features: {features}; {m['system']}, Python {m['python']}. The figures as the benchmark "
+            f"recorded them: [{name}.json]({name}.json). The plot is drawn from them by the benchmark's own "
+            f"`draw` (`python benchmarks/record.py` redraws every plot). Every benchmark's figures over "
+            f"time: [Speed](../benchmarks.md).\n", encoding="utf-8")
+        pages.append(f"benchmarks/{name}.md")
+    return pages
+
+
 def main() -> None:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -169,6 +197,8 @@ def main() -> None:
                                       (ROOT / "docs" / "architecture.md").resolve(): "architecture.md",
                                       (ROOT / "docs" / "benchmarks.md").resolve(): "benchmarks.md"}
     pages.update({g.resolve(): f"guide/{g.name}" for g in guides})
+    for record in RECORDS.glob("*.json"):  # a link to a record's figures or plot: its page
+        pages[record.resolve()] = pages[record.with_suffix(".svg").resolve()] = f"benchmarks/{record.stem}.md"
     for v in vectors:  # the README, and a link to its directory, are the vectors' page
         pages[v.resolve()] = pages[v.parent.resolve()] = f"conformance/{v.parent.name}.md"
     spec_anchor = {a: "spec/index.md" for a in anchors(head)}
@@ -182,7 +212,7 @@ def main() -> None:
     (OUT / "spec" / "index.md").write_text(rewrite_links(index, SPEC, "spec/index.md", pages, spec_anchor),
                                            encoding="utf-8")
     for source, page in pages.items():
-        if source == SPEC.resolve() or source.is_dir():
+        if source == SPEC.resolve() or source.is_dir() or source.parent == RECORDS.resolve():
             continue
         target = OUT / page
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +223,7 @@ def main() -> None:
     nav += ["  - Architecture: architecture.md", "  - Spec:", "      - spec/index.md"]
     nav += [f"      - spec/{name}" for name, _, _ in chapters]
     nav += ["  - Conformance:"] + [f"      - conformance/{v.parent.name}.md" for v in vectors]
-    nav += ["  - Benchmarks: benchmarks.md"]
+    nav += ["  - Benchmarks:", "      - benchmarks.md"] + [f"      - {p}" for p in benchmark_pages()]
     members = api_pages()
     nav += ["  - API reference:", "      - api/index.md"] + [f"      - {m}: api/{m}.md" for m in members]
     config = (ROOT / "docs" / "mkdocs.base.yml").read_text(encoding="utf-8").replace("{root}", str(ROOT))
