@@ -33,7 +33,7 @@ demo: $(DEMO_STAMP)
 # serial: test_module_list_and_nesting[ref] misses its tolerance now and then when both cores
 # are loaded, as it did before this list existed.) The serial phase prints its 25 slowest
 # tests: the suite must stay under 15 minutes in CI.
-PARALLEL_TESTS := tests/test_tensor_ops.py tests/test_autocast.py tests/test_autodiff_ops.py tests/test_benchmark_records.py \
+PARALLEL_TESTS := tests/test_tensor_ops.py tests/test_autocast.py tests/test_autodiff_ops.py tests/test_benchmark_records.py tests/test_runtime_abandon.py \
 	tests/test_char_gpt.py tests/test_checkpoint.py tests/test_checkpoint_checksums.py \
 	tests/test_checkpoint_fsspec.py tests/test_cli.py tests/test_comm_nontemporal.py \
 	tests/test_compiler_casts.py tests/test_compiler_conformance.py tests/test_compiler_ops.py tests/test_compiler_fusion.py \

@@ -51,6 +51,7 @@ from ..ref.context import RefContext
 from ..ref.interpreter import bind_symbols, check_array, evaluate, out_of_memory, resolve_attrs, resolve_type
 from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
 from . import buffers
+from .abandon import abandoned
 from .host import check_free
 
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
@@ -334,9 +335,22 @@ class Plan:
                     self._launch(*frame.launch[what])
                 else:
                     ctx = self._other(what, vals, originals, bindings, ctx)
+                    if abandoned():  # a collective lost a peer in an elastic step: the rest is never used
+                        break
                 for bi in freed:
                     vals[bi] = None
+        if abandoned():
+            return self._stand_ins(bindings)
         return self._results(inputs, frame, vals, originals)
+
+    def _stand_ins(self, bindings: dict) -> list[np.ndarray]:
+        """The results of a run given up (runtime.abandon): each of its type, NaN (zeros for
+        integers, booleans and quantized blocks), as a lost peer's collective gives."""
+        out = []
+        for bi, _ in self.returns:
+            shape, dtype = self._storage(self.buffers[bi], bindings)
+            out.append(np.full(shape, np.nan if dtype.kind in "fc" else 0, dtype))
+        return out
 
     def repeat(self, inputs: Sequence[np.ndarray], times: int, feed: tuple[int, int], advance: tuple[int, int],
                donated: frozenset = frozenset(),
@@ -452,7 +466,7 @@ class Plan:
         return ctx
 
     def _run_steps(self, frame: _Frame, vals: list, originals: dict, bindings: dict, ctx) -> None:
-        """The steps one by one, each timed (DTM_DEBUG)."""
+        """The steps one by one, each timed (DTM_DEBUG), until the run is abandoned."""
         for i, step in enumerate(self.steps):
             t0 = time.perf_counter()
             if type(step) is _Kernel:
@@ -466,6 +480,8 @@ class Plan:
             else:
                 ctx = self._other(step, vals, originals, bindings, ctx)
             print(f"[dtm cpu] {step.name}: {(time.perf_counter() - t0) * 1e3:.3f} ms", file=sys.stderr)
+            if abandoned():
+                return
             for bi in self.frees[i]:
                 if self.buffers[bi].kind == "fallback":
                     vals[bi] = None

@@ -53,6 +53,7 @@ from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import from_numpy
 from ..ref.collectives import call_args
 from ..ref.context import group_ranks
+from .abandon import abandon, resume
 
 log = logging.getLogger("dtm.cluster")
 
@@ -86,7 +87,7 @@ class ProcessGroup:
         # collective that fails because a peer is lost marks the epoch `broken` and returns
         # NaN (zeros for integers) instead of raising, as does every later one of the epoch:
         # the step is redone on the resized mesh, and its results are never used.
-        self.poison = False
+        self._poison = False
         self.broken: str | None = None
         self.joined_running = False  # this process joined a mesh that had formed (an elastic grow)
 
@@ -150,6 +151,13 @@ class ProcessGroup:
 
     def _on_lost(self, rank: int, message: str) -> None:
         # On the heartbeat thread: end whatever waits for `rank` now, not at the timeout.
+        if self.poison and self.broken is None:
+            # an elastic step's body runs: the mesh resizes and the step is redone from the
+            # snapshot whether or not this rank's own collectives need `rank`, so it stops at
+            # its next collective rather than computing on to one that fails (runtime.abandon)
+            self.broken = message
+            log.warning("rank %d: %s; this step is redone once the mesh has resized", self.rank, message)
+            abandon()
         comm = self.comm  # None once closed
         sever = getattr(comm.transport, "sever", None) if comm is not None else None
         if sever is not None:
@@ -276,9 +284,22 @@ class ProcessGroup:
                                                  lambda: fn(x, **params, group=group)),
                                 lambda: poisoned(name, x, len(group) if group is not None else self.world_size, params))
 
+    @property
+    def poison(self) -> bool:
+        """Set while dtm.elastic runs a step's body (see __init__)."""
+        return self._poison
+
+    @poison.setter
+    def poison(self, on: bool) -> None:
+        self._poison = on
+        if not on:  # the body ended: a later program runs whole again
+            resume()
+
     def _poisonable(self, op: Callable[[], T], fake: Callable[[], T] = lambda: None) -> T:
-        """`op()`, or, while `poison` is set and this epoch lost a peer, `fake()` (see __init__)."""
+        """`op()`, or, while `poison` is set and this epoch lost a peer, `fake()` (see __init__);
+        the step is then abandoned: the executor skips the rest of its program (runtime.abandon)."""
         if self.poison and self.broken is not None:
+            abandon()
             return fake()
         try:
             return op()
@@ -287,6 +308,7 @@ class ProcessGroup:
                 raise
             self.broken = err.message
             log.warning("rank %d: %s; this step is redone once the mesh has resized", self.rank, err.message)
+            abandon()
             return fake()
 
     def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None, compress: str | None = None) -> np.ndarray:
