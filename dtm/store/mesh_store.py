@@ -169,8 +169,10 @@ class MeshStore:
         self._check(f"store put {key!r}")
         dt = as_store_dtype(a.dtype if dtype is None else dtype)
         data, shape = _storage(key, a, dt)
-        # the CRC of the caller's bytes, against which each remote replica's is checked (spec 9.4.9)
-        crc = checksums.array_crc(data) if checksums.enabled() else None
+        # the CRC of the caller's bytes, against which each remote replica's is checked (spec
+        # 9.4.9): computed before the first remote put (a put on this rank alone checks
+        # nothing against it; a survivor's snapshot blobs are hundreds of MB)
+        crc: int | None = None
         first: Info | None = None
         done: list[int] = []
         for r in placement(key, self.world_size) if ranks is None else ranks:
@@ -178,6 +180,8 @@ class MeshStore:
                 break
             if r in self._gone():
                 continue
+            if r != self.rank and crc is None and checksums.enabled():
+                crc = checksums.array_crc(data)
             try:
                 info = self._put_on(r, key, data, dt, shape, crc)
             except DTMError as err:
