@@ -129,6 +129,10 @@ def main() -> None:
     print(f"DTM ({args.model}): dtm launch -n 4 --axes dp=2,tp=2 --elastic 2:8, rank 3 killed at step 4, 2 ranks "
           "join", flush=True)
     d = measure_dtm(steps, args.model)
+    missing = [what for what, key in (("shrink", "shrink_s"), ("grow", "grow_s")) if d[key] is None]
+    if missing:  # (the job ended, or the run timed out, before the step that measures it)
+        sys.exit(f"DTM: no {' or '.join(missing)} measured: the job's lines above show how far it got; a grow "
+                 f"needs the joiners admitted before the last step (--steps {steps}: give more)")
     print(f"DTM  shrink (SIGKILL -> next step done) {d['shrink_s']:.2f} s; grow (joiners started -> first step of "
           f"the grown mesh) {d['grow_s']:.2f} s, of which after admission {d['grow_after_admission_s']:.2f} s; "
           f"redone from step {d['redone_from']} (steps of work lost: {d['steps_lost']})", flush=True)
