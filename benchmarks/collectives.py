@@ -408,13 +408,17 @@ def draw(figures: dict, fig) -> None:
     for ax, run in zip(axes, figures["runs"]):
         n = run["ranks"]
         factor = 2 * (n - 1) / n if all_reduce else 2.0  # busbw; a ping-pong's round trip moves it twice
-        series = {(b if b == "gloo" or b.startswith("floor") else f"DTM {b}"): [[s, factor * s / t / 1e9] for s, t
-                                                                                in pairs if s >= 1024]
+        series = {_label(b): [[s, factor * s / t / 1e9] for s, t in pairs if s >= 1024]
                   for b, pairs in run["times"].items()}
         sizes = [s for s, _ in next(iter(series.values()))]
         lines(ax, series, logx=True, xticks=[(s, show_size(s)) for s in sizes],
               title=f"{'all_reduce' if all_reduce else 'send/recv'} f32, {run['layout']}", xlabel="bytes",
               ylabel="busbw, GB/s" if all_reduce else "algbw, GB/s")
+
+
+def _label(backend: str) -> str:
+    """A backend's name in a plot: DTM's own named so, the peer and the floors as they are."""
+    return backend if backend == "gloo" or backend.startswith("floor") else f"DTM {backend}"
 
 
 def main() -> None:

@@ -161,10 +161,10 @@ def benchmark_pages() -> list[str]:
     (OUT / "benchmarks").mkdir(parents=True)
     pages = []
     for path in sorted(RECORDS.glob("*.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        name, m = data["name"], data["machine"]
+        data, name = json.loads(path.read_text(encoding="utf-8")), path.stem  # (record.py names the file by it)
+        m = data["machine"]
         for f in (path, path.with_suffix(".svg")):
-            shutil.copy(f, OUT / "benchmarks" / f"{name}{f.suffix}")
+            shutil.copy(f, OUT / "benchmarks" / f.name)
         features = ", ".join(m["features"]) or "none of those DTM looks for"
         (OUT / "benchmarks" / f"{name}.md").write_text(
             f"# {name}\n\n{data['about']}\n\n![{name}: {data['command']}]({name}.svg)\n\n"

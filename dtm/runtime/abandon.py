@@ -12,6 +12,8 @@ ended (ProcessGroup.poison set False).
 
 from __future__ import annotations
 
+import numpy as np
+
 _abandoned = False
 
 
@@ -32,4 +34,11 @@ def abandoned() -> bool:
     return _abandoned
 
 
-__all__ = ["abandon", "abandoned", "resume"]
+def stand_in(shape, dtype) -> np.ndarray:
+    """What a given-up step gives for a result of this shape and numpy dtype: NaN for
+    floating-point and complex dtypes, zeros for integers and booleans (spec 9.6.7)."""
+    dtype = np.dtype(dtype)
+    return np.full(shape, np.nan if dtype.kind in "fc" else 0, dtype)
+
+
+__all__ = ["abandon", "abandoned", "resume", "stand_in"]

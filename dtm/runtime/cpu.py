@@ -51,7 +51,7 @@ from ..ref.context import RefContext
 from ..ref.interpreter import bind_symbols, check_array, evaluate, out_of_memory, resolve_attrs, resolve_type
 from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
 from . import buffers
-from .abandon import abandoned
+from .abandon import abandoned, stand_in
 from .host import check_free
 
 _EMPTY = np.zeros(64, np.uint8)  # backs every empty buffer: a kernel may read its element 0
@@ -346,11 +346,7 @@ class Plan:
     def _stand_ins(self, bindings: dict) -> list[np.ndarray]:
         """The results of a run given up (runtime.abandon): each of its type, NaN (zeros for
         integers, booleans and quantized blocks), as a lost peer's collective gives."""
-        out = []
-        for bi, _ in self.returns:
-            shape, dtype = self._storage(self.buffers[bi], bindings)
-            out.append(np.full(shape, np.nan if dtype.kind in "fc" else 0, dtype))
-        return out
+        return [stand_in(*self._storage(self.buffers[bi], bindings)) for bi, _ in self.returns]
 
     def repeat(self, inputs: Sequence[np.ndarray], times: int, feed: tuple[int, int], advance: tuple[int, int],
                donated: frozenset = frozenset(),

@@ -53,7 +53,7 @@ from ..errors import DTMError, ErrorCode as E
 from ..ir.dtypes import from_numpy
 from ..ref.collectives import call_args
 from ..ref.context import group_ranks
-from .abandon import abandon, resume
+from .abandon import abandon, resume, stand_in
 
 log = logging.getLogger("dtm.cluster")
 
@@ -154,10 +154,8 @@ class ProcessGroup:
         if self.poison and self.broken is None:
             # an elastic step's body runs: the mesh resizes and the step is redone from the
             # snapshot whether or not this rank's own collectives need `rank`, so it stops at
-            # its next collective rather than computing on to one that fails (runtime.abandon)
-            self.broken = message
-            log.warning("rank %d: %s; this step is redone once the mesh has resized", self.rank, message)
-            abandon()
+            # its next collective rather than computing on to one that fails
+            self._break(message)
         comm = self.comm  # None once closed
         sever = getattr(comm.transport, "sever", None) if comm is not None else None
         if sever is not None:
@@ -295,20 +293,23 @@ class ProcessGroup:
         if not on:  # the body ended: a later program runs whole again
             resume()
 
+    def _break(self, why: str) -> None:
+        """Mark this epoch broken while a step's body runs: its collectives give stand-ins
+        from now on, and the executor skips the rest of its program (runtime.abandon)."""
+        self.broken = why
+        log.warning("rank %d: %s; this step is redone once the mesh has resized", self.rank, why)
+        abandon()
+
     def _poisonable(self, op: Callable[[], T], fake: Callable[[], T] = lambda: None) -> T:
-        """`op()`, or, while `poison` is set and this epoch lost a peer, `fake()` (see __init__);
-        the step is then abandoned: the executor skips the rest of its program (runtime.abandon)."""
+        """`op()`, or, while `poison` is set and this epoch lost a peer, `fake()` (see __init__)."""
         if self.poison and self.broken is not None:
-            abandon()
             return fake()
         try:
             return op()
         except DTMError as err:
             if not self.poison or err.code not in (E.PEER_LOST, E.COLLECTIVE_ABORTED):
                 raise
-            self.broken = err.message
-            log.warning("rank %d: %s; this step is redone once the mesh has resized", self.rank, err.message)
-            abandon()
+            self._break(err.message)
             return fake()
 
     def all_reduce(self, x: np.ndarray, op: str = "sum", axis: Axis = None, compress: str | None = None) -> np.ndarray:
@@ -382,7 +383,7 @@ def poisoned(name: str, x: np.ndarray, group_size: int, params: dict) -> np.ndar
     elif name == "all_to_all":
         shape[params.get("split_dim", 0)] //= group_size
         shape[params.get("concat_dim", 0)] *= group_size
-    return np.full(shape, np.nan if x.dtype.kind in "fc" else 0, x.dtype)
+    return stand_in(shape, x.dtype)
 
 
 def _compressed(compress: str | None) -> dict:
