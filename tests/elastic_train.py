@@ -6,10 +6,13 @@ trained with DDP x tensor parallel over the launch's mesh axes inside `dtm.elast
     python tests/elastic_train.py --steps 12 --out want.json      # the same steps on one process
 
 `--kill RANK:STEP[:EPOCH]` makes the process that is rank RANK of epoch EPOCH (default 1)
-SIGKILL itself at the start of step STEP: a real death, which the others survive (they are
-in the step's collectives when it dies); with `--hang` it stops instead (SIGSTOP), a hang
-that only the heartbeat bound reveals. `--die-resizing RANK`: that rank's process dies as
-its first resize starts (a second failure while the mesh re-forms). Batch i is a function of the seed and i alone (`Batches`, whose state
+SIGKILL itself at the start of step STEP (`+N`: the epoch's first step plus N): a real
+death, which the others survive (they are in the step's collectives when it dies); with
+`--hang` it stops instead (SIGSTOP), a hang that only the heartbeat bound reveals.
+`--die-resizing RANK`: that rank's process dies as its first resize starts (a second
+failure while the mesh re-forms). `--slow-publish RANK:SECONDS`: once a rank is lost, the
+process of rank RANK of the first epoch waits that long before each snapshot blob it
+publishes (a survivor slow to publish: its peers must wait for the blobs, not read others). Batch i is a function of the seed and i alone (`Batches`, whose state
 travels in the snapshot), so every run sees the same global batches whatever its mesh.
 Rank 0 of the last epoch writes {"losses": {step: loss}, "resizes": [...]} to `--out`;
 every rank prints one line per step.
@@ -31,6 +34,7 @@ from dtm.models.char_gpt import TEXT, CharTokenizer, TrainConfig, model_config
 from dtm.models.gpt2 import GPT2, GPT2Config
 from dtm.nn import functional as NF
 from dtm.parallel import DDP, GPT2_PLAN, tensor_parallel
+from dtm.runtime import process_group
 
 
 class Batches:
@@ -71,6 +75,28 @@ def _die_resizing() -> None:
     dtm.elastic._resize = die
 
 
+def _slow_publish(seconds: float) -> None:
+    """Make this process put each snapshot blob `seconds` late once a rank is lost (its
+    publication, dtm.ckpt.snapshot._publish: one blob after the other, so a reader gets the
+    first blobs of the older snapshot while the newer one's are still to come)."""
+    put_array = dtm.store.MeshStore.put_array
+
+    def slow(self, key, *a, **k):
+        if key.startswith("snapshot/") and process_group.current().membership.lost:
+            time.sleep(seconds)
+        return put_array(self, key, *a, **k)
+
+    dtm.store.MeshStore.put_array = slow
+
+
+def _kill_now(kill: tuple[str, str, str], pg, step: int) -> bool:
+    """Whether `--kill` RANK:STEP:EPOCH names this rank, step and epoch."""
+    rank, at, epoch = kill
+    first = dtm.elastic.history[-1].step if dtm.elastic.history else 0  # (the epoch's first step)
+    at_step = first + int(at[1:]) if at.startswith("+") else int(at)
+    return (pg.rank, step, pg.epoch) == (int(rank), at_step, int(epoch))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
@@ -79,6 +105,9 @@ def main() -> int:
     ap.add_argument("--hang", action="store_true", help="--kill stops the process (SIGSTOP) instead: a hang")
     ap.add_argument("--die-resizing", type=int, default=None, metavar="RANK",
                     help="the process of rank RANK of the first epoch SIGKILLs itself as its first resize starts")
+    ap.add_argument("--slow-publish", default=None, metavar="RANK:SECONDS",
+                    help="once a rank is lost, the process of rank RANK of the first epoch puts each snapshot blob "
+                    "SECONDS late")
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", choices=("char", "gpt2"), default="char",
                     help="gpt2: GPT-2 124M on random tokens, 4 rows of 64 a step (benchmarks/elastic.py)")
@@ -102,9 +131,11 @@ def main() -> int:
     batches = Batches(cfg, data, config.vocab_size)
     if pg.rank == 0 and not pg.joined_running:
         print(f"coordinator {os.environ.get('DTM_COORDINATOR', '')}", flush=True)
-    kill = (*map(int, args.kill.split(":")), 1)[:3] if args.kill else None
+    kill = (*args.kill.split(":"), "1")[:3] if args.kill else None
     if args.die_resizing == pg.rank:  # a second failure, inside the resize of the first
         _die_resizing()
+    if args.slow_publish and int(args.slow_publish.split(":")[0]) == pg.rank:
+        _slow_publish(float(args.slow_publish.split(":")[1]))
 
     @dtm.jit
     def train_step(x, y):
@@ -117,7 +148,7 @@ def main() -> int:
     losses: dict[int, float] = {}
     state = {"model": model, "optim": opt, "batches": batches}
     for step in dtm.elastic.steps(state, total=cfg.steps, snapshot_every=1):
-        if kill is not None and (pg.rank, step, pg.epoch) == kill:
+        if kill is not None and _kill_now(kill, pg, step):
             how = signal.SIGSTOP if args.hang else signal.SIGKILL
             print(f"{'stopping' if args.hang else 'killing'} myself at t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), how)  # the others are inside the step's collectives by now

@@ -274,7 +274,13 @@ def test_coordinator_killed_then_a_rank(tmp_path):
     SIGKILL it mid-training: the ranks agree on it at a step boundary, rank 0 runs the
     successor, everyone reconnects to it (epoch 2, same shape). Then rank 3 dies: the
     successor resizes the mesh to DP=1 x TP=2 (epoch 3). Every step's loss equals the
-    single-process run's."""
+    single-process run's.
+
+    Rank 3 dies 9 steps into epoch 2, so the snapshot in hand is in slot 0, where the
+    snapshot adopted at the start of epoch 2 was (slots go round 0, 1, 2), and rank 1, which
+    holds the only live copies of rank 1's and rank 3's blobs, publishes them 1 s late, each:
+    rank 0 must wait for them. (It once found the adopted snapshot's blobs under the same
+    keys and restored a mix of two steps, one CI run in many.)"""
     steps = 20
     want = _reference(tmp_path, steps)
     out = tmp_path / "got.json"
@@ -282,7 +288,8 @@ def test_coordinator_killed_then_a_rank(tmp_path):
     coord, address = _coordinator(env, "--world-size", "4", "--axes", "dp=2,tp=2", "--elastic", "2:8")
     try:
         job = Job(["-n", "4", "--coordinator", address, "--axes", "dp=2,tp=2", "--elastic", "2:8", SCRIPT,
-                   "--steps", str(steps), "--kill", "3:12:2", "--sleep", "0.3", "--out", str(out)], env)
+                   "--steps", str(steps), "--kill", "3:+9:2", "--slow-publish", "1:1", "--sleep", "0.3",
+                   "--out", str(out)], env)
         job.wait_for("step 2 ", 120)
         coord.send_signal(signal.SIGKILL)
         code = job.finish()

@@ -23,9 +23,12 @@ all_gather of a status row per snapshot, in the caller's thread (the training's 
 are never met from another thread), at the handle's `wait()` or the next `snapshot`: it
 checks that every rank's blob is in and that the layouts agree. Each process keeps the
 manifests of the newest `KEEP` complete snapshots in its own memory (the manifest of spec
-9.4.2 with `pieces` in place of `chunks`); a snapshot's blobs are replaced only by a later
-snapshot's put into its slot, once two newer ones are complete: survivors whose newest
-differ by one (a rank lost during the all_gather) still share a complete one.
+9.4.2 with `pieces` in place of `chunks`); a snapshot's blobs are removed from the peers only
+by a later snapshot's put into its slot, once two newer ones are complete: survivors whose
+newest differ by one (a rank lost during the all_gather) still share a complete one. A blob's
+key names its snapshot's step, never only its slot: a reader waiting for a survivor to
+publish a blob must not find another snapshot's under the same key (an adopted snapshot's
+blob of slot 0 was once read as a later one's, restoring a mix of two steps).
 
 Layer: row 8 (dtm/ckpt), beside the store; tensors are duck-typed as in dtm/ckpt/__init__.
 """
@@ -71,9 +74,9 @@ def is_memory(path: Any) -> bool:
     return isinstance(path, str) and path == URL
 
 
-def blob_key(slot: int, owner: int) -> str:
-    """The mesh store's key of process rank `owner`'s blob in snapshot slot `slot`."""
-    return f"snapshot/{slot}/rank-{owner}"
+def blob_key(step: int, owner: int) -> str:
+    """The mesh store's key of process rank `owner`'s blob of the snapshot of `step`."""
+    return f"snapshot/{step}/rank-{owner}"
 
 
 @dataclass
@@ -89,6 +92,7 @@ class _Held:
     holders: dict[int, list[int]]
     blobs: dict[int, np.ndarray]
     packing: "_Packing | None" = None  # how this rank packed its blobs (for a later snapshot to reuse)
+    in_part: tuple[int, ...] = ()  # the writers whose blobs `adopt` put into this rank's part of the store
 
 
 class Handle:
@@ -136,6 +140,7 @@ class _Pending:
     took: list[int] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)  # the ranks of `took` that the blob was put on
     put: threading.Event = field(default_factory=threading.Event)  # set when the puts are done
+    replaces: tuple[int, list[int]] | None = None  # (step, ranks) of this rank's blob that last had the slot
 
 
 @dataclass
@@ -155,6 +160,9 @@ class _Session:
     # already mapped (a fresh array costs its page faults at every snapshot), and no more
     # than the peak (the kept snapshots and the one being packed) held anyway
     spare: "_Packing | None" = None
+    # by slot: the step of this rank's blob that was put there last and the ranks it was put
+    # on, which the next put into the slot removes (the store's memory stays KEEP + 1 blobs)
+    placed: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 _sessions: dict[str | None, _Session] = {}  # by the mesh's session (None: this process alone)
@@ -233,7 +241,8 @@ def snapshot(state: dict, replicas: int = 1, step: int | None = None) -> Handle:
         return handle
     # the other ranks hear of this rank's error at the commit: every rank fails it there
     pending = _Pending(handle, slot, doc, digest, width, blob, copies, packing, error=err,
-                       took=[me] + mirrors.get(me, []))
+                       took=[me] + mirrors.get(me, []), replaces=ses.placed.get(slot))
+    ses.placed[slot] = (handle.step, pending.sent)
     if err is None and blob.size and len(pending.took) < width + 1:
         ses.puts.put((_put, (pending, blob, me, world)))
     else:
@@ -275,7 +284,7 @@ def _finish(ses: _Session, pg: Any) -> None:
     failed = [] if rows is None else np.flatnonzero(rows[:, 0]).tolist()
     differ = [] if rows is None else np.flatnonzero((rows[:, 1:3] != rows[0, 1:3]).any(axis=1)).tolist()
     if rows is None or failed or differ:
-        _discard(p.slot, me, [me] + p.sent)
+        _discard(step, me, [me] + p.sent)
         if err is None and failed:
             codes = ", ".join(f"rank {r}: E{int(rows[r, 0]):04d}" for r in failed)
             err = SnapshotFailed(f"snapshot {step}: {codes} failed, so it is not complete; the earlier snapshots "
@@ -291,20 +300,25 @@ def _finish(ses: _Session, pg: Any) -> None:
         raise err
     holders = {o: [int(h) for h in rows[o, 3:] if h >= 0] for o in range(pg.world_size)}
     # (after a loss, a dropped snapshot's blobs may still be being published: none reused)
-    _keep(ses, _Held(step, p.slot, p.doc, holders, {me: p.blob, **p.copies}, p.packing),
-          spare=pg.membership is None or not pg.membership.lost)
+    dropped = _keep(ses, _Held(step, p.slot, p.doc, holders, {me: p.blob, **p.copies}, p.packing),
+                    spare=pg.membership is None or not pg.membership.lost)
+    for owner in dropped.in_part if dropped is not None else ():
+        _discard(dropped.step, owner, [me])
     p.handle._done = True
     if pg.membership is not None and pg.membership.lost:
         _publish(ses, me)  # (a rank was lost before: the others may need this one's blob now)
 
 
-def _keep(ses: _Session, snap: _Held, spare: bool) -> None:
+def _keep(ses: _Session, snap: _Held, spare: bool) -> _Held | None:
     """Keep the complete snapshot `snap`, the KEEP newest kept; with `spare`, the blobs of
-    the one that drops out are the next snapshot's to pack into."""
+    the one that drops out are the next snapshot's to pack into. The one that dropped out."""
     kept = ses.held + [snap]
     ses.held = kept[-KEEP:]
-    if spare and len(kept) > KEEP:
+    if len(kept) <= KEEP:
+        return None
+    if spare:
         ses.spare = kept[-KEEP - 1].packing
+    return kept[-KEEP - 1]
 
 
 # What the layout of one tensor of the state depends on: (its name, its store dtype's
@@ -509,8 +523,10 @@ def _put(p: _Pending, blob: np.ndarray, me: int, world: int) -> None:
     ring that take it (a lost one is passed over for the next); records the ranks that hold
     it, this one first (its own copy stays in its memory: `_publish`), or the error."""
     st = _store.mesh()
-    key = blob_key(p.slot, me)
+    key = blob_key(p.handle.step, me)
     try:
+        if p.replaces is not None:  # (dropped on every rank by now: two newer snapshots are complete)
+            _discard(p.replaces[0], me, p.replaces[1])
         for k in range(1, world):
             if len(p.took) == p.width + 1:
                 break
@@ -553,19 +569,19 @@ def _publish(ses: _Session, me: int) -> None:
             try:
                 for owner, blob in snap.blobs.items():
                     if blob.size:
-                        _store.mesh().put_array(blob_key(snap.slot, owner), blob, ranks=[me])
+                        _store.mesh().put_array(blob_key(snap.step, owner), blob, ranks=[me])
                 ses.published.add(snap.step)
             except DTMError:
                 pass  # (its readers wait for it, bounded, then name the missing blob)
 
 
-def _discard(slot: int, owner: int, ranks: list[int]) -> None:
-    """Remove `owner`'s blob in `slot` from `ranks` (what a snapshot that failed left);
-    ranks lost meanwhile hold nothing any more."""
+def _discard(step: int, owner: int, ranks: list[int]) -> None:
+    """Remove `owner`'s blob of the snapshot of `step` from `ranks` (what a snapshot that
+    failed left, or one that dropped out); ranks lost meanwhile hold nothing any more."""
     if not ranks:
         return
     try:
-        _store.mesh().delete(blob_key(slot, owner), ranks=ranks)
+        _store.mesh().delete(blob_key(step, owner), ranks=ranks)
     except (KeyMissing, KeyLost):
         pass
     except DTMError as e:
@@ -575,14 +591,14 @@ def _discard(slot: int, owner: int, ranks: list[int]) -> None:
 
 # --- reading one back ------------------------------------------------------------------------
 
-def _get_blob(slot: int, owner: int, ranks: list[int], hopeless: Callable[[], bool]) -> np.ndarray:
-    """Writer `owner`'s blob in `slot` from the first of `ranks` that has it. A live writer
+def _get_blob(step: int, owner: int, ranks: list[int], hopeless: Callable[[], bool]) -> np.ndarray:
+    """Writer `owner`'s blob of the snapshot of `step` from the first of `ranks` that has it. A live writer
     publishes its own once it hears of a loss (`_publish`), so a missing blob is waited for,
     at most PUBLISH_WAIT_S, until `hopeless()`; then the last KeyMissing or KeyLost."""
     deadline = time.monotonic() + PUBLISH_WAIT_S
     while True:
         try:
-            return _store.mesh().get_array(blob_key(slot, owner), ranks=ranks)
+            return _store.mesh().get_array(blob_key(step, owner), ranks=ranks)
         except (KeyMissing, KeyLost):
             if hopeless() or time.monotonic() > deadline:
                 raise
@@ -650,7 +666,7 @@ class Reader:
             return self._blobs[owner]
         holders = self.snap.holders[owner]
         try:
-            self._blobs[owner] = _get_blob(self.snap.slot, owner, holders, lambda: owner in _gone(self.pg))
+            self._blobs[owner] = _get_blob(self.snap.step, owner, holders, lambda: owner in _gone(self.pg))
         except (KeyMissing, KeyLost) as e:
             raise NoSnapshot(f"{self.where}: the pieces of rank {owner} are held by none of ranks {holders} "
                              f"(lost: {sorted(_gone(self.pg))}; waited up to {PUBLISH_WAIT_S:.0f} s for "
@@ -736,7 +752,7 @@ def carry(everything: bool = False) -> list[Carried]:
             if owner in blobs or not fetch:
                 continue
             try:  # (from this rank's own part, its put may not have landed: another holder may have it)
-                blobs[owner] = _get_blob(snap.slot, owner, fetch, lambda: not everything)
+                blobs[owner] = _get_blob(snap.step, owner, fetch, lambda: not everything)
             except (KeyMissing, KeyLost, StoreCorrupt):  # (a dead writer's version collected as it was read)
                 continue  # this snapshot lacks the blob here: adopt() takes one that has all, or says none does
         out.append(Carried(snap.step, snap.doc, blobs))
@@ -800,10 +816,9 @@ def adopt(carried: list[Carried]) -> int:
     writers = _writers(doc)
     width = max(writers, default=-1) + 1
     blobs = chosen.blobs if chosen is not None else {}
-    slot = 0
     for owner, blob in blobs.items():
         if blob.size:
-            _store.mesh().put_array(blob_key(slot, owner), blob, ranks=[pg.rank])
+            _store.mesh().put_array(blob_key(step, owner), blob, ranks=[pg.rank])
     row = np.zeros((1, max(width, 1)), np.int64)
     for owner in blobs:
         if owner < width:
@@ -815,5 +830,7 @@ def adopt(carried: list[Carried]) -> int:
         raise NoSnapshot(f"snapshot {step}: the pieces written by ranks {missing} of the last epoch are held by no "
                          f"rank of epoch {pg.epoch}")
     ses = _sessions.get(_session(pg)) or _new_session(pg)
-    ses.held = [_Held(step, slot, doc, holders, dict(blobs))]
+    # (slot 0: the next snapshots take 1 and 2, then 0 once this one dropped out and its
+    # blobs left this rank's part)
+    ses.held = [_Held(step, 0, doc, holders, dict(blobs), in_part=tuple(o for o, b in blobs.items() if b.size))]
     return step
