@@ -20,6 +20,14 @@ between processes (L1) travel compressed (spec 9.5.1): every float sum/avg all_r
 least 1024 elements the step runs on the mesh; smaller ones (the loss) stay exact. On L0
 (threads of one process) nothing travels, and it changes nothing.
 
+The batch: every rank passes the same global batch, and DDP gives each its rows (a torch
+user passes each rank its own batch: here that would train on half of every rank's rows,
+silently). So across processes (L1) each batch argument's CRC32C and shape are compared
+along `axis` (one all_gather of 16 bytes a rank) before it is split, on every eager call
+and, under dtm.jit, on every call before the program runs; ranks that passed different
+batches fail with E0803 at the user's line. (A batch computed inside a jitted function is
+not compared: the comparison would be a collective inside the program.)
+
 Overlap: none on L0. A device thread runs its kernels and then its share of a collective
 (the in-process collectives are memory copies and adds done by the device's own core), so
 there is no idle link to overlap with; the merged all_reduce sits where its last gradient
@@ -28,12 +36,18 @@ is computed. Overlap pays across processes (L1), where a transfer waits on the n
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..comm.compress import COMPRESSIONS
 from ..errors import ErrorCode as E
+from ..functional import ValueCheck, _checked as checked
 from ..ir.types import Replicate, Shard
 from ..nn import Module as NNModule
+from ..protocol.crc import checksum
+from ..ref.context import group_ranks
+from ..runtime.process_group import ProcessGroup
 from ..tensor import Tensor, error, tensor as as_tensor
 from .dtensor import distribute, place
 from .mesh import Mesh
@@ -62,12 +76,34 @@ class DDP(NNModule):
 
 
 def shard_batch(a, mesh: Mesh, axis: str):
-    """A plain tensor (or array) argument split by rows over `axis`; anything else as is."""
+    """A plain tensor (or array) argument split by rows over `axis`; anything else as is.
+    Across processes, every rank along `axis` must pass the same value (the module doc)."""
     if isinstance(a, np.ndarray):
         a = as_tensor(a)
     if isinstance(a, Tensor) and a.ndim >= 1 and a._mesh is None:
+        if mesh.process is not None and mesh.shape[axis] > 1:
+            group = group_ranks(mesh.axes, mesh.rank, (axis,))
+            a = checked(a, ValueCheck(E.COLLECTIVE_MISMATCH, functools.partial(_batch_differs, mesh.process, group, axis),
+                                      lambda _: None, ""))
         return distribute(a, mesh, {axis: Shard(0)})
     return a
+
+
+def _batch_differs(pg: ProcessGroup, group: tuple[int, ...], axis: str, value: np.ndarray) -> str | None:
+    """What is wrong when the processes of `group` (along `axis`) passed different batches
+    (`value` is this one's), else None: one all_gather of each one's CRC32C and shape's."""
+    value = np.ascontiguousarray(value)
+    kind = np.frombuffer(f"{value.dtype}{value.shape}".encode(), np.uint8)
+    mine = np.array([[checksum(value.reshape(-1).view(np.uint8)), checksum(kind)]], np.int64)
+    rows = pg.collective("all_gather", mine, group, dim=0)
+    differ = [r for r, row in zip(group, rows) if (row != rows[0]).any()]
+    if not differ:
+        return None
+    return (f"DDP over {axis!r}: process ranks {list(group)} passed different batches (ranks {differ} differ from rank "
+            f"{group[0]}; this rank's is {value.dtype}{list(value.shape)}). DDP takes the global batch, the same on every "
+            "rank, and gives each rank its rows; a torch-style batch of each rank's own would train on half of each. "
+            "Pass every rank the same batch (batch i of the whole run), or shard it yourself with "
+            f"dtm.distribute(x, mesh, {{{axis!r}: dtm.Shard(0)}}) from the global batch")
 
 
 __all__ = ["DDP", "shard_batch"]
