@@ -143,6 +143,21 @@ def test_one_process_errors(fresh):
 
 # --- processes ------------------------------------------------------------------------------------
 
+def test_a_resize_puts_each_blob_some_rank_lacks_once():
+    """Spec 9.6.7, "Moving the state", step 4: after a DP=2 x TP=2 mesh lost rank 3, new
+    rank 0 carried every writer's blob and rank 1 those of writers 1 and 3: the blobs both
+    hold are put nowhere, the others by rank 0. When two ranks join, every blob is lacked by
+    someone, each is put once, by the holder with the fewest bytes to put so far, largest
+    blob first."""
+    from dtm.ckpt.snapshot import _putters
+
+    doc = {"tensors": [{"pieces": [{"owner": 0, "offset": 0, "nbytes": 100}, {"owner": 1, "offset": 0, "nbytes": 300}]},
+                       {"pieces": [{"owner": 2, "offset": 0, "nbytes": 200}, {"owner": 3, "offset": 64, "nbytes": 236}]}]}
+    holders = {0: [0], 1: [0, 1], 2: [0], 3: [0, 1]}
+    assert _putters(doc, holders, 2) == {0: 0, 2: 0}
+    assert _putters(doc, holders, 4) == {1: 0, 3: 1, 2: 0, 0: 0}
+
+
 def _launch(n: int, args: list[str], *extra: str) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTM_")}
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", DTM_HOST="127.0.0.1")

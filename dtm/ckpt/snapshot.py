@@ -791,10 +791,11 @@ def _finish_quietly(ses: _Session, pg: Any) -> None:
 def adopt(carried: list[Carried]) -> int:
     """In the new epoch, every rank (those that carried snapshots and those that joined with
     none): agree on the newest step that every carrier holds, learn its manifest from new
-    rank 0, put the blobs each carries into its own part of the new store, and learn who
-    holds which (one all_gather), so that `load(state, "mem://")` reads it laid out on the
-    new mesh (on a mesh resized down to one process: `_adopt_alone`). Returns its step.
-    E1405 when no step is held by every carrier or a writer's blob is held by no rank."""
+    rank 0, learn who holds which blob (one all_gather), and put each blob that some rank
+    lacks into the store part of one of its holders (`_putters`), so that
+    `load(state, "mem://")` reads it laid out on the new mesh (on a mesh resized down to one
+    process: `_adopt_alone`). Returns its step. E1405 when no step is held by every carrier
+    or a writer's blob is held by no rank."""
     pg = _group()
     if pg is None:
         return _adopt_alone(carried)
@@ -816,9 +817,6 @@ def adopt(carried: list[Carried]) -> int:
     writers = _writers(doc)
     width = max(writers, default=-1) + 1
     blobs = chosen.blobs if chosen is not None else {}
-    for owner, blob in blobs.items():
-        if blob.size:
-            _store.mesh().put_array(blob_key(step, owner), blob, ranks=[pg.rank])
     row = np.zeros((1, max(width, 1)), np.int64)
     for owner in blobs:
         if owner < width:
@@ -829,8 +827,33 @@ def adopt(carried: list[Carried]) -> int:
     if missing:
         raise NoSnapshot(f"snapshot {step}: the pieces written by ranks {missing} of the last epoch are held by no "
                          f"rank of epoch {pg.epoch}")
+    putters = _putters(doc, holders, pg.world_size)
+    mine = tuple(o for o, r in putters.items() if r == pg.rank and blobs[o].size)
+    for owner in mine:  # (a reader that lacks one waits for it, bounded: its key names this snapshot alone)
+        _store.mesh().put_array(blob_key(step, owner), blobs[owner], ranks=[pg.rank])
+    for owner, r in putters.items():  # the one that put it first: a reader tries the holders in order
+        holders[owner] = [r] + [h for h in holders[owner] if h != r]
     ses = _sessions.get(_session(pg)) or _new_session(pg)
     # (slot 0: the next snapshots take 1 and 2, then 0 once this one dropped out and its
     # blobs left this rank's part)
-    ses.held = [_Held(step, 0, doc, holders, dict(blobs), in_part=tuple(o for o, b in blobs.items() if b.size))]
+    ses.held = [_Held(step, 0, doc, holders, dict(blobs), in_part=mine)]
     return step
+
+
+def _putters(doc: dict, holders: dict[int, list[int]], world: int) -> dict[int, int]:
+    """{writer: the rank that puts its blob into its store part}, for each writer whose blob
+    some rank of the new epoch lacks: of its holders, the one with the fewest bytes to put so
+    far (ties: the lowest), writers taken from the largest blob. A blob every rank holds is
+    read from memory only and put nowhere (spec 9.6.7, "Moving the state", step 4)."""
+    size = {}
+    for t in doc["tensors"]:
+        for p in t.get("pieces", []):
+            size[p["owner"]] = max(size.get(p["owner"], 0), p["offset"] + p["nbytes"])
+    load = [0] * world
+    out = {}
+    for owner in sorted(holders, key=lambda o: (-size.get(o, 0), o)):
+        if len(holders[owner]) < world:
+            r = min(holders[owner], key=lambda h: (load[h], h))
+            out[owner] = r
+            load[r] += size.get(owner, 0)
+    return out
