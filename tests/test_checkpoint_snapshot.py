@@ -352,7 +352,8 @@ def mirrors_main() -> None:
     its AdamW state and w, all replicated. Each writer's blob is mirrored by the next rank,
     which packs it from its own replica: no blob goes over the wire. Rank 2 SIGKILLs itself after snapshot 2; the
     survivors load snapshot 2, rank 2's pieces from rank 0's mirror (published into rank
-    0's part on the loss, where rank 1 reads them)."""
+    0's part on the loss, where rank 1 reads them). Rank 0 publishes 1 s late: rank 1 must
+    wait for the live mirror though the writer is gone (it once gave up at once, E1405)."""
     import dtm
     snapshots = importlib.import_module("dtm.ckpt.snapshot")  # (dtm.ckpt.snapshot is the function)
 
@@ -361,6 +362,9 @@ def mirrors_main() -> None:
     puts = []
     put = snapshots._put
     snapshots._put = lambda *a: puts.append(1) or put(*a)
+    if r == 0:
+        publish = snapshots._publish
+        snapshots._publish = lambda *a: time.sleep(1.0) or publish(*a)
     want = {}
     for step in (1, 2):
         _train(m, opt, step)

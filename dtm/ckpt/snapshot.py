@@ -660,17 +660,20 @@ class Reader:
 
     def _blob(self, owner: int) -> np.ndarray:
         """Writer `owner`'s blob: this rank's own from its memory, another's from the first
-        of its holders that has it. A live writer whose replicas were all lost publishes its
-        own (`_publish`) once it hears of the loss: waited for, at most PUBLISH_WAIT_S."""
+        of its holders that has it. A live holder that keeps it in memory (the writer, or a
+        mirror of a lost writer's) publishes it (`_publish`) once it hears of a loss: waited
+        for while any holder lives, at most PUBLISH_WAIT_S. (Waiting only while the writer
+        lived failed a load whose writer was lost before its live mirror had published.)"""
         if owner in self._blobs:
             return self._blobs[owner]
         holders = self.snap.holders[owner]
         try:
-            self._blobs[owner] = _get_blob(self.snap.step, owner, holders, lambda: owner in _gone(self.pg))
+            self._blobs[owner] = _get_blob(self.snap.step, owner, holders,
+                                           lambda: all(r in _gone(self.pg) for r in holders))
         except (KeyMissing, KeyLost) as e:
             raise NoSnapshot(f"{self.where}: the pieces of rank {owner} are held by none of ranks {holders} "
-                             f"(lost: {sorted(_gone(self.pg))}; waited up to {PUBLISH_WAIT_S:.0f} s for "
-                             f"rank {owner} to publish its own): {e}") from None
+                             f"(lost: {sorted(_gone(self.pg))}; waited up to {PUBLISH_WAIT_S:.0f} s for a live "
+                             f"one to publish them): {e}") from None
         return self._blobs[owner]
 
     def close(self) -> None:
