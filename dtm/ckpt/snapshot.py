@@ -64,7 +64,7 @@ __all__ = ["snapshot", "snapshots", "Handle", "URL", "KEEP", "is_memory", "find"
 URL = "mem://"
 KEEP = 2        # complete snapshots each process keeps (see the module's docstring)
 ALIGN = 64      # each piece starts at a multiple of this many bytes of its blob
-PUBLISH_WAIT_S = 30.0  # how long a load waits for a live rank to publish its own blob after a loss
+PUBLISH_WAIT_S = 30.0  # how long a load waits for a live holder to publish a blob after a loss
 
 Box = sharded.Box
 
