@@ -154,7 +154,7 @@ def _checked(t: Tensor, check: ValueCheck) -> Tensor:
     if trace is not None and id(src) in trace.placeholders:
         trace.checks.append(([src], None, check.code, check.fault, user_line()))
         return t
-    sources = _small_function_of_known(t, trace.placeholders) if trace is not None else None
+    sources = function_of_known(t, trace.placeholders) if trace is not None else None
     if sources is not None:
         derive, _ = capture([t], params=sources)
         trace.checks.append((sources, derive, check.code, check.fault, user_line()))
@@ -168,11 +168,13 @@ def _checked(t: Tensor, check: ValueCheck) -> Tensor:
 _SMALL_OPS, _SMALL_ELEMENTS = 16, 4096  # a computation cheap enough to evaluate in numpy before each call
 
 
-def _small_function_of_known(t: Tensor, placeholders: set) -> list[Tensor] | None:
-    """The dtm.jit arguments and known tensors t is computed from, when t is a small
-    computation of them alone (a decoding step's positions, `pos + arange(T)`): its check
-    can then be made on each call before the program runs, instead of inside it. None
-    otherwise (a distributed t, an intermediate of the traced function, a large one)."""
+def function_of_known(t: Tensor, placeholders: set, most_ops: float = _SMALL_OPS,
+                      most_elements: float = _SMALL_ELEMENTS) -> list[Tensor] | None:
+    """The dtm.jit arguments and known tensors t is computed from, when t is a computation
+    of them alone of at most `most_ops` ops over `most_elements` elements (by default a
+    small one, a decoding step's positions, `pos + arange(T)`: its check can then be made on
+    each call before the program runs, instead of inside it). None otherwise (a distributed
+    t, an intermediate of the traced function, a larger one)."""
     sources: list[Tensor] = []
     seen: set[int] = set()
     stack, ops, elements = [t], 0, 0
@@ -190,7 +192,7 @@ def _small_function_of_known(t: Tensor, placeholders: set) -> list[Tensor] | Non
         else:
             ops += 1
             stack.extend(u._inputs)
-        if (u._op is None and not known) or ops > _SMALL_OPS or elements > _SMALL_ELEMENTS:
+        if (u._op is None and not known) or ops > most_ops or elements > most_elements:
             return None
     return sources
 

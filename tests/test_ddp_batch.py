@@ -2,8 +2,9 @@
 batch and DDP gives each its rows. Under `dtm launch -n 2`, a torch-style call that passes
 each rank a batch of its own fails with E0803 at the caller's line, eagerly and under
 dtm.jit (before the program runs: the weights stay as they were), instead of training on
-half of each rank's rows; the same batch on both ranks trains as numpy says. Run as a
-script, this file is one rank's side."""
+half of each rank's rows, also when the jitted function slices the batch out of a larger
+argument; the same batch on both ranks trains as numpy says. Run as a script, this file is
+one rank's side."""
 
 from __future__ import annotations
 
@@ -73,6 +74,22 @@ def rank_main(out: str) -> None:
     except DTMError as e:
         got["jit"] = [e.code.value, str(e)]
     got["unchanged"] = bool(np.array_equal(model.weight.full_tensor().numpy(), before))
+
+    # a batch the jitted function slices from a larger argument (6000 values: too many to
+    # recompute before each call), compared through that argument
+    @dtm.jit
+    def sliced(data):
+        return loss_of(data[:, :4], dtm.tensor(Y))
+
+    data = np.concatenate([X, np.zeros((6, 996), np.float32)], axis=1)
+    got["sliced_same"] = float(sliced(dtm.tensor(data)).item())
+    data[:, 4:] += pg.rank  # (the part the batch does not read differs: still refused)
+    data[:, :4] += pg.rank
+    try:
+        sliced(dtm.tensor(data))
+        got["sliced"] = None
+    except DTMError as e:
+        got["sliced"] = [e.code.value, str(e)]
     got["jit_loss"] = float(step(dtm.tensor(X), dtm.tensor(Y)).item())  # the same trace, the same batch: it runs
     got["stepped"] = model.weight.full_tensor().numpy().tolist()
     got["w0"], got["b0"] = w0.tolist(), b0.tolist()
@@ -99,13 +116,14 @@ def test_each_rank_passing_its_own_batch_is_an_error_not_half_the_data(tmp_path)
     for got in ranks:
         assert abs(got["loss"] - want_loss) <= 1e-5 * want_loss, (got["loss"], want_loss)
         np.testing.assert_allclose(got["grad"], want_grad, rtol=1e-5, atol=1e-6)
-        for what in ("eager", "jit"):
+        for what in ("eager", "jit", "sliced"):
             code, message = got[what]
             assert code == "E0803", got[what]
             assert "passed different batches" in message and "ranks [1] differ from rank 0" in message, message
         assert got["eager_line"] in got["eager"][1], (got["eager_line"], got["eager"][1])
         assert got["unchanged"], "the jitted step ran on the mismatched batches"
         np.testing.assert_allclose(got["jit_loss"], want_loss, rtol=1e-5)
+        np.testing.assert_allclose(got["sliced_same"], want_loss, rtol=1e-5)  # (before the SGD step)
         np.testing.assert_allclose(got["stepped"], w - 0.1 * want_grad, rtol=1e-5, atol=1e-6)
 
 

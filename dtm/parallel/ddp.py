@@ -25,8 +25,9 @@ user passes each rank its own batch: here that would train on half of every rank
 silently). So across processes (L1) each batch argument's CRC32C and shape are compared
 along `axis` (one all_gather of 16 bytes a rank) before it is split, on every eager call
 and, under dtm.jit, on every call before the program runs; ranks that passed different
-batches fail with E0803 at the user's line. (A batch computed inside a jitted function is
-not compared: the comparison would be a collective inside the program.)
+batches fail with E0803 at the user's line. A batch a jitted function computes from its
+arguments (`data[:, :-1]`) is compared through those arguments; one computed from the
+step's own intermediates is not (the comparison would be a collective inside the program).
 
 Overlap: none on L0. A device thread runs its kernels and then its share of a collective
 (the in-process collectives are memory copies and adds done by the device's own core), so
@@ -37,18 +38,19 @@ is computed. Overlap pays across processes (L1), where a transfer waits on the n
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 from ..comm.compress import COMPRESSIONS
 from ..errors import ErrorCode as E
-from ..functional import ValueCheck, _checked as checked
+from ..functional import ValueCheck, _checked as checked, _value_source as value_source, function_of_known
 from ..ir.types import Replicate, Shard
 from ..nn import Module as NNModule
 from ..protocol.crc import checksum
 from ..ref.context import group_ranks
 from ..runtime.process_group import ProcessGroup
-from ..tensor import Tensor, error, tensor as as_tensor
+from ..tensor import STATE, Tensor, error, tensor as as_tensor
 from .dtensor import distribute, place
 from .mesh import Mesh
 
@@ -83,9 +85,25 @@ def shard_batch(a, mesh: Mesh, axis: str):
     if isinstance(a, Tensor) and a.ndim >= 1 and a._mesh is None:
         if mesh.process is not None and mesh.shape[axis] > 1:
             group = group_ranks(mesh.axes, mesh.rank, (axis,))
-            a = checked(a, ValueCheck(E.COLLECTIVE_MISMATCH, functools.partial(_batch_differs, mesh.process, group, axis),
-                                      lambda _: None, ""))
+            fault = functools.partial(_batch_differs, mesh.process, group, axis)
+            a = _compared(a, ValueCheck(E.COLLECTIVE_MISMATCH, fault, lambda _: None, ""))
         return distribute(a, mesh, {axis: Shard(0)})
+    return a
+
+
+def _compared(a: Tensor, check: ValueCheck) -> Tensor:
+    """`a` with `check` made on its value (eagerly now; under dtm.jit on each call, before
+    the program runs). A batch a jitted function computes from its arguments alone (a slice
+    of one, `data[:, :-1]`, however large) has the check made on those arguments instead:
+    equal arguments give equal batches (the known tensors it also reads, constants and
+    captured ones, are taken as the same on every rank). One computed from anything else is
+    not compared."""
+    trace = STATE.trace
+    if trace is None or a._buffer is not None or id(value_source(a)) in trace.placeholders:
+        return checked(a, check)
+    for source in function_of_known(a, trace.placeholders, math.inf, math.inf) or ():
+        if id(source) in trace.placeholders:
+            checked(source, check)
     return a
 
 
