@@ -51,7 +51,7 @@ from ..protocol.handshake import Handshake
 from ..protocol.messages import MIN_MAX_PAYLOAD, Leave, decode_message
 from . import pump
 from .algorithms import RingReceive
-from .transport import DATA_HEADER, DEFAULT_TIMEOUT_S, Buffer, Handle, PeerLost, Transport, byte_view
+from .transport import DATA_HEADER, DEFAULT_TIMEOUT_S, Buffer, Handle, PeerLost, Transport
 
 log = logging.getLogger("dtm.comm")
 
