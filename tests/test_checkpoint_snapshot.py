@@ -151,8 +151,9 @@ def test_a_resize_puts_each_blob_some_rank_lacks_once():
     blob first."""
     from dtm.ckpt.snapshot import _putters
 
-    doc = {"tensors": [{"pieces": [{"owner": 0, "offset": 0, "nbytes": 100}, {"owner": 1, "offset": 0, "nbytes": 300}]},
-                       {"pieces": [{"owner": 2, "offset": 0, "nbytes": 200}, {"owner": 3, "offset": 64, "nbytes": 236}]}]}
+    piece = [{"owner": o, "offset": at, "nbytes": n}
+             for o, at, n in ((0, 0, 100), (1, 0, 300), (2, 0, 200), (3, 64, 236))]
+    doc = {"tensors": [{"pieces": piece[:2]}, {"pieces": piece[2:]}]}
     holders = {0: [0], 1: [0, 1], 2: [0], 3: [0, 1]}
     assert _putters(doc, holders, 2) == {0: 0, 2: 0}
     assert _putters(doc, holders, 4) == {1: 0, 3: 1, 2: 0, 0: 0}

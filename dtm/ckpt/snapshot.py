@@ -592,9 +592,10 @@ def _discard(step: int, owner: int, ranks: list[int]) -> None:
 # --- reading one back ------------------------------------------------------------------------
 
 def _get_blob(step: int, owner: int, ranks: list[int], hopeless: Callable[[], bool]) -> np.ndarray:
-    """Writer `owner`'s blob of the snapshot of `step` from the first of `ranks` that has it. A live writer
-    publishes its own once it hears of a loss (`_publish`), so a missing blob is waited for,
-    at most PUBLISH_WAIT_S, until `hopeless()`; then the last KeyMissing or KeyLost."""
+    """Writer `owner`'s blob of the snapshot of `step` from the first of `ranks` that has it.
+    A live holder that keeps it in memory publishes it once it hears of a loss (`_publish`),
+    so a missing blob is waited for, at most PUBLISH_WAIT_S, until `hopeless()`; then the
+    last KeyMissing or KeyLost."""
     deadline = time.monotonic() + PUBLISH_WAIT_S
     while True:
         try:

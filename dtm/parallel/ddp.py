@@ -117,11 +117,11 @@ def _batch_differs(pg: ProcessGroup, group: tuple[int, ...], axis: str, value: n
     differ = [r for r, row in zip(group, rows) if (row != rows[0]).any()]
     if not differ:
         return None
-    return (f"DDP over {axis!r}: process ranks {list(group)} passed different batches (ranks {differ} differ from rank "
-            f"{group[0]}; this rank's is {value.dtype}{list(value.shape)}). DDP takes the global batch, the same on every "
-            "rank, and gives each rank its rows; a torch-style batch of each rank's own would train on half of each. "
-            "Pass every rank the same batch (batch i of the whole run), or shard it yourself with "
-            f"dtm.distribute(x, mesh, {{{axis!r}: dtm.Shard(0)}}) from the global batch")
+    return (f"DDP over {axis!r}: process ranks {list(group)} passed different batches (ranks {differ} "
+            f"differ from rank {group[0]}; this rank's is {value.dtype}{list(value.shape)}). DDP takes the global "
+            "batch, the same on every rank, and gives each rank its rows; a torch-style batch of each rank's own "
+            "would train on half of each. Pass every rank the same batch (batch i of the whole run), or shard it "
+            f"yourself with dtm.distribute(x, mesh, {{{axis!r}: dtm.Shard(0)}}) from the global batch")
 
 
 __all__ = ["DDP", "shard_batch"]
