@@ -55,6 +55,11 @@ def rank_main(out: str) -> None:
     except DTMError as e:
         got["eager"] = [e.code.value, str(e)]
     got["eager_line"] = f"{HERE}:{_line('mse_loss(net(x)')}"  # (the innermost line of the caller's)
+    try:  # a batch still to be computed (lazy) when DDP gets it
+        loss_of(dtm.tensor(X) + pg.rank, dtm.tensor(Y))
+        got["pending"] = None
+    except DTMError as e:
+        got["pending"] = [e.code.value, str(e)]
 
     # under dtm.jit: a step that updates the weights
     opt = dtm.optim.SGD(model.parameters(), lr=0.1)
@@ -116,7 +121,7 @@ def test_each_rank_passing_its_own_batch_is_an_error_not_half_the_data(tmp_path)
     for got in ranks:
         assert abs(got["loss"] - want_loss) <= 1e-5 * want_loss, (got["loss"], want_loss)
         np.testing.assert_allclose(got["grad"], want_grad, rtol=1e-5, atol=1e-6)
-        for what in ("eager", "jit", "sliced"):
+        for what in ("eager", "pending", "jit", "sliced"):
             code, message = got[what]
             assert code == "E0803", got[what]
             assert "passed different batches" in message and "ranks [1] differ from rank 0" in message, message
