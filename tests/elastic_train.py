@@ -12,8 +12,9 @@ death, which the others survive (they are in the step's collectives when it dies
 `--die-resizing RANK`: that rank's process dies as its first resize starts (a second
 failure while the mesh re-forms). `--slow-publish RANK:SECONDS`: once a rank is lost, the
 process of rank RANK of the first epoch waits that long before each snapshot blob it
-publishes (a survivor slow to publish: its peers must wait for the blobs, not read others). Batch i is a function of the seed and i alone (`Batches`, whose state
-travels in the snapshot), so every run sees the same global batches whatever its mesh.
+publishes (a survivor slow to publish: its peers must wait for the blobs, not read others).
+Batch i is a function of the seed and i alone (`Batches`, whose state travels in the
+snapshot), so every run sees the same global batches whatever its mesh.
 Rank 0 of the last epoch writes {"losses": {step: loss}, "resizes": [...]} to `--out`;
 every rank prints one line per step.
 """
@@ -134,8 +135,9 @@ def main() -> int:
     kill = (*args.kill.split(":"), "1")[:3] if args.kill else None
     if args.die_resizing == pg.rank:  # a second failure, inside the resize of the first
         _die_resizing()
-    if args.slow_publish and int(args.slow_publish.split(":")[0]) == pg.rank:
-        _slow_publish(float(args.slow_publish.split(":")[1]))
+    slow_rank, _, seconds = (args.slow_publish or "").partition(":")
+    if slow_rank and int(slow_rank) == pg.rank:
+        _slow_publish(float(seconds))
 
     @dtm.jit
     def train_step(x, y):

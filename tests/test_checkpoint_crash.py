@@ -1,8 +1,8 @@
 """A checkpoint save killed at any moment (spec 9.4): 20 times, a process that saves one
 step after another (keep=2) is SIGKILLed after a random delay (every other time counted
-from its first completed save, so that a loaded machine still makes progress); every checkpoint `list`
-shows is complete (verify passes), `load` takes the newest one with exactly its values,
-and the next process saves on from there."""
+from its first completed save, so that a loaded machine still makes progress); every
+checkpoint `list` shows is complete (verify passes), `load` takes the newest one with
+exactly its values, and the next process saves on from there."""
 
 from __future__ import annotations
 
