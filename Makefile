@@ -50,7 +50,7 @@ PARALLEL_TESTS := tests/test_tensor_ops.py tests/test_autocast.py tests/test_aut
 	tests/test_ref_numerics.py tests/test_ref_ops.py tests/test_ref_registry.py \
 	tests/test_runtime_buffers.py tests/test_save_load.py tests/test_site.py tests/test_spec.py \
 	tests/test_spec_versions.py tests/test_store_cli.py tests/test_store_deferred_sync.py \
-	tests/test_tensor_api.py tests/test_tensor_checks.py tests/test_torch_api_more.py \
+	tests/test_tasks_quotas_conformance.py tests/test_tensor_api.py tests/test_tensor_checks.py tests/test_torch_api_more.py \
 	tests/test_torch_names.py tests/test_torch_semantics_edges.py tests/test_torch_signatures.py
 
 # tests/test_site.py opens the docs site in Debian's chromium: installed here where apt can

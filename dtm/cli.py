@@ -184,6 +184,29 @@ def conformance_checkpoint(root: str | None) -> None:
     _report_vectors(results)
 
 
+@conformance_group.command("tasks")
+@click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="vector directory (default: the repository's conformance/tasks)")
+def conformance_tasks(root: str | None) -> None:
+    """Run the task-graph vectors (spec 9.3.8): graphs of IR tasks over a store against the
+    store and task states they must leave, and graphs refused before anything runs against
+    their error code."""
+    from .tasks.conformance import run_task_vectors
+
+    _report_vectors(run_task_vectors(pathlib.Path(root) if root else None))
+
+
+@conformance_group.command("quotas")
+@click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="vector directory (default: the repository's conformance/quotas)")
+def conformance_quotas(root: str | None) -> None:
+    """Run the quota vectors (spec 9.4.14): sizes as written against their bytes, and store
+    operations under per-prefix quotas against the outcome of each."""
+    from .store.conformance import run_quota_vectors
+
+    _report_vectors(run_quota_vectors(pathlib.Path(root) if root else None))
+
+
 @conformance_group.command("exec")
 @click.option("--root", default=None, type=click.Path(exists=True, file_okay=False),
               help="vector directory (default: the repository's conformance/exec)")
@@ -243,13 +266,13 @@ def _claims(exec_manifest: dict) -> list[tuple[str, int, list[tuple[str, object]
         ("CAP_WIRE_COLLECTIVES", 1, [("protocol", protocol("CAP_WIRE_COLLECTIVES"))]),
         ("CAP_P2P", 1, [("protocol", protocol("CAP_P2P"))]),
         ("CAP_STORE", 2, [("protocol", protocol("CAP_STORE")), ("exec", store)]),
-        ("CAP_TASKS", 2, []),
+        ("CAP_TASKS", 2, [("tasks", lambda r: True)]),
         ("CAP_QUANT", 2, [("protocol", protocol("CAP_QUANT")), ("exec", lambda r: vector(r).get("quantized", False))]),
         ("CAP_CKPT", 3, [("checkpoint", lambda r: True)]),
         ("CAP_CANCEL", 3, [("protocol", protocol("CAP_CANCEL"))]),
         ("CAP_CHECKSUMS", 3, [("protocol", protocol("CAP_CHECKSUMS")),
                               ("checkpoint", lambda r: r.name.startswith("flipped_byte"))]),
-        ("CAP_QUOTAS", 3, []),
+        ("CAP_QUOTAS", 3, [("quotas", lambda r: True)]),
         ("CAP_RESIZE", 3, [("protocol", protocol("CAP_RESIZE"))]),
     ]
 
@@ -263,9 +286,11 @@ def claim_matrix() -> dict:
     from .ir.conformance import run_ir_vectors
     from .protocol.conformance import run_protocol_vectors
     from .runtime.exec_vectors import default_root, run_exec_vectors
+    from .store.conformance import run_quota_vectors
+    from .tasks.conformance import run_task_vectors
 
     suites = {"ir": run_ir_vectors(), "protocol": run_protocol_vectors(), "exec": run_exec_vectors(),
-              "checkpoint": run_checkpoint_vectors()}
+              "checkpoint": run_checkpoint_vectors(), "tasks": run_task_vectors(), "quotas": run_quota_vectors()}
     try:
         exec_manifest = json.loads((default_root() / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -286,9 +311,9 @@ def claim_matrix() -> dict:
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="also write the matrix as JSON to this file (spec 8.5)")
 def conformance_all(json_path: str | None) -> None:
-    """Run every suite DTM claims (IR, protocol, execution, checkpoint vectors) and print the
-    claim matrix (spec 8.5), level by level and capability by capability; exit 1 when a
-    claimed capability fails."""
+    """Run every suite DTM claims (IR, protocol, execution, task-graph, quota and checkpoint
+    vectors) and print the claim matrix (spec 8.5), level by level and capability by
+    capability; exit 1 when a claimed capability fails."""
     import json
 
     from rich.console import Console

@@ -32,6 +32,7 @@ from .diagnostics import IRError
 from .decoding import decode
 from .encoding import encode
 from .parser import parse
+from .version import SPEC_VERSION
 from .printer import format as format_module
 from .verifier import verify
 
@@ -60,13 +61,41 @@ def load_manifest(root: pathlib.Path | None = None) -> dict:
         return json.load(f)
 
 
-def manifest_or_failure(root: pathlib.Path) -> dict | VectorResult:
+def manifest_or_failure(root: pathlib.Path, this_version: bool = False) -> dict | VectorResult:
     """The manifest.json of the vector set under `root`, or the failed result a runner
-    reports in place of every vector when it cannot be read."""
+    reports in place of every vector when it cannot be read (or, with `this_version`, when
+    its `spec_version` is another major.minor than this implementation's)."""
     try:
-        return load_manifest(root)
+        manifest = load_manifest(root)
     except (OSError, ValueError) as e:
-        return VectorResult("manifest.json", "valid", False, f"cannot read the manifest: {e}")
+        return VectorResult("manifest.json", "valid", False, f"cannot read {root / 'manifest.json'}: {e}")
+    version = str(manifest.get("spec_version", "")) if isinstance(manifest, dict) else ""
+    if this_version and version.split(".")[:2] != [str(n) for n in SPEC_VERSION[:2]]:
+        return VectorResult("manifest.json", "valid", False, f"the vectors are for spec {version!r}; this "
+                            f"implementation reads {'.'.join(map(str, SPEC_VERSION))}")
+    return manifest
+
+
+def generator_main(argv: list[str] | None, description: str, files: dict[pathlib.Path, str], source: str,
+                   written: str) -> int:
+    """A vector generator's command line: write `files` ({path: content}, making their
+    directories) and print `written`; with `--check`, write nothing, print each file that
+    differs from what is on disk (as differing from what `source` gives) and return 1 if any
+    does."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--check", action="store_true", help="compare with the files; write nothing")
+    if ap.parse_args(argv).check:
+        drift = [p.name for p, text in files.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
+        for name in drift:
+            print(f"differs from what {source} give(s): {name}")
+        return 1 if drift else 0
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    print(written)
+    return 0
 
 
 def check_valid(path: pathlib.Path, expected_path: pathlib.Path, want_hash: str | None) -> str | None:

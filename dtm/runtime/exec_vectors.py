@@ -34,7 +34,7 @@ import ml_dtypes  # noqa: F401 - registers bf16 and the f8 dtypes with numpy
 import numpy as np
 
 from ..errors import DTMError, ErrorCode
-from ..ir.conformance import VectorResult
+from ..ir.conformance import VectorResult, manifest_or_failure
 from ..ir.dtypes import DTYPES, numpy_dtype
 from ..ir.module import Module
 from ..ir.parser import parse
@@ -238,16 +238,9 @@ def read_vectors(root: pathlib.Path) -> tuple[list[Vector], list[VectorResult]]:
     """The manifest's vectors that can be read, and a failure (kind "valid") naming each
     that cannot (a missing file, an array that is not one) or the manifest itself (another
     spec version)."""
-    from ..ir.version import SPEC_VERSION
-
-    try:
-        manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return [], [VectorResult("manifest.json", "valid", False, f"cannot read {root / 'manifest.json'}: {e}")]
-    version = str(manifest.get("spec_version", ""))
-    if version.split(".")[:2] != [str(n) for n in SPEC_VERSION[:2]]:
-        return [], [VectorResult("manifest.json", "valid", False, f"the vectors are for spec {version!r}; this "
-                                 f"implementation reads {'.'.join(map(str, SPEC_VERSION))}")]
+    manifest = manifest_or_failure(root, this_version=True)
+    if isinstance(manifest, VectorResult):
+        return [], [manifest]
     vectors, problems = [], []
     for name in sorted(manifest.get("vectors", {})):
         try:

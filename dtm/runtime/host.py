@@ -4,6 +4,7 @@ came from a user or a peer (a tensor's shape, a store put announced on the wire)
 from __future__ import annotations
 
 import os
+import re
 
 from ..errors import ErrorCode, user_error
 
@@ -30,21 +31,22 @@ def available_bytes() -> int | None:
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# spec 9.4.13: decimal digits with an optional fraction, then an optional unit (any case), a
+# trailing B or iB changing nothing; no sign, exponent, infinity or NaN
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
 
 
 def parse_bytes(text: str, where: str) -> int:
     """A size as people write it: `2G`, `512M`, `1.5GiB`, `1000000` (K, M, G, T are powers
-    of 1024); E0306 naming `where` for anything else."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
-    try:
-        value = float(t[:len(t) - len(unit)])
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
+    of 1024; a fraction of a byte is dropped); E0306 naming `where` for anything else."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
         raise user_error(ErrorCode.ATTRIBUTE_VALUE, f"{where}: a size such as 2G, 512M or 1000000 bytes, "
                          f"not {text!r}")
-    return int(value * _UNITS[unit])
+    whole, _, fraction = m.group(1).partition(".")
+    unit = _UNITS[m.group(2).upper()]
+    # exact arithmetic (no float): 0.1G is 107374182 bytes on every machine
+    return (int(whole or "0") * unit) + (int(fraction or "0") * unit) // (10 ** len(fraction))
 
 
 def _env_bytes(name: str) -> int | None:
