@@ -5,9 +5,12 @@ definitions (2.6, 3.11); (b) distribute / redistribute / full_tensor round-trip 
 an uneven dim; (c) one AdamW step of a small GPT-2 under FSDP=4 (all_gather before use,
 reduce_scatter of the gradients) gives the loss and weights of the same step on one device,
 computed in the test process; (d) a hand-written local-view program with barrier, send, recv
-and an all_gather of q8_0 blocks runs over the processes as the reference runs it on threads.
-One launch does all four, to start processes once. Run as a script, this file is one rank's
-side: (a), (b) and (d) assert on every rank, rank 0 writes (c)."""
+and an all_gather of q8_0 blocks runs over the processes as the reference runs it on threads;
+(e) a jitted program's all_reduce between processes gives each run's own sum when the plan
+writes it into the array it keeps from run to run, and a returned all_reduce result stays
+the caller's when the program runs again. One launch does all five, to start processes once.
+Run as a script, this file is one rank's side: (a), (b), (d) and (e) assert on every rank,
+rank 0 writes (c)."""
 
 from __future__ import annotations
 
@@ -127,6 +130,28 @@ def check_local_program(rank: int) -> None:
                                                           quantize(xs[2 + t], DTYPES["q8_0"])]))
 
 
+def check_jitted_all_reduce() -> None:
+    """(e): column sums of X's rows spread over dp=4, under dtm.jit, on three inputs."""
+    import dtm
+
+    mesh = dtm.Mesh({"dp": 4})
+
+    @dtm.jit
+    def total(x):  # the all_reduce's own result is returned: a fresh array each run
+        return x.sum(0).redistribute([dtm.Replicate()])
+
+    @dtm.jit
+    def scaled(x):  # the all_reduce's result stays in the plan: the array it keeps (Plan.reused_results)
+        return x.sum(0).redistribute([dtm.Replicate()]) * 2.0
+
+    first = total(dtm.distribute(dtm.tensor(X), mesh, [dtm.Shard(0)]))
+    for k in (1.0, 10.0, -3.0):
+        x = dtm.distribute(dtm.tensor(X * k), mesh, [dtm.Shard(0)])
+        np.testing.assert_array_equal(scaled(x).full_tensor().numpy(), 2 * (X * k).sum(0))
+        np.testing.assert_array_equal(total(x).full_tensor().numpy(), (X * k).sum(0))
+    np.testing.assert_array_equal(first.full_tensor().numpy(), X.sum(0))  # not overwritten by the later runs
+
+
 def rank_main(out: str) -> None:
     import dtm
     from dtm.parallel import fsdp
@@ -135,6 +160,7 @@ def rank_main(out: str) -> None:
     check_shard_map(pg.rank)
     check_round_trip(pg.rank)
     check_local_program(pg.rank)
+    check_jitted_all_reduce()
     model, step = _model_and_step()
     m = model()
     params = list(m.parameters())

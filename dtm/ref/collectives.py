@@ -67,6 +67,15 @@ def _collective(ctx: RefContext, name: str, attrs: dict[str, Any], x: np.ndarray
     return ctx.comm.collective(name, attrs, x, members, index, ctx.rank, ctx.timeout)
 
 
+def collective_into(ctx: RefContext, name: str, attrs: dict[str, Any], x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Collective `name` (all_reduce) with its result written into `out` where the context's
+    comm can (`takes_out`: between processes), which it returns; else a result of its own."""
+    members, index = ctx.group(attrs["mesh"], attrs["axes"])
+    if len(members) == 1 or not getattr(ctx.comm, "takes_out", False):
+        return _collective(ctx, name, attrs, x)
+    return ctx.comm.collective(name, attrs, x, members, index, ctx.rank, ctx.timeout, out=out)
+
+
 def _register(name: str) -> None:
     @register(name)
     def impl(ctx, attrs, *operand, out_types):

@@ -47,6 +47,7 @@ from ..ir.module import Module
 from ..ir.symbolic import SymDim
 from ..ir.types import TensorType
 from ..ref import philox, quant
+from ..ref.collectives import collective_into
 from ..ref.context import RefContext
 from ..ref.interpreter import bind_symbols, check_array, evaluate, out_of_memory, resolve_attrs, resolve_type
 from ..ref.ops import IMPLS, TAKES_IN_TYPES, scatter_add_into
@@ -132,7 +133,7 @@ class _Frame:
     temporary, and per kernel its pointer and dim arrays with the temporaries filled in.
     Runs on one thread reuse it; temporaries never leave a run (results are fresh arrays)."""
 
-    __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill", "launch", "run_alloc", "run_fill", "held")
+    __slots__ = ("key", "slots", "base", "ptrs", "dims", "fill", "launch", "run_alloc", "run_fill", "held", "kept")
 
     def __init__(self, plan: "Plan", bindings: dict, key):
         prog = plan.program
@@ -174,6 +175,9 @@ class _Frame:
                            for bi in dict.fromkeys(bi for _, _, bi in f if not is_param[bi])] for f in fills]
         self.run_fill = [([(ptrs, n) for ptrs, n, _ in f], _picker([bi for _, _, bi in f])) for f in fills]
         self.held: list[tuple] = [() for _ in fills]
+        # the arrays all_reduces between processes write their results into, by buffer,
+        # kept from run to run (Plan.reused_results)
+        self.kept: dict[int, np.ndarray] = {}
         self.launch = []
         for run in plan.runs:
             n = len(run)
@@ -239,6 +243,13 @@ class Plan:
         self.assigns = {id(s): tuple(self.fb_args[id(s)][0]) for s in program.fallbacks if s.op.name == "assign"}
         # scatter_adds write into the memory the plan gave their result (memory.plan_memory)
         self.into = {id(s) for s in program.fallbacks if writes_into(s.op)}
+        # all_reduces whose result the plan alone holds (not returned, no other buffer its
+        # view): a comm that takes `out` (between processes: a DDP step's gradient buckets)
+        # writes it into an array the frame keeps, the same one at every run. A fresh result
+        # each run cost as much again as the all_reduce itself: its pages faulted in anew.
+        viewed = {id(b.alias) for b in self.buffers if b.alias is not None} | {id(b) for b in program.returns}
+        self.reused_results = {id(s): buf_index[id(s.outputs[0])] for s in program.fallbacks
+                               if s.op.name == "all_reduce" and id(s.outputs[0]) not in viewed}
         # the values a kernel writes straight into their parameter (plan_memory): (value, parameter)
         self.in_place = [(buf_index[id(b)], buf_index[id(b.alias)]) for b in self.buffers
                          if b.alias is not None and b.alias.kind == "param"]
@@ -334,7 +345,7 @@ class Plan:
                     self._fill(frame, vals, what, bindings)
                     self._launch(*frame.launch[what])
                 else:
-                    ctx = self._other(what, vals, originals, bindings, ctx)
+                    ctx = self._other(what, vals, originals, bindings, ctx, frame)
                     if abandoned():  # a collective lost a peer in an elastic step: the rest is never used
                         break
                 for bi in freed:
@@ -449,14 +460,17 @@ class Plan:
                     and wanted[id(x)] == 1:
                 vals[ob] = x
 
-    def _other(self, step, vals: list, originals: dict, bindings: dict, ctx):
-        """A step that is not compiled: an assign, a scatter_add, a reference fallback."""
+    def _other(self, step, vals: list, originals: dict, bindings: dict, ctx, frame: _Frame):
+        """A step that is not compiled: an assign, a scatter_add, an all_reduce into a kept
+        array, a reference fallback."""
         if id(step) in self.assigns:
             if id(step) not in self.done_in_place:
                 target, value = self.assigns[id(step)]
                 self._assign(step, originals.get(target, vals[target]), vals[value])
         elif id(step) in self.into:
             self._scatter_add(step, vals, bindings)
+        elif id(step) in self.reused_results and getattr(getattr(ctx, "comm", None), "takes_out", False):
+            self._all_reduce_into(step, vals, bindings, ctx, frame)
         else:
             ctx = self._fallback(step, vals, originals, bindings, ctx)
         return ctx
@@ -474,7 +488,7 @@ class Plan:
                     ptrs[n] = _ptr(a)
                 step.fn(ptrs, frame.dims[step.index])
             else:
-                ctx = self._other(step, vals, originals, bindings, ctx)
+                ctx = self._other(step, vals, originals, bindings, ctx, frame)
             print(f"[dtm cpu] {step.name}: {(time.perf_counter() - t0) * 1e3:.3f} ms", file=sys.stderr)
             if abandoned():
                 return
@@ -566,6 +580,19 @@ class Plan:
         fn(ctypes.c_int64(math.prod(shape[:axis])), ctypes.c_int64(shape[axis]),
            ctypes.c_int64(math.prod(shape[axis + 1:])), ctypes.c_void_p(_ptr(result)), ctypes.c_int64(idx.size),
            ctypes.c_void_p(_ptr(idx)), ctypes.c_void_p(_ptr(updates)))
+
+    def _all_reduce_into(self, step: FallbackStep, vals: list, bindings: dict, ctx: RefContext, frame: _Frame) -> None:
+        """An all_reduce between processes into the array the frame keeps for its result."""
+        (x,), (bi,) = self.fb_args[id(step)]
+        shape, dtype = self._storage(self.buffers[bi], bindings)
+        out = frame.kept.get(bi)
+        if out is None or out.shape != shape or out.dtype != dtype:
+            out = frame.kept[bi] = buffers.empty(shape, dtype)
+        attrs = resolve_attrs(step.op.attrs, bindings) if bindings else step.op.attrs
+        try:
+            vals[bi] = _contiguous(collective_into(ctx, "all_reduce", attrs, vals[x], out))
+        except DTMError as e:
+            raise e.in_context(f"@{self.func.name} op all_reduce ({step.name})") from e
 
     def _fallback(self, step: FallbackStep, vals: list, originals: dict, bindings: dict,
                   ctx: RefContext | None) -> RefContext:

@@ -40,17 +40,20 @@ class ProcessComm:
     With `compress` (DDP(compress=...)), every float sum or avg all_reduce of at least
     MIN_COMPRESS_ELEMENTS elements (the gradient buckets) travels compressed (spec 9.5.1)."""
 
+    takes_out = True  # collective(..., out=): an all_reduce writes its result there (ref.collectives.collective_into)
+
     def __init__(self, pg: ProcessGroup, compress: str | None = None):
         self.pg, self.compress = pg, compress
 
     def collective(self, name: str, attrs: dict, x: np.ndarray, group: tuple[int, ...], index: int, rank: int,
-                   timeout: float) -> np.ndarray | None:
+                   timeout: float, out: np.ndarray | None = None) -> np.ndarray | None:
         params = {k: v for k, v in attrs.items() if k not in ("mesh", "axes")}
         if (self.compress is not None and name == "all_reduce" and params.get("op") in ("sum", "avg")
                 and np.asarray(x).dtype.kind == "f" and np.size(x) >= MIN_COMPRESS_ELEMENTS):
             params["compress"] = self.compress
         try:
-            return self.pg.collective(name, np.asarray(x, order="C"), group, **params)  # (not ascontiguousarray: 0-d)
+            x = np.asarray(x, order="C")  # (not ascontiguousarray: that makes a 0-d x 1-d)
+            return self.pg.collective(name, x, group, out=out, **params)
         except DTMError as e:
             raise DTMError(e.code, f"on rank {rank}: {e.message}") from e
 

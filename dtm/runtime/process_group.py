@@ -269,17 +269,19 @@ class ProcessGroup:
     # --- the collectives (numpy in, numpy out) ------------------------------------------------------
 
     def collective(self, name: str, x: np.ndarray | None, group: tuple[int, ...] | None,
-                   **params) -> np.ndarray | None:
+                   out: np.ndarray | None = None, **params) -> np.ndarray | None:
         """The Communicator's collective `name` over process ranks `group` (None: all), with
         its parameters; they name the call in heartbeats and errors, as in
-        "reduce_scatter(sum, dim=0)". A barrier has no operand and no result."""
+        "reduce_scatter(sum, dim=0)". A barrier has no operand and no result. `out`: an
+        array of the result's type for an all_reduce to write into (and return)."""
         if name == "barrier":
             self._poisonable(lambda: self.run(self._describe(name, None, group), lambda: self._comm().barrier(group)))
             return None
         x = np.asarray(x)
         fn = getattr(self._comm(), name)
+        into = {"out": out} if out is not None else {}
         return self._poisonable(lambda: self.run(self._describe(name, x, group, call_args(params)),
-                                                 lambda: fn(x, **params, group=group)),
+                                                 lambda: fn(x, **params, group=group, **into)),
                                 lambda: poisoned(name, x, len(group) if group is not None else self.world_size, params))
 
     @property
