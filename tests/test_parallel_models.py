@@ -13,6 +13,7 @@ import pytest
 import dtm
 import dtm.ir as ir
 from dtm.compiler.spmd import bucket_all_reduces
+from dtm.compiler.spmd.bucket import SOLO_BYTES
 from dtm.models.gpt2 import MLP, GPT2, Block, GPT2Config
 from dtm.nn.functional import cross_entropy
 from dtm.parallel import DDP, GPT2_PLAN, fsdp, tensor_parallel
@@ -161,6 +162,29 @@ def test_gradient_all_reduces_merge_into_buckets():
             for g, w in zip(got[r], want[r]):
                 np.testing.assert_array_equal(g, w)
     ex.close()
+
+
+def test_a_large_all_reduce_stays_alone_and_small_ones_merge_around_it():
+    """One of SOLO_BYTES or more is not copied into a bucket (its own call costs less than
+    the copy); the small ones before and after it still share one."""
+    n = SOLO_BYTES // 4
+    b = ir.Builder()
+    b.mesh("m", dp=2)
+    f = b.func("f")
+    xs = [f.param(t, name=f"g{i}") for i, t in enumerate(["f32[3]", f"f32[{n}]", "f32[5]", f"f32[{n - 1}]"])]
+    f.ret(*[f.all_reduce(x, mesh="m", axes=["dp"], op="sum") for x in xs])
+    m = b.build()
+    ops = bucket_all_reduces(m, "f", 64 << 20).funcs["f"].ops
+    sizes = [op.operands[0].type.shape[0] for op in ops if op.name == "all_reduce"]
+    assert sizes == [n, 3 + 5 + n - 1]  # the large one as it was; the rest in one bucket, emitted at the end
+    rng = np.random.default_rng(2)
+    inputs = [[rng.standard_normal(x.type.shape).astype(np.float32) for x in xs] for _ in range(2)]
+    ex = L0Executor(2, timeout=10)
+    want, got = ex.run([m, m], "f", inputs), ex.run([bucket_all_reduces(m, "f", 64 << 20)] * 2, "f", inputs)
+    ex.close()
+    for r in range(2):
+        for g_, w_ in zip(got[r], want[r]):
+            np.testing.assert_array_equal(g_, w_)
 
 
 def test_collectives_pass_an_open_bucket_and_other_effects_end_it():

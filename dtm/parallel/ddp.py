@@ -13,7 +13,8 @@ Bucketing: `bucket_cap_mb` sets the mesh's bucket size; the runtime runs the com
 merges the gradients' all_reduces into one all_reduce per flat buffer of up to that many
 MiB: fewer, larger collectives, as torch's DDP does; in an eager backward (the gradients
 returned) and in a whole step under dtm.jit (the optimizer's updates read them: held back
-until their bucket is reduced).
+until their bucket is reduced). A gradient of 1 MiB or more keeps an all_reduce of its own
+(bucket.SOLO_BYTES): copying it into a bucket would cost more than its call.
 
 Compression: `compress="q8_0"` (or "bf16", "auto") makes the gradient buckets' all_reduces
 between processes (L1) travel compressed (spec 9.5.1): every float sum/avg all_reduce of at
