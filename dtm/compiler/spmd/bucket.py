@@ -1,10 +1,10 @@
 """Gradient bucketing: a local-view pass that merges all_reduces into one all_reduce per flat
 buffer of up to `cap_bytes`: fewer, larger collectives, as torch's DDP does
 (`bucket_cap_mb`). It merges the all_reduces of one group, op and dtype (each under
-SOLO_BYTES), in program order, whose results no op uses before the last of them: a data-parallel step's gradients, whether
-they are returned (an eager backward) or read by the optimizer's updates after the backward
-pass (a whole training step under dtm.jit: 52 all_reduces of the char model's gradients
-became one).
+SOLO_BYTES), in program order, whose results no op uses before the last of them: a
+data-parallel step's gradients, whether they are returned (an eager backward) or read by
+the optimizer's updates after the backward pass (a whole training step under dtm.jit: 52
+all_reduces of the char model's gradients became one).
 
     local = bucket_all_reduces(local_module(module, "step", rank=0), "step", 25 << 20)
 
