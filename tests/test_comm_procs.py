@@ -88,6 +88,28 @@ def mismatch(comm, rank, n):
         comm.all_reduce(x)
 
 
+def mismatch_passed_on(comm, rank, n):
+    """Rank 0 calls another collective than ranks 1 and 2 and finds out first: it has read
+    their CollectiveStarts before its call, so it fails before it sends anything, and its
+    Error goes to rank 1 alone (as when it is descheduled before the second send). Rank 2
+    can learn why only from rank 1, which fails on the report and then leaves."""
+    from dtm.protocol.frame import MsgType
+    from dtm.protocol.messages import Error
+
+    x = np.zeros(1000, np.float32)
+    comm.all_reduce(x)
+    if rank > 0:
+        comm.all_reduce(x)
+        return
+    comm._report = lambda g, err: comm.transport.notify([1], g.stream, MsgType.ERROR,
+                                                        Error.from_exception(err, 0).parts())
+    group = comm._groups[tuple(range(n))]
+    deadline = time.monotonic() + 10
+    while len(group.pending.get(1, ())) < n - 1 and time.monotonic() < deadline:  # their starts of call #1
+        comm.transport._progress(time.monotonic() + 0.05, (), "reading the others' starts")
+    comm.all_gather(x, dim=0)
+
+
 def mismatch_ring(comm, rank, n):
     """Ring-sized all_reduces: a sum (over TCP in ring_pump.c) on every rank but the last,
     which calls max (Python's ring)."""
@@ -267,7 +289,7 @@ def cancelled_recv(comm, rank, n):
         return "not told"
 
 
-SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_ring, early, outsider_leaves, corrupt, killed, leaves,
+SCENARIOS = {f.__name__: f for f in (correctness, mismatch, mismatch_passed_on, mismatch_ring, early, outsider_leaves, corrupt, killed, leaves,
                                      leader_leaves,
                                      killed_sender, send_then_idle, served, severed, cancelled, cancelled_recv,
                                      cancelled_send)}
@@ -422,6 +444,16 @@ def test_mismatch_raises_on_every_rank(kind, n):
         assert status == "err" and code is ErrorCode.COLLECTIVE_MISMATCH, message
         assert "all_gather(dim=0)" in message and "all_reduce(sum)" in message
         assert "test_comm_procs.py:" in message
+
+
+def test_a_mismatch_report_is_passed_on_before_its_hearer_leaves():
+    """Spec 9.1.8: rank 2 hears of rank 0's mismatch through rank 1, before rank 1's Leave
+    (without the relay it failed with E1001: a rank left during the all_reduce)."""
+    outcomes, _ = run_mesh("tcp", 3, "mismatch_passed_on")
+    assert sorted(outcomes) == [0, 1, 2]
+    for status, (name, code, message, _), _logs in outcomes.values():
+        assert status == "err" and code is ErrorCode.COLLECTIVE_MISMATCH, message
+    assert "rank 0 reported: " in outcomes[2][1][2] and "all_gather(dim=0)" in outcomes[2][1][2]
 
 
 def test_mismatch_in_the_ring_raises_on_every_rank():

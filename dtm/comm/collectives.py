@@ -116,7 +116,12 @@ class _P2PWait:
 
 
 class _FromPeer(Exception):
-    """Marks an error a peer reported, so it is not reported back to the group."""
+    """Marks an error a peer reported, so it is not reported back to the group: the peer
+    that sent it and its Error (which a mismatch's report passes on, `_relay`)."""
+
+    def __init__(self, peer: int = -1, error: Error | None = None):
+        super().__init__()
+        self.peer, self.error = peer, error
 
 
 class Communicator:
@@ -187,12 +192,12 @@ class Communicator:
             raise CollectiveAborted(f"rank {peer} cancelled {what}: {cancel.reason}") from _FromPeer()
         elif msg_type is MsgType.ERROR:
             err = Error.decode(payload)
-            code, text = err.code, err.message
-            who = f"rank {err.rank if err.rank >= 0 else peer}"
+            code, text, reporter = err.code, err.message, err.rank if err.rank >= 0 else peer
+            who = f"rank {reporter}"
             exc: DTMError
-            if code == E.COLLECTIVE_MISMATCH.value:
-                exc = CollectiveMismatch(f"{who} reported: {text}")
-            elif code == E.PEER_LOST.value:  # the same fault, whoever saw it first
+            if code == E.COLLECTIVE_MISMATCH.value:  # (passed on by whoever fails on it: _relay)
+                raise CollectiveMismatch(f"{who} reported: {text}") from _FromPeer(peer, Error(code, text, reporter))
+            if code == E.PEER_LOST.value:  # the same fault, whoever saw it first
                 exc = PeerLost(None, "a collective", f"{who} reported: {text}")
             else:
                 exc = CollectiveAborted(f"{who} failed with {code}: {text}")
@@ -225,6 +230,18 @@ class Communicator:
         peers = [r for r in g.ranks if r != self.rank]
         self.transport.notify(peers, g.stream, MsgType.ERROR, parts)
 
+    def _relay(self, g: _Group, cause: _FromPeer) -> None:
+        """Pass a mismatch's Error on to the group's members other than its reporter and
+        sender, before this rank fails (spec 9.1.8). Otherwise a member that has not heard
+        the reporter yet (its frames delayed, its process descheduled) could hear this rank
+        leave first, and fail with E1001 for a rank that left instead of E0803: a member's
+        frames reach another in order, so the Error now comes before this rank's Leave."""
+        if cause.error is None:
+            return
+        peers = [r for r in g.ranks if r not in (self.rank, cause.peer, cause.error.rank)]
+        if peers:
+            self.transport.notify(peers, g.stream, MsgType.ERROR, cause.error.parts())
+
     def _interrupted(self, what: str, peers: Sequence[int], stream: int, seq: int, cause: BaseException) -> None:
         """This rank abandons transfer `seq` of `stream` because it was interrupted from
         outside (Ctrl-C, a signal handler's exception, ...), not because it failed: drop
@@ -255,7 +272,9 @@ class Communicator:
         except Exception as e:  # this rank failed it: an Error tells the group why
             err = e if isinstance(e, DTMError) else CollectiveAborted(f"{what} on rank {self.rank} failed with "
                                                                      f"{type(e).__name__}: {e}")
-            if not isinstance(e.__cause__, _FromPeer) and not isinstance(e, CollectiveAborted):
+            if isinstance(e.__cause__, _FromPeer):
+                self._relay(g, e.__cause__)
+            elif not isinstance(e, CollectiveAborted):
                 self._report(g, err)
             self.transport.fail(err)
             raise
