@@ -247,6 +247,8 @@ class Plan:
         # view): a comm that takes `out` (between processes: a DDP step's gradient buckets)
         # writes it into an array the frame keeps, the same one at every run. A fresh result
         # each run cost as much again as the all_reduce itself: its pages faulted in anew.
+        # (A step's gradients are all alive at its end, so its peak is the same; between
+        # steps the frame holds their bytes, as it holds its slots, until `release`.)
         viewed = {id(b.alias) for b in self.buffers if b.alias is not None} | {id(b) for b in program.returns}
         self.reused_results = {id(s): buf_index[id(s.outputs[0])] for s in program.fallbacks
                                if s.op.name == "all_reduce" and id(s.outputs[0]) not in viewed}
