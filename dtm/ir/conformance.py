@@ -32,9 +32,9 @@ from .diagnostics import IRError
 from .decoding import decode
 from .encoding import encode
 from .parser import parse
-from .version import SPEC_VERSION
 from .printer import format as format_module
 from .verifier import verify
+from .version import SPEC_VERSION
 
 DEFAULT_ROOT = pathlib.Path(__file__).resolve().parents[2] / "conformance" / "ir"
 _HEX64 = re.compile(r"[0-9a-f]{64}")

@@ -68,10 +68,11 @@ def _collective(ctx: RefContext, name: str, attrs: dict[str, Any], x: np.ndarray
 
 
 def collective_into(ctx: RefContext, name: str, attrs: dict[str, Any], x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Collective `name` (all_reduce) with its result written into `out` where the context's
-    comm can (`takes_out`: between processes), which it returns; else a result of its own."""
+    """Collective `name` (all_reduce) with its result written into `out`, which it returns,
+    by a context whose comm takes `out` (`takes_out`: between processes); over a group of
+    one, a result of its own."""
     members, index = ctx.group(attrs["mesh"], attrs["axes"])
-    if len(members) == 1 or not getattr(ctx.comm, "takes_out", False):
+    if len(members) == 1:
         return _collective(ctx, name, attrs, x)
     return ctx.comm.collective(name, attrs, x, members, index, ctx.rank, ctx.timeout, out=out)
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import DTMError, ErrorCode
 from ..ir.conformance import VectorResult, manifest_or_failure
-from ..ir.dtypes import DTYPES, numpy_dtype
+from ..ir.dtypes import DTYPES, from_numpy, numpy_dtype
 from ..ir.module import Module
 from ..ir.parser import parse
 from ..ref.interpreter import run as ref_run
@@ -68,9 +68,11 @@ class Vector:
 
 # --- arrays in JSON --------------------------------------------------------------------------
 
-def encode_array(a: np.ndarray, dtype: str) -> dict:
-    """The JSON form of array `a` of DTM dtype `dtype` (see the module docstring)."""
+def encode_array(a: np.ndarray, dtype: str | None = None) -> dict:
+    """The JSON form of array `a` of DTM dtype `dtype` (see the module docstring); by default
+    the dtype numpy's dtype of `a` stands for (a quantized array must name its own)."""
     a = np.asarray(a)
+    dtype = dtype or from_numpy(a.dtype).name
     dt = DTYPES[dtype]
     if dt.is_quant:  # the block storage [..., blocks * itemsize] of a logical [..., blocks * block]
         shape = list(a.shape[:-1]) + [a.shape[-1] // dt.itemsize * dt.block]

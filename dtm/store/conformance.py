@@ -30,7 +30,9 @@ import numpy as np
 
 from ..errors import DTMError
 from ..ir.conformance import VectorResult, manifest_or_failure
-from ..ir.dtypes import DTYPES, numpy_dtype
+from ..ir.dtypes import DTYPES
+from ..ir.types import TensorType
+from ..ref import quant
 from ..runtime.host import parse_bytes
 from . import open as open_store
 from .store import Store
@@ -57,9 +59,7 @@ def _empty_store(kind: str) -> Iterator[Store]:
 def _zeros(dtype: str, shape: list[int]) -> np.ndarray:
     """A tensor of zeros of `dtype` and logical `shape` (a quantized one as its block storage)."""
     dt = DTYPES[dtype]
-    if dt.is_quant:
-        return np.zeros((*shape[:-1], shape[-1] // dt.block * dt.itemsize), np.uint8)
-    return np.zeros(shape, numpy_dtype(dt))
+    return np.zeros(quant.storage_shape(TensorType(dt, tuple(shape))), quant.storage_dtype(dt))
 
 
 def _step_differs(st: Store, i: int, step: dict) -> str | None:

@@ -55,17 +55,17 @@ def check(path: pathlib.Path, valid: bool) -> str | None:
     listed, else the first difference."""
     doc = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
     text = path.with_suffix(".dtm").read_text(encoding="utf-8")
-    before = _arrays(doc, "store", path.name)
+    before, after = _arrays(doc, "store", path.name), _arrays(doc, "stored", path.name)
     with tempfile.TemporaryDirectory(prefix="dtm-task-vector-") as tmp, _store.open(tmp) as store:
         for k, a in before.items():
             store.put_array(k, a)
-        return _outcome_differs(doc, text, store, before, valid, path.name)
+        return _outcome_differs(doc, text, store, before, after, valid)
 
 
-def _outcome_differs(doc: dict, text: str, store, before: dict[str, np.ndarray], valid: bool,
-                     where: str) -> str | None:
+def _outcome_differs(doc: dict, text: str, store, before: dict[str, np.ndarray], after: dict[str, np.ndarray],
+                     valid: bool) -> str | None:
     """Run the graph of module `text` on `store` (holding `before`); its outcome's first
-    difference from `doc`'s, or None."""
+    difference from `doc`'s (`after`: the store a valid graph leaves), or None."""
     run, code = None, None
     try:
         run = Graph.from_module(parse(text), store).run(workers=2)
@@ -85,7 +85,7 @@ def _outcome_differs(doc: dict, text: str, store, before: dict[str, np.ndarray],
     states = {r.name: r.state for r in run.report().tasks}
     if states != doc["states"]:
         return f"task states {states}, expected {doc['states']}"
-    return _store_differs(store, _arrays(doc, "stored", where))
+    return _store_differs(store, after)
 
 
 def run_task_vectors(root: pathlib.Path | None = None) -> list[VectorResult]:

@@ -137,17 +137,12 @@ def make(op: str, text: str) -> dict:
            "inputs": [[encode_array(x, d) for x, d in zip(row, dtypes)] for row in given],
            "outputs": [[encode_array(np.asarray(y), d) for y, d in zip(row, results)] for row in outputs]}
     if keys:
-        doc["store"] = {k: encode_array(before[k], _dtype_name(before[k])) for k in keys}
+        doc["store"] = {k: encode_array(before[k]) for k in keys}
     if any(o.name == "store_put" for o in f.ops):
-        doc["stored"] = {k: encode_array(v, _dtype_name(v)) for k, v in sorted(store.items.items())}
+        doc["stored"] = {k: encode_array(v) for k, v in sorted(store.items.items())}
     if targets:
         doc["assigned"] = [{str(i): encode_array(row[i], dtypes[i]) for i in sorted(targets)} for row in inputs]
     return doc
-
-
-def _dtype_name(a: np.ndarray) -> str:
-    from dtm.ir.dtypes import from_numpy
-    return from_numpy(a.dtype).name
 
 
 def main() -> int:

@@ -124,18 +124,14 @@ INVALID = {
 }
 
 
-def _decls(module) -> list:
-    return list(module.tasks.values())
-
-
 def outcome(text: str, store: dict[str, np.ndarray]) -> tuple[dict, dict, str | None]:
     """(the store after the run, each task's state, the graph's error code or None), by
     running the tasks one by one in declaration order (each vector declares its tasks in an
     order `after` allows) on the reference interpreter."""
     module = parse(text)
     held = dict(store)
-    states = {t.name: "never started" for t in _decls(module)}
-    for t in _decls(module):
+    states = {t.name: "never started" for t in module.tasks.values()}
+    for t in module.tasks.values():
         try:
             results = run(module, t.func, [held[k] for k in t.inputs])
         except DTMError as e:
@@ -146,13 +142,8 @@ def outcome(text: str, store: dict[str, np.ndarray]) -> tuple[dict, dict, str | 
     return held, states, None
 
 
-def _name(a: np.ndarray) -> str:
-    from dtm.ir.dtypes import from_numpy
-    return from_numpy(a.dtype).name
-
-
 def _arrays(d: dict[str, np.ndarray]) -> dict:
-    return {k: encode_array(v, _name(v)) for k, v in sorted(d.items())}
+    return {k: encode_array(v) for k, v in sorted(d.items())}
 
 
 def files() -> tuple[dict[pathlib.Path, str], dict]:
