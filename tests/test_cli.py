@@ -52,4 +52,4 @@ def test_conformance_ir_runs_every_vector():
 
 
 def test_version_names_the_spec():
-    assert "spec 1.1.2" in run("--version").output
+    assert "spec 1.1.3" in run("--version").output

@@ -191,10 +191,10 @@ def test_module_older_than_its_ops_refused_by_verify(spec_1_2):
 
 def test_cleanup_after_simulation():
     assert "future_op" not in REGISTRY
-    assert ir.SPEC_VERSION == (1, 1, 2)
+    assert ir.SPEC_VERSION == (1, 1, 3)
     from dtm.ir import version, versioning
 
-    assert version.SPEC_VERSION == versioning.SPEC_VERSION == (1, 1, 2)
+    assert version.SPEC_VERSION == versioning.SPEC_VERSION == (1, 1, 3)
     assert ir.Module().version is None
     assert code_msg(lambda: ir.parse("dtm 1.2\n" + BODY)).code.value == "E0601"
 

@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,15 @@ def mapped(a: np.ndarray) -> bool:
 
 def report(**kw) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
+
+
+def wait_for_survivors(folder: pathlib.Path, rank: int, survivors: tuple[int, ...]) -> None:
+    """Say this rank is done (a file in `folder`) and wait, bounded, until every survivor
+    is: a barrier no collective can give once a rank of the mesh is gone."""
+    (folder / f"done-{rank}").touch()
+    deadline = time.monotonic() + PG_TIMEOUT_S
+    while not all((folder / f"done-{r}").exists() for r in survivors) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 # --- the ranks' side -------------------------------------------------------------------------
@@ -77,10 +87,7 @@ def killed_rank_main() -> None:
     report(rank=pg.rank, knows_lost=2 in pg.membership.lost, equal=equal, single=single,
            homes={i: placement(f"one/{i}", 3)[0] for i in range(24)}, local_read=local_read)
     # A survivor serves its part until the other is done too (no collective: one rank is gone).
-    done = pathlib.Path(os.environ["DTM_MESH_STORE"]).parent
-    (done / f"done-{pg.rank}").touch()
-    while not all((done / f"done-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline + PG_TIMEOUT_S:
-        time.sleep(0.05)
+    wait_for_survivors(pathlib.Path(os.environ["DTM_MESH_STORE"]).parent, pg.rank, (0, 1))
     os._exit(0)  # the mesh lost a rank: no orderly shutdown to wait for
 
 
@@ -179,9 +186,40 @@ def failover_main() -> None:
         time.sleep(0.05)
     equal = [bool(np.array_equal(st.get_array(f"r{r}/{i}"), value(10 * r + i))) for r in range(3) for i in range(8)]
     knows_lost = 1 in pg.membership.lost
+    # A survivor serves its part, which holds replicas of rank 1's keys, until the other has
+    # read them too (leaving removes it).
+    wait_for_survivors(base.parent, pg.rank, (0, 2))
     start = time.monotonic()
     dtm.shutdown()
     report(rank=pg.rank, knows_lost=knows_lost, equal=equal, shutdown_s=time.monotonic() - start)
+
+
+def vanished_main() -> None:
+    """Two ranks on one host; rank 1 holds two keys alone. Rank 0 reads the first from rank
+    1's directory, then that part is removed, as a rank that leaves removes it, before any
+    Leave notice: the second get must say the key was lost with its rank, not that it is
+    missing or corrupt."""
+    import dtm
+    from dtm.store.mesh_store import placement
+
+    pg = dtm.runtime.process_group.init(timeout=PG_TIMEOUT_S, op_timeout=PG_TIMEOUT_S)
+    one = dtm.store.mesh(replicas=1)
+    first, second = [k for k in (f"v/{i}" for i in range(100)) if placement(k, 2)[0] == 1][:2]
+    if pg.rank == 1:
+        one.put(first, value(1))
+        one.put(second, value(2))
+    pg.barrier()
+    if pg.rank == 0:
+        read = bool(np.array_equal(one.get_array(first), value(1)))
+        shutil.rmtree(pathlib.Path(one.root) / "rank-1")
+        try:
+            one.get_array(second)
+            outcome = {"code": None}
+        except dtm.DTMError as e:
+            outcome = {"code": e.code.value, "cls": type(e).__name__, "lost": getattr(e, "lost", None), "msg": str(e)}
+        report(rank=0, read=read, **outcome)
+    pg.barrier()
+    dtm.runtime.process_group.shutdown()
 
 
 def sweep_main() -> None:
@@ -317,6 +355,20 @@ def test_a_get_from_a_stopped_rank_ends_once_the_coordinator_declares_it_lost(tm
         assert d["waited"] < 30, d  # detection takes about 3 s; the store's own timeout is 120 s
 
 
+def test_a_part_removed_under_a_read_is_its_rank_lost_not_a_missing_key(tmp_path):
+    """A CI run caught rank 2 leaving (and removing its part) while rank 0 read a replica from
+    that directory: the read failed with E1105, "metadata cannot be read"; had the index
+    gone first it would have said E0804, no such key. Both are wrong: the key was lost."""
+    cmd = [sys.executable, "-m", "dtm.cli", "launch", "-n", "2", "--join-timeout", str(PG_TIMEOUT_S), str(HERE),
+           "vanished"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = _results(proc.stdout)[0]
+    assert got["read"], got
+    assert (got["cls"], got["code"], got["lost"]) == ("KeyLost", "E1106", [1]), got
+    assert "was removed under the read" in got["msg"], got
+
+
 def test_dtm_launch_removes_the_parts_of_ranks_that_were_killed(tmp_path):
     """Neither rank removes its part (one SIGKILLed, one ended by SIGTERM), and the parts are
     in $DTM_MESH_STORE, not /dev/shm: the launcher removes them, as their owners are dead."""
@@ -404,4 +456,5 @@ def test_the_next_init_on_a_host_removes_the_parts_that_killed_ranks_left(tmp_pa
 
 if __name__ == "__main__":
     {"killed": killed_rank_main, "program": program_rank_main, "stopped": stopped_rank_main,
-     "killed-parts": killed_parts_main, "sweep": sweep_main, "failover": failover_main}[sys.argv[1]]()
+     "killed-parts": killed_parts_main, "sweep": sweep_main, "failover": failover_main,
+     "vanished": vanished_main}[sys.argv[1]]()

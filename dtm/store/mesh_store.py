@@ -307,7 +307,7 @@ class MeshStore:
     def _get_from(self, r: int, key: str, want: DType | None, shape: tuple[int, ...] | None) -> np.ndarray:
         part = self._part(r)
         if part is not None:
-            return part.get_array(key, want, shape)
+            return self._direct(r, f"store get {key!r}", lambda: part.get_array(key, want, shape))
         flags = FLAG_EXPECT_SHAPE if shape is not None else 0
         with self._exchange(r, f"store get {key!r}") as conn:
             reply = self._ask(r, conn, "get", key, dtype=want.name if want else "",
@@ -321,7 +321,25 @@ class MeshStore:
 
     def _info_from(self, r: int, key: str) -> Info:
         part = self._part(r)
-        return part.info(key) if part is not None else _entry(key, self._request(r, "info", key))
+        if part is not None:
+            return self._direct(r, f"store info {key!r}", lambda: part.info(key))
+        return _entry(key, self._request(r, "info", key))
+
+    def _direct(self, r: int, what: str, read):
+        """`read()` of rank r's part, opened from its directory. A rank that leaves removes its
+        part, and may do so while this rank reads it before the Leave notice has arrived:
+        the files vanish under the read, which then fails as a corrupt chunk or a missing
+        key. Once the part's directory is gone that is rank r gone (E1001), so the read goes
+        on to the key's other copies, and raises KeyLost when there is none (never "no such
+        key")."""
+        try:
+            return read()
+        except DTMError:
+            path = os.path.join(self.root, f"rank-{r}")
+            if r == self.rank or os.path.isdir(os.path.join(path, "data")):
+                raise
+            self._peer_stores.pop(r).close()
+            raise PeerLost(r, what, f"its part {path} was removed under the read (its rank left the mesh)") from None
 
     def _part(self, r: int) -> Store | None:
         """Rank r's part to read directly: this rank's own, or one on this machine opened
