@@ -92,7 +92,9 @@ def mismatch_passed_on(comm, rank, n):
     """Rank 0 calls another collective than ranks 1 and 2 and finds out first: it has read
     their CollectiveStarts before its call, so it fails before it sends anything, and its
     Error goes to rank 1 alone (as when it is descheduled before the second send). Rank 2
-    can learn why only from rank 1, which fails on the report and then leaves."""
+    can learn why only from rank 1, which fails on the report and then leaves. Rank 0 says
+    Leave only once rank 2 has ended: its Leave is all rank 2 would hear from it (the Error
+    it would have sent first is the one left out), and would race rank 1's relay."""
     from dtm.protocol.frame import MsgType
     from dtm.protocol.messages import Error
 
@@ -107,7 +109,12 @@ def mismatch_passed_on(comm, rank, n):
     deadline = time.monotonic() + 10
     while len(group.pending.get(1, ())) < n - 1 and time.monotonic() < deadline:  # their starts of call #1
         comm.transport._progress(time.monotonic() + 0.05, (), "reading the others' starts")
-    comm.all_gather(x, dim=0)
+    try:
+        comm.all_gather(x, dim=0)
+    finally:
+        last = comm.transport._conns[2]
+        while not (last.left or last.closed) and time.monotonic() < deadline:
+            comm.transport._progress(time.monotonic() + 0.05, (), "waiting for rank 2 to end")
 
 
 def mismatch_ring(comm, rank, n):
