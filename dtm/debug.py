@@ -8,6 +8,8 @@ Environment:
     DTM_DEBUG=1        print each kernel and its time as it runs (cpu backend)
     DTM_DEBUG=2        also print each kernel's loop IR and C source when it is compiled
     DTM_DEBUG=passes   print every compiler pass's output (IR text or a readable dump)
+    DTM_DEBUG=verify   verify every IR-to-IR pass's output, not only the program a compile
+                       starts from (the test suite sets it)
 Flags combine: DTM_DEBUG=passes,1.
 """
 

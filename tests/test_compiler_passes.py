@@ -3,6 +3,7 @@ decompositions (3.9), simplify's rules, and their results verify."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
@@ -211,3 +212,37 @@ def test_an_op_of_a_select_with_a_small_branch_computes_that_branch_small():
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+BROKEN = """dtm 1.0
+
+func @f(%x: f32[4]) -> (f32[4]) {
+  %y = exp %x : f32[4]
+  return %y
+}
+"""
+
+
+def _misnamed(f: Func) -> Func:
+    """A pass with a bug: it renames exp to an op the registry does not have."""
+    op = f.ops[0]
+    bad = type(op)("not_an_op", op.operands, op.attrs, op.results, op.loc)
+    return Func(f.name, list(f.params), list(f.result_types), [bad], list(f.returns), f.loc, f.return_loc)
+
+
+def test_a_compile_verifies_its_program_and_with_the_debug_flag_every_pass(monkeypatch):
+    """By default run_passes verifies the program it starts from; DTM_DEBUG=verify (this suite
+    sets it, conftest.py) verifies each pass's output too, so a pass with a bug fails there."""
+    from dtm.compiler.passes import run_passes
+    from dtm.errors import DTMError
+
+    assert "verify" in os.environ["DTM_DEBUG"].split(",")
+    module = parse(BROKEN)
+    with pytest.raises(DTMError, match="not_an_op"):
+        run_passes(module, "f", [("misnamed", _misnamed)])
+    monkeypatch.setenv("DTM_DEBUG", "")
+    assert run_passes(module, "f", [("misnamed", _misnamed)]).ops[0].name == "not_an_op"  # not checked
+    broken = parse(BROKEN)
+    broken.funcs["f"] = _misnamed(broken.funcs["f"])
+    with pytest.raises(DTMError, match="not_an_op"):                 # the program given is
+        run_passes(broken, "f", [])

@@ -21,7 +21,6 @@ The IR-to-IR passes' results are verified (dtm.ir.verify) before the next pass r
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable
 
@@ -29,7 +28,7 @@ from ..ir.module import Func, Module
 from ..ir.printer import format as format_module
 from ..ir.verifier import verify
 from .decompose import decompose
-from .irutil import with_func
+from .irutil import debug_flags, with_func
 from .lower import lower_loops
 from .program import Program
 from .schedule import Schedule, fuse
@@ -67,19 +66,17 @@ def _alone(f: Func) -> Module:
     return m
 
 
-def debug_flags() -> set[str]:
-    return {s.strip() for s in os.environ.get("DTM_DEBUG", "").split(",") if s.strip()}
-
-
 def run_passes(module: Module, func: str, passes: list[tuple[str, Callable[[Any], Any]]], upto: str | None = None,
                out=None) -> Any:
     """Run `passes` on function `func` of `module`, through pass `upto` (default: all)."""
     x: Any = module.funcs[func]
-    show = "passes" in debug_flags()
+    flags = debug_flags()
+    show = "passes" in flags
     out = out or sys.stderr
+    verify(with_func(module, x))  # the program as given; each pass's output too with DTM_DEBUG=verify
     for name, fn in passes:
         x = fn(x)
-        if isinstance(x, Func):
+        if isinstance(x, Func) and "verify" in flags:
             verify(with_func(module, x))
         if show:
             print(f"=== pass {name} ===\n{dump(x, module)}", file=out)

@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -325,7 +325,7 @@ class MeshStore:
             return self._direct(r, f"store info {key!r}", lambda: part.info(key))
         return _entry(key, self._request(r, "info", key))
 
-    def _direct(self, r: int, what: str, read):
+    def _direct(self, r: int, what: str, read: Callable[[], Any]) -> Any:
         """`read()` of rank r's part, opened from its directory. A rank that leaves removes its
         part, and may do so while this rank reads it before the Leave notice has arrived:
         the files vanish under the read, which then fails as a corrupt chunk or a missing
@@ -338,7 +338,9 @@ class MeshStore:
             path = os.path.join(self.root, f"rank-{r}")
             if r == self.rank or os.path.isdir(os.path.join(path, "data")):
                 raise
-            self._peer_stores.pop(r).close()
+            gone = self._peer_stores.pop(r, None)  # (another thread's read may have dropped it)
+            if gone is not None:
+                gone.close()
             raise PeerLost(r, what, f"its part {path} was removed under the read (its rank left the mesh)") from None
 
     def _part(self, r: int) -> Store | None:

@@ -25,8 +25,7 @@ from ...ir.dtypes import DTYPES
 from ...ir.module import Func, Module, Op
 from ...ir.registry import REGISTRY, Category
 from ...ir.types import TensorType
-from ...ir.verifier import verify
-from ..irutil import Emitter, with_func
+from ..irutil import Emitter, verify_pass, with_func
 
 
 # An all_reduce of at least this many bytes is not merged: its own call costs a few tens of
@@ -108,7 +107,7 @@ def bucket_all_reduces(module: Module, func: str, cap_bytes: int) -> Module:
         return module
     g = Func(f.name, list(f.params), list(f.result_types), out_ops, list(f.returns), f.loc, f.return_loc)
     out = with_func(module, g)
-    verify(out)
+    verify_pass(out)
     return out
 
 

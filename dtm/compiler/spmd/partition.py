@@ -30,8 +30,7 @@ from ...ir.dtypes import DTYPES
 from ...ir.module import Func, Module, Op, Value
 from ...ir.registry import REGISTRY
 from ...ir.types import Mesh, Sharding, TensorType
-from ...ir.verifier import verify
-from ..irutil import Emitter, with_func
+from ..irutil import Emitter, verify_pass, with_func
 from ...ir.chunks import chunk, coords
 from .layout import local_type
 from .propagate import OpPlan, choose, propagate
@@ -186,7 +185,7 @@ def partition(module: Module, func: str, rank: int, *, devices: int | None = Non
     if not 0 <= rank < mesh.size:
         raise DTMError(E.INVALID_GROUP, f"partition @{func}: rank {rank} is not on {mesh} of {mesh.size} ranks")
     local = _Partitioner(module, g, mesh, rank).run()
-    verify(with_func(module, local))
+    verify_pass(with_func(module, local))
     return local
 
 
