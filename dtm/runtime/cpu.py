@@ -41,6 +41,7 @@ import numpy as np
 from ..backends.cpu import build as B
 from ..backends.cpu.c_move import KIND as _INDEX_KIND
 from ..backends.cpu.passes import compile_func
+from ..compiler.irutil import debug_flags
 from ..compiler.program import Buffer, FallbackStep, KernelStep, MoveStep, Program, writes_into
 from ..errors import DTMError, ErrorCode as E
 from ..ir.module import Module
@@ -63,10 +64,7 @@ _RUNTIME_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}  # 
 
 
 def _debug_level() -> int:
-    text = os.environ.get("DTM_DEBUG")
-    if not text:
-        return 0
-    flags = {s.strip() for s in text.split(",")}
+    flags = debug_flags()
     return 2 if "2" in flags else 1 if "1" in flags else 0
 
 

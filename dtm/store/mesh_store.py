@@ -335,13 +335,17 @@ class MeshStore:
         try:
             return read()
         except DTMError:
-            path = os.path.join(self.root, f"rank-{r}")
+            path = self._part_dir(r)
             if r == self.rank or os.path.isdir(os.path.join(path, "data")):
                 raise
             gone = self._peer_stores.pop(r, None)  # (another thread's read may have dropped it)
             if gone is not None:
                 gone.close()
             raise PeerLost(r, what, f"its part {path} was removed under the read (its rank left the mesh)") from None
+
+    def _part_dir(self, r: int) -> str:
+        """Where rank r's part lives on this machine (its `data` directory is the store)."""
+        return os.path.join(self.root, f"rank-{r}")
 
     def _part(self, r: int) -> Store | None:
         """Rank r's part to read directly: this rank's own, or one on this machine opened
@@ -351,7 +355,7 @@ class MeshStore:
         if not self.share_memory or self.pg.nodes[r] != self.pg.nodes[self.rank]:
             return None
         if r not in self._peer_stores:
-            path = os.path.join(self.root, f"rank-{r}")
+            path = self._part_dir(r)
             if not os.path.isdir(os.path.join(path, "data")):
                 return None  # its service uses another root ($DTM_MESH_STORE differs): ask it
             self._peer_stores[r] = open_local(path)
